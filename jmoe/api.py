@@ -1,0 +1,130 @@
+"""The functional entry point: `fused_moe`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jmoe import oracle
+from jmoe._validate import (check_distinct_ids, check_floating, check_ids_in_range, check_topk)
+from jmoe.config import ParallelConfig, QuantConfig
+from jmoe.modular import ActivationFormat, ExpertWeights, ModularKernel
+from pallas_kernels.activations import Activation, as_activation
+
+
+def _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act: Activation,
+                   num_experts_hint: Optional[int] = None) -> None:
+  if hidden_states.ndim != 2:
+    raise ValueError(f"hidden_states must be [T, H], got shape {hidden_states.shape}")
+  check_floating("hidden_states", hidden_states)
+  if w13.ndim != 3:
+    raise ValueError(f"w13 must be [E, H, 2N] (or [E, H, N] for *_no_mul), got {w13.shape}")
+  if w2.ndim != 3:
+    raise ValueError(f"w2 must be [E, N, H], got shape {w2.shape}")
+  check_floating("w13", w13)
+  check_floating("w2", w2)
+  e, h, w = w13.shape
+  if hidden_states.shape[1] != h:
+    raise ValueError(f"hidden size mismatch: hidden_states has H={hidden_states.shape[1]} but "
+                     f"w13 has H={h} (w13 shape {w13.shape})")
+  if w2.shape[0] != e:
+    raise ValueError(f"expert count mismatch: w13 has E={e}, w2 has E={w2.shape[0]}")
+  if w2.shape[2] != h:
+    raise ValueError(f"w2 must be [E, N, H] with H={h}, got shape {w2.shape}")
+  n = w2.shape[1]
+  want = 2 * n if act.is_gated else n
+  if w != want:
+    raise ValueError(f"w13 last dim must be {want} for activation {act.name!r} with "
+                     f"N={n} (w2.shape[1]), got w13 shape {w13.shape}")
+  if w13_bias is not None and w13_bias.shape != (e, w):
+    raise ValueError(f"w13_bias must have shape {(e, w)}, got {w13_bias.shape}")
+  if w2_bias is not None and w2_bias.shape != (e, h):
+    raise ValueError(f"w2_bias must have shape {(e, h)}, got {w2_bias.shape}")
+
+
+def fused_moe(
+    hidden_states: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    activation: "str | Activation" = "silu",
+    swiglu_alpha: Optional[float] = None,
+    swiglu_limit: Optional[float] = None,
+    w13_bias: Optional[jax.Array] = None,
+    w2_bias: Optional[jax.Array] = None,
+    apply_router_weight_on_input: bool = False,
+    global_num_experts: Optional[int] = None,
+    expert_map: Optional[jax.Array] = None,
+    quant_config: Optional[QuantConfig] = None,
+    runner_backend: str = "auto",
+    a2a_backend: str = "auto",
+    parallel: Optional[ParallelConfig] = None,
+) -> jax.Array:
+  """Run the routed experts of one MoE block.
+
+  Args:
+    hidden_states: [T, H] activations (bf16/f16/f32).
+    w13: [E, H, 2N] gate (`[..., :N]`) and up (`[..., N:]`) projections; [E, H, N] for the
+      non-gated `*_no_mul` activations.
+    w2: [E, N, H] down projection.
+    topk_weights: [T, k] router weights (from `select_experts`).
+    topk_ids: [T, k] int expert ids in global numbering; -1 marks an empty slot.
+    activation: "silu", "gelu", "gelu_tanh", "swigluoai", "silu_no_mul", "gelu_no_mul",
+      "relu2_no_mul" (or an `Activation`). `swiglu_alpha`/`swiglu_limit` tune swigluoai.
+    w13_bias: [E, 2N] (or [E, N]); w2_bias: [E, H].
+    apply_router_weight_on_input: scale the input by the router weight (top_k must be 1).
+    global_num_experts: experts in the whole model (default: len(expert_map) or E).
+    expert_map: [global_E] int, global id -> local id on this device, -1 = not local
+      (those slots contribute nothing).
+    quant_config: weight/activation format (None: unquantized).
+    runner_backend: "auto" (the oracle), "reference", "xla", "xla_batched", "pallas_mosaic".
+    a2a_backend, parallel: expert parallelism over a mesh (see `sharding`).
+
+  Returns:
+    [T, H] in hidden_states' dtype.
+
+  Ids outside [-1, global_num_experts) raise when concrete. Under jit they count as empty
+  slots unless `jmoe.checkify_ids()` is on, which turns them into a checkify error.
+  """
+  act = as_activation(activation, alpha=swiglu_alpha, limit=swiglu_limit)
+  _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act)
+  t = hidden_states.shape[0]
+  k = check_topk(topk_weights, topk_ids, t)
+  e_local = w13.shape[0]
+  if apply_router_weight_on_input and k != 1:
+    raise ValueError(f"apply_router_weight_on_input requires top_k == 1, got top_k={k}")
+  if expert_map is not None:
+    if expert_map.ndim != 1:
+      raise ValueError(f"expert_map must be 1-D [global_E], got shape {expert_map.shape}")
+    if global_num_experts is not None and global_num_experts != expert_map.shape[0]:
+      raise ValueError(f"global_num_experts={global_num_experts} does not match "
+                       f"expert_map length {expert_map.shape[0]}")
+    global_num_experts = expert_map.shape[0]
+  elif global_num_experts is None:
+    global_num_experts = e_local
+  elif parallel is None and global_num_experts != e_local:
+    raise ValueError(f"global_num_experts={global_num_experts} differs from w13's E={e_local} "
+                     "but no expert_map says which experts are local")
+  if k > global_num_experts:
+    raise ValueError(f"top_k={k} exceeds global_num_experts={global_num_experts}")
+  check_ids_in_range(topk_ids, global_num_experts)
+
+  if parallel is not None and parallel.mesh is not None:
+    from sharding import ep_fused_moe  # noqa: PLC0415 (sharding registers into jmoe, not reverse)
+    return ep_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=act,
+                        w13_bias=w13_bias, w2_bias=w2_bias,
+                        apply_router_weight_on_input=apply_router_weight_on_input,
+                        quant_config=quant_config, runner_backend=runner_backend,
+                        a2a_backend=a2a_backend, parallel=parallel)
+
+  pf, experts, _ = oracle.select_backend(runner_backend, a2a_backend, quant=quant_config,
+                                         parallel=None)
+  if pf.activation_format == ActivationFormat.Batched:
+    check_distinct_ids(topk_ids)
+  kernel = ModularKernel(pf, experts, quant_config)
+  weights = ExpertWeights(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
+  return kernel(hidden_states, weights, topk_weights, topk_ids, activation=act,
+                expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input)

@@ -1,0 +1,177 @@
+"""Frozen, validated configuration dataclasses and the benchmark presets.
+
+`MoEConfig` describes one MoE block (router + routed experts + shared experts), `QuantConfig`
+the weight/activation format, `ParallelConfig` the mesh the block is sharded over. All are
+frozen (hashable, so usable as static jit arguments) and validated on creation: a bad value
+raises a ValueError naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from pallas_kernels.activations import ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+RUNNER_BACKENDS = ("auto", "reference", "xla", "xla_batched", "pallas_mosaic")
+A2A_BACKENDS = ("auto", "none", "allgather", "ragged_a2a", "padded_a2a")
+QUANT_FORMATS = (None, "fp8_tensor", "fp8_channel", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "int8")
+
+
+def _positive_int(name: str, value: Any) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices) -> None:
+  """Raise a ValueError naming `name` when `value` is not one of `choices`."""
+  if value not in choices:
+    known = ", ".join(repr(c) for c in choices)
+    raise ValueError(f"{name}={value!r} is not known; known: {known}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+  """Quantization of expert weights and activations. `format=None` means unquantized.
+
+  The formats are declared here so every part can state what it supports; the
+  quantization issue implements them. Until then only `None` runs.
+  """
+
+  format: Optional[str] = None
+  block_shape: Optional[tuple[int, int]] = None  # fp8_block: (128, 128)
+  per_act_token: bool = False
+
+  def __post_init__(self):
+    check_choice("QuantConfig.format", self.format, QUANT_FORMATS)
+
+  @property
+  def is_quantized(self) -> bool:
+    return self.format is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """One MoE block: router, routed experts, shared experts.
+
+  Shapes follow jmoe's convention: w13 [E, H, 2N] (gate | up), w2 [E, N, H].
+  """
+
+  num_experts: int
+  top_k: int
+  hidden_size: int
+  intermediate_size: int
+  activation: str = "silu"
+  swiglu_alpha: float = SWIGLUOAI_ALPHA
+  swiglu_limit: float = SWIGLUOAI_LIMIT
+  scoring_func: str = "softmax"
+  renormalize: bool = True
+  num_expert_group: Optional[int] = None
+  topk_group: Optional[int] = None
+  use_correction_bias: bool = False
+  routed_scaling_factor: float = 1.0
+  expert_bias: bool = False  # w13_bias / w2_bias (gpt-oss)
+  router_bias: bool = False
+  apply_router_weight_on_input: bool = False
+  num_shared_experts: int = 0
+  shared_intermediate_size: Optional[int] = None  # default: intermediate_size * num_shared_experts
+  shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w_gate) scales the shared output
+  fuse_shared_experts: bool = False  # seed 004: shared experts as always-chosen top-k slots
+  runner_backend: str = "auto"
+  dtype: str = "bfloat16"
+
+  def __post_init__(self):
+    for f in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
+      _positive_int(f, getattr(self, f))
+    if self.top_k > self.num_experts:
+      raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+    check_choice("activation", self.activation, ACTIVATIONS)
+    check_choice("scoring_func", self.scoring_func, SCORING_FUNCS)
+    check_choice("runner_backend", self.runner_backend, RUNNER_BACKENDS)
+    if (self.num_expert_group is None) != (self.topk_group is None):
+      raise ValueError("num_expert_group and topk_group must be given together")
+    if self.num_expert_group is not None:
+      _positive_int("num_expert_group", self.num_expert_group)
+      _positive_int("topk_group", self.topk_group)
+      if self.num_experts % self.num_expert_group:
+        raise ValueError(f"num_expert_group={self.num_expert_group} does not divide "
+                         f"num_experts={self.num_experts}")
+      if self.topk_group > self.num_expert_group:
+        raise ValueError(f"topk_group={self.topk_group} exceeds num_expert_group="
+                         f"{self.num_expert_group}")
+    if self.apply_router_weight_on_input and self.top_k != 1:
+      raise ValueError("apply_router_weight_on_input requires top_k == 1, "
+                       f"got top_k={self.top_k}")
+    if not self.routed_scaling_factor > 0:
+      raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+    if self.num_shared_experts < 0:
+      raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+    if self.fuse_shared_experts and self.num_shared_experts == 0:
+      raise ValueError("fuse_shared_experts=True needs num_shared_experts > 0")
+    if self.fuse_shared_experts and self.shared_expert_gate:
+      raise ValueError("fuse_shared_experts cannot express a shared_expert_gate (a per-token "
+                       "sigmoid weight); use the separate shared-expert path")
+
+  @property
+  def act(self) -> Activation:
+    return Activation(self.activation, self.swiglu_alpha, self.swiglu_limit)
+
+  @property
+  def w13_out(self) -> int:
+    """Width of GEMM1's output: 2N for gated activations, N otherwise."""
+    n = self.intermediate_size
+    return 2 * n if self.act.is_gated else n
+
+  @property
+  def shared_size(self) -> int:
+    return self.shared_intermediate_size or self.intermediate_size * self.num_shared_experts
+
+  def replace(self, **kw) -> "MoEConfig":
+    return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+  """How a block is spread over a mesh. Implemented by the expert-parallel issue.
+
+  `mesh` is a jax.sharding.Mesh; `data_axis`/`expert_axis`/`tensor_axis` name its axes
+  (None = not used).
+  """
+
+  mesh: Any = None
+  data_axis: Optional[str] = None
+  expert_axis: Optional[str] = None
+  tensor_axis: Optional[str] = None
+  a2a_backend: str = "auto"
+
+  def __post_init__(self):
+    check_choice("a2a_backend", self.a2a_backend, A2A_BACKENDS)
+    if self.mesh is not None:
+      for name in ("data_axis", "expert_axis", "tensor_axis"):
+        ax = getattr(self, name)
+        if ax is not None and ax not in self.mesh.axis_names:
+          raise ValueError(f"{name}={ax!r} is not an axis of the mesh {self.mesh.axis_names}")
+
+  def axis_size(self, axis: Optional[str]) -> int:
+    if axis is None or self.mesh is None:
+      return 1
+    return int(self.mesh.shape[axis])
+
+
+# Benchmark presets (DESIGN.md). Shapes only: weights are drawn at random.
+PRESETS: dict[str, MoEConfig] = {
+    "mixtral-8x7b": MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336),
+    "qwen3-30b-a3b": MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
+    "deepseek-v3": MoEConfig(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048,
+                             scoring_func="sigmoid", renormalize=True, num_expert_group=8,
+                             topk_group=4, use_correction_bias=True, routed_scaling_factor=2.5,
+                             num_shared_experts=1),
+    "gpt-oss-120b": MoEConfig(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880,
+                              activation="swigluoai", expert_bias=True, router_bias=True),
+}
+PRESET_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+
+def get_preset(name: str) -> MoEConfig:
+  check_choice("preset", name, tuple(PRESETS))
+  return PRESETS[name]

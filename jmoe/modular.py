@@ -1,0 +1,322 @@
+"""The modular MoE kernel: PrepareFinalize -> Experts -> TopKWeightAndReduce.
+
+Names follow vLLM's modular-kernel design so its readers feel at home:
+
+* `PrepareFinalize.prepare` turns `(x, topk_weights, topk_ids)` into an `ExpertsInput` in one of
+  two activation formats — `Standard` (`a [M, H]` with `[M, k]` ids/weights) or `Batched`
+  (`a [E_local, max_tokens, H]` with `expert_num_tokens [E_local]`) — quantizing the input when
+  the experts want it and, in the expert-parallel variants, dispatching across a mesh.
+* `Experts.apply` runs the expert MLPs (permute, GEMM1, activation, GEMM2, unpermute) and may or
+  may not apply the top-k weights and reduce over k itself; it says which through
+  `finalize_weight_and_reduce_impl`.
+* `PrepareFinalize.finalize` combines (across the mesh, for EP) and applies that
+  `TopKWeightAndReduce`.
+
+`ModularKernel(prepare_finalize, experts)` checks at construction that the two fit and raises a
+ValueError naming both when they don't. Calling it is jit-able, and differentiable when the
+parts are.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import Any, Callable, ClassVar, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.config import QuantConfig
+from pallas_kernels.activations import Activation
+
+
+class ActivationFormat(enum.Enum):
+  Standard = "standard"  # a [M, H], topk ids/weights [M, k]
+  Batched = "batched"  # a [E_local, max_tokens, H], expert_num_tokens [E_local]
+
+
+def _pytree_dataclass(cls):
+  """A frozen dataclass registered as a pytree; fields in `meta_fields` are static."""
+  cls = dataclasses.dataclass(frozen=True)(cls)
+  meta = getattr(cls, "meta_fields", ())
+  data = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
+  return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(meta))
+
+
+@_pytree_dataclass
+class ExpertWeights:
+  """Expert weights in jmoe's layout: w13 [E, H, 2N] (gate | up) or [E, H, N] (non-gated),
+  w2 [E, N, H]; optional biases w13_bias [E, 2N], w2_bias [E, H]; optional quantization
+  scales (their layout is the format's; see `jmoe.quant`)."""
+
+  w13: jax.Array
+  w2: jax.Array
+  w13_bias: Optional[jax.Array] = None
+  w2_bias: Optional[jax.Array] = None
+  w13_scale: Optional[jax.Array] = None
+  w2_scale: Optional[jax.Array] = None
+
+  @property
+  def num_experts(self) -> int:
+    return int(self.w13.shape[0])
+
+  @property
+  def hidden_size(self) -> int:
+    return int(self.w13.shape[1])
+
+  @property
+  def intermediate_size(self) -> int:
+    return int(self.w2.shape[1])
+
+
+@_pytree_dataclass
+class ExpertsInput:
+  """What `prepare` hands to the experts.
+
+  Standard: `a` [M, H] (M = tokens this rank computes for), `topk_ids` [M, k] in *global*
+    numbering (experts map them with `expert_map` when they support it), `topk_weights` [M, k]
+    (ones when the router weight was applied on the input).
+  Batched: `a` [E_local, C, H], `expert_num_tokens` [E_local]; `slot_expert`/`slot_pos` [T, k]
+    locate each token slot in the batched layout (slot_pos = -1: not computed here) so that
+    finalize can gather it back; `dropped` counts slots that did not fit the capacity C.
+  `a_scale` carries activation quantization scales when the input was quantized.
+  """
+
+  a: jax.Array
+  topk_weights: jax.Array
+  topk_ids: jax.Array
+  a_scale: Optional[jax.Array] = None
+  expert_num_tokens: Optional[jax.Array] = None
+  slot_expert: Optional[jax.Array] = None
+  slot_pos: Optional[jax.Array] = None
+  dropped: Optional[jax.Array] = None
+  extra: Any = None  # backend-specific state prepare leaves for finalize (EP routing plans)
+  format: ActivationFormat = ActivationFormat.Standard
+  meta_fields: ClassVar[tuple[str, ...]] = ("format",)
+
+
+# --------------------------------------------------------------------------------------------
+# TopKWeightAndReduce
+
+
+class TopKWeightAndReduce(abc.ABC):
+  """Where the top-k weighting and the sum over k happen."""
+
+  name: ClassVar[str]
+
+  @abc.abstractmethod
+  def apply(self, fused_out: jax.Array, inp: ExpertsInput, out_dtype) -> jax.Array:
+    """fused_out (experts' output) -> [T, H]."""
+
+  def __repr__(self):
+    return f"{type(self).__name__}()"
+
+
+class NoOp(TopKWeightAndReduce):
+  """The experts already weighted and reduced: fused_out is [T, H]."""
+
+  name = "noop"
+
+  def apply(self, fused_out, inp, out_dtype):
+    return fused_out.astype(out_dtype)
+
+
+class Contiguous(TopKWeightAndReduce):
+  """fused_out is [T, k, H] per slot: out[t] = sum_j w[t, j] * fused_out[t, j]."""
+
+  name = "contiguous"
+
+  def apply(self, fused_out, inp, out_dtype):
+    w = jnp.where(inp.topk_ids >= 0, inp.topk_weights.astype(jnp.float32), 0.0)
+    return jnp.einsum("tk,tkh->th", w, fused_out.astype(jnp.float32)).astype(out_dtype)
+
+
+class NaiveBatched(TopKWeightAndReduce):
+  """fused_out is [E_local, C, H]: gather each slot's row back and weight-sum (no scatter)."""
+
+  name = "naive_batched"
+
+  def apply(self, fused_out, inp, out_dtype):
+    e, c, h = fused_out.shape
+    valid = inp.slot_pos >= 0
+    flat_idx = jnp.where(valid, inp.slot_expert * c + inp.slot_pos, 0)
+    rows = fused_out.reshape(e * c, h)[flat_idx].astype(jnp.float32)  # [T, k, H]
+    w = jnp.where(valid, inp.topk_weights.astype(jnp.float32), 0.0)
+    return jnp.einsum("tk,tkh->th", w, rows).astype(out_dtype)
+
+
+class Delegate(TopKWeightAndReduce):
+  """The experts don't care: the PrepareFinalize applies its own default."""
+
+  name = "delegate"
+
+  def apply(self, fused_out, inp, out_dtype):
+    raise RuntimeError("Delegate must be resolved by the PrepareFinalize before use")
+
+
+# --------------------------------------------------------------------------------------------
+# PrepareFinalize
+
+
+class PrepareFinalize(abc.ABC):
+  """Moves tokens to experts (`prepare`) and results back (`finalize`)."""
+
+  name: ClassVar[str]
+  activation_format: ClassVar[ActivationFormat]
+  topk_indices_dtype: ClassVar[Any] = jnp.int32
+  default_weight_and_reduce: ClassVar[TopKWeightAndReduce]
+
+  def max_num_tokens_per_rank(self) -> Optional[int]:
+    """Static bound on tokens per rank the layout is built for (None: any)."""
+    return None
+
+  def num_dispatchers(self) -> int:
+    """How many ranks send tokens to each expert-owning rank."""
+    return 1
+
+  def supports_quant(self, quant: Optional[QuantConfig]) -> bool:
+    """Whether prepare can quantize the input into this format."""
+    return quant is None or not quant.is_quantized
+
+  @abc.abstractmethod
+  def prepare(self, x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, *,
+              num_local_experts: int, expert_map: Optional[jax.Array],
+              apply_router_weight_on_input: bool,
+              quant: Optional[QuantConfig]) -> ExpertsInput:
+    """x [T, H], topk [T, k] -> ExpertsInput in `activation_format`."""
+
+  def prepare_async(self, *args, **kwargs) -> Callable[[], ExpertsInput]:
+    """Start the dispatch and return a receiver; work placed between the two overlaps it.
+
+    Local variants have nothing to overlap: the receiver returns the prepared input.
+    """
+    prepared = self.prepare(*args, **kwargs)
+    return lambda: prepared
+
+  def finalize(self, fused_out: jax.Array, inp: ExpertsInput,
+               weight_and_reduce: TopKWeightAndReduce, out_dtype) -> jax.Array:
+    """Apply the weight-and-reduce (and, for EP, combine across the mesh) -> [T, H]."""
+    if isinstance(weight_and_reduce, Delegate):
+      weight_and_reduce = self.default_weight_and_reduce
+    return weight_and_reduce.apply(fused_out, inp, out_dtype)
+
+  def __repr__(self):
+    return f"{type(self).__name__}()"
+
+
+# --------------------------------------------------------------------------------------------
+# Experts
+
+
+class Experts(abc.ABC):
+  """The expert MLPs: permute -> GEMM1 -> act(+mul) -> [quant] -> GEMM2 -> unpermute."""
+
+  name: ClassVar[str]
+  activation_formats: ClassVar[tuple[ActivationFormat, ActivationFormat]]
+  supports_expert_map: ClassVar[bool] = True
+  differentiable: ClassVar[bool] = True
+
+  def supports_quant(self, quant: Optional[QuantConfig]) -> bool:
+    return quant is None or not quant.is_quantized
+
+  def supports_activation(self, activation: Activation) -> bool:
+    return True
+
+  @classmethod
+  def is_available(cls) -> tuple[bool, str]:
+    """Whether this backend can run on the current platform, and why not."""
+    return True, "pure JAX: runs everywhere"
+
+  @abc.abstractmethod
+  def finalize_weight_and_reduce_impl(self) -> TopKWeightAndReduce:
+    """What finalize must still do with `apply`'s output."""
+
+  @abc.abstractmethod
+  def apply(self, inp: ExpertsInput, weights: ExpertWeights, *, activation: Activation,
+            expert_map: Optional[jax.Array], out_dtype) -> jax.Array:
+    """Run the experts on `inp`; the result's layout matches finalize_weight_and_reduce_impl."""
+
+  def workspace_shapes(self, inp: ExpertsInput, weights: ExpertWeights, out_dtype
+                       ) -> jax.ShapeDtypeStruct:
+    """Static shape/dtype of `apply`'s output (for donation / output aliasing)."""
+    return jax.eval_shape(
+        lambda i, w: self.apply(i, w, activation=Activation("silu"), expert_map=None,
+                                out_dtype=out_dtype), inp, weights)
+
+  def __repr__(self):
+    return f"{type(self).__name__}()"
+
+
+def local_expert_ids(topk_ids: jax.Array, num_local_experts: int,
+                     expert_map: Optional[jax.Array]) -> jax.Array:
+  """Global ids -> local ids in [0, E_local), or E_local (a sentinel) for slots this rank does
+  not compute: empty (-1), not local (expert_map -1) or out of range."""
+  ids = topk_ids.astype(jnp.int32)
+  if expert_map is not None:
+    n_global = expert_map.shape[0]
+    ok = (ids >= 0) & (ids < n_global)
+    ids = jnp.where(ok, expert_map.astype(jnp.int32)[jnp.clip(ids, 0, n_global - 1)], -1)
+  valid = (ids >= 0) & (ids < num_local_experts)
+  return jnp.where(valid, ids, num_local_experts)
+
+
+# --------------------------------------------------------------------------------------------
+# ModularKernel
+
+
+class IncompatiblePartsError(ValueError):
+  """A PrepareFinalize and an Experts that cannot work together."""
+
+
+def compatibility(pf: PrepareFinalize, experts: Experts,
+                  quant: Optional[QuantConfig] = None) -> Optional[str]:
+  """None when the pair fits, else the reason it does not."""
+  if pf.activation_format != experts.activation_formats[0]:
+    return (f"{pf!r} produces the {pf.activation_format.value} format but {experts!r} takes "
+            f"{experts.activation_formats[0].value}")
+  if not pf.supports_quant(quant):
+    return f"{pf!r} cannot quantize the input to {quant}"
+  if not experts.supports_quant(quant):
+    return f"{experts!r} does not support quantization {quant}"
+  return None
+
+
+class ModularKernel:
+  """prepare -> experts -> finalize, checked for compatibility at construction."""
+
+  def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts,
+               quant: Optional[QuantConfig] = None):
+    reason = compatibility(prepare_finalize, experts, quant)
+    if reason is not None:
+      raise IncompatiblePartsError(
+          f"{prepare_finalize!r} and {experts!r} cannot be combined: {reason}")
+    self.prepare_finalize = prepare_finalize
+    self.experts = experts
+    self.quant = quant
+
+  def __repr__(self):
+    return f"ModularKernel({self.prepare_finalize!r}, {self.experts!r})"
+
+  def __call__(self, x: jax.Array, weights: ExpertWeights, topk_weights: jax.Array,
+               topk_ids: jax.Array, *, activation: Activation,
+               expert_map: Optional[jax.Array] = None,
+               apply_router_weight_on_input: bool = False,
+               shared_output: Optional[Callable[[], jax.Array]] = None) -> jax.Array:
+    """x [T, H] -> [T, H]. `shared_output`, if given, is computed between dispatch send and
+    receive (overlap for the EP variants) and added to the result."""
+    pf, experts = self.prepare_finalize, self.experts
+    if expert_map is not None and pf.activation_format == ActivationFormat.Standard \
+        and not experts.supports_expert_map:
+      raise IncompatiblePartsError(f"{experts!r} does not support expert_map (with {pf!r})")
+    receive = pf.prepare_async(
+        x, topk_weights, topk_ids, num_local_experts=weights.num_experts,
+        expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
+        quant=self.quant)
+    shared = shared_output() if shared_output is not None else None
+    inp = receive()
+    fused = experts.apply(inp, weights, activation=activation, expert_map=expert_map,
+                          out_dtype=x.dtype)
+    out = pf.finalize(fused, inp, experts.finalize_weight_and_reduce_impl(), x.dtype)
+    if shared is not None:
+      out = (out.astype(jnp.float32) + shared.astype(jnp.float32)).astype(x.dtype)
+    return out

@@ -1,0 +1,114 @@
+"""Backend selection: which PrepareFinalize and which Experts run a given MoE call.
+
+`select_backend` returns `(prepare_finalize, experts, reason)`. Every choice can be forced:
+by argument (`runner_backend=`, `a2a_backend=`, like SGLang's `--moe-runner-backend` /
+`--moe-a2a-backend`) or by the environment (`JMOE_RUNNER_BACKEND`, `JMOE_A2A_BACKEND`); an
+explicit argument wins over the environment, which wins over "auto".
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Optional
+
+import jax
+
+from jmoe import registry
+from jmoe.config import A2A_BACKENDS, RUNNER_BACKENDS, ParallelConfig, QuantConfig, check_choice
+from jmoe.modular import ActivationFormat, Experts, PrepareFinalize, compatibility
+
+log = logging.getLogger("jmoe.oracle")
+
+
+@functools.lru_cache(maxsize=None)
+def platform_info() -> tuple[str, Optional[tuple[int, int]], str]:
+  """(platform, compute capability or None, device kind) of the default device."""
+  dev = jax.devices()[0]
+  cc = None
+  raw = getattr(dev, "compute_capability", None)
+  if raw:
+    try:
+      major, minor = str(raw).split(".")[:2]
+      cc = (int(major), int(minor))
+    except ValueError:
+      cc = None
+  return dev.platform, cc, getattr(dev, "device_kind", "")
+
+
+def _resolve(name: str, arg: str, env: str, choices) -> tuple[str, str]:
+  check_choice(name, arg, choices)
+  if arg != "auto":
+    return arg, f"{name}={arg!r} forced by argument"
+  env_val = os.environ.get(env)
+  if env_val:
+    check_choice(f"{env} (environment)", env_val, choices)
+    if env_val != "auto":
+      return env_val, f"{name}={env_val!r} forced by ${env}"
+  return "auto", ""
+
+
+def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat]) -> tuple[str, str]:
+  platform, cc, kind = platform_info()
+  fam = registry.RUNNERS.get("pallas_mosaic")
+  if platform == "gpu" and cc is not None and cc[0] == 9 and fam:
+    cls = fam.get(fmt or ActivationFormat.Standard)
+    if cls is not None:
+      ok, why = cls.is_available()
+      if ok and cls().supports_quant(quant):
+        return "pallas_mosaic", f"sm{cc[0]}{cc[1]} GPU ({kind}): Pallas Mosaic GPU grouped GEMM"
+      return "xla", f"Pallas Mosaic GPU unavailable ({why}): XLA ragged_dot"
+  if platform == "gpu":
+    where = f"sm{cc[0]}{cc[1]}" if cc else "unknown compute capability"
+    return "xla", f"GPU {kind} ({where}) is not Hopper: XLA ragged_dot fallback"
+  return "xla", f"platform={platform}: no GPU kernels, XLA ragged_dot"
+
+
+def select_backend(runner_backend: str = "auto", a2a_backend: str = "auto", *,
+                   quant: Optional[QuantConfig] = None,
+                   parallel: Optional[ParallelConfig] = None
+                   ) -> tuple[PrepareFinalize, Experts, str]:
+  """Choose the parts for one call. Returns (prepare_finalize, experts, reason)."""
+  runner, runner_why = _resolve("runner_backend", runner_backend, "JMOE_RUNNER_BACKEND",
+                                RUNNER_BACKENDS)
+  a2a, a2a_why = _resolve("a2a_backend", a2a_backend, "JMOE_A2A_BACKEND", A2A_BACKENDS)
+
+  ep_size = parallel.axis_size(parallel.expert_axis) if parallel is not None else 1
+  if a2a == "auto":
+    if parallel is None or parallel.mesh is None:
+      a2a, a2a_why = "none", "no mesh: no expert parallelism"
+    elif parallel.a2a_backend != "auto":
+      a2a, a2a_why = parallel.a2a_backend, f"a2a_backend={parallel.a2a_backend!r} from ParallelConfig"
+    elif ep_size == 1 and parallel.axis_size(parallel.tensor_axis) == 1:
+      a2a, a2a_why = "none", "expert axis of size 1"
+    else:
+      a2a, a2a_why = "allgather", "default EP dispatch: all-gather / reduce-scatter"
+  backend = registry.A2A_BACKENDS.get(a2a)
+  if backend is None:
+    raise ValueError(f"a2a_backend={a2a!r} is not available (registered: "
+                     f"{', '.join(registry.A2A_BACKENDS)})")
+  if backend.needs_mesh and (parallel is None or parallel.mesh is None):
+    raise ValueError(f"a2a_backend={a2a!r} needs parallel=ParallelConfig(mesh=...)")
+
+  if runner == "auto":
+    fmts = list(backend.by_format)
+    runner, runner_why = _auto_runner(quant, fmts[0] if len(fmts) == 1 else None)
+  family = registry.RUNNERS.get(runner)
+  if not family:
+    raise ValueError(f"runner_backend={runner!r} is not available here (registered: "
+                     f"{', '.join(registry.RUNNERS)})")
+  for fmt, pf_factory in backend.by_format.items():
+    experts_cls = family.get(fmt)
+    if experts_cls is None:
+      continue
+    ok, why = experts_cls.is_available()
+    if not ok:
+      raise ValueError(f"runner_backend={runner!r} cannot run here: {why}")
+    pf, experts = pf_factory(parallel), experts_cls()
+    reason = compatibility(pf, experts, quant)
+    if reason is None:
+      why = "; ".join(w for w in (runner_why, a2a_why) if w)
+      log.debug("jmoe oracle: %r + %r (%s)", pf, experts, why)
+      return pf, experts, why
+  raise ValueError(f"runner_backend={runner!r} has no experts for a2a_backend={a2a!r} "
+                   f"(formats {[f.value for f in backend.by_format]}) with quant={quant}")

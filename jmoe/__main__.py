@@ -1,0 +1,5 @@
+import sys
+
+from jmoe.cli import main
+
+sys.exit(main())

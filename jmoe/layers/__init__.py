@@ -1,0 +1,4 @@
+"""Flax layers."""
+from jmoe.layers.moe import MoE
+
+__all__ = ["MoE"]

@@ -15,12 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+try:  # public in jax 0.10; guard against its removal from jax.core
+  from jax.core import Tracer as _Tracer
+except ImportError:  # pragma: no cover
+  from jax._src.core import Tracer as _Tracer
+
 _state = threading.local()
 
 
 def is_concrete(x) -> bool:
   """True when `x` holds values now (not a tracer under jit/grad/vmap)."""
-  return not isinstance(x, jax.core.Tracer)
+  return not isinstance(x, _Tracer)
 
 
 def checkify_enabled() -> bool:

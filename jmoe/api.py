@@ -121,7 +121,7 @@ def fused_moe(
                         a2a_backend=a2a_backend, parallel=parallel)
 
   pf, experts, _ = oracle.select_backend(runner_backend, a2a_backend, quant=quant_config,
-                                         parallel=None)
+                                         parallel=None, dtype=hidden_states.dtype)
   if pf.activation_format == ActivationFormat.Batched:
     check_distinct_ids(topk_ids)
   kernel = ModularKernel(pf, experts, quant_config)

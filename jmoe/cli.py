@@ -87,7 +87,7 @@ def compatibility_matrix():
       ok, why = cls.is_available()
       reason = compatibility(pf, cls())
       if reason is None:
-        row.append("ok" if ok else f"ok (not here: {why})")
+        row.append("ok" if ok else "ok (unavailable here)")
       elif pf.activation_format != cls.activation_formats[0]:
         row.append(f"✗ {pf.activation_format.value} ≠ {cls.activation_formats[0].value}")
       else:
@@ -113,6 +113,9 @@ def cmd_check(args) -> int:
     table.add_row(label, *[("[green]" if c.startswith("ok") else "[red]") + c + "[/]"
                            for c in row])
   console.print(table)
+  for cls in experts:
+    ok, why = cls.is_available()
+    console.print(f"  {cls.name}: {'available' if ok else 'unavailable'} — {why}")
   from jmoe.oracle import select_backend  # noqa: PLC0415
   pf, ex, why = select_backend()
   console.print(f"oracle default here: {pf!r} + {ex!r} — {why}")

@@ -222,6 +222,10 @@ class Experts(abc.ABC):
   def supports_activation(self, activation: Activation) -> bool:
     return True
 
+  def supports_dtype(self, dtype) -> bool:
+    """Whether `apply` takes activations/weights of this dtype."""
+    return True
+
   @classmethod
   def is_available(cls) -> tuple[bool, str]:
     """Whether this backend can run on the current platform, and why not."""

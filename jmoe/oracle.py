@@ -48,13 +48,16 @@ def _resolve(name: str, arg: str, env: str, choices) -> tuple[str, str]:
   return "auto", ""
 
 
-def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat]) -> tuple[str, str]:
+def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
+                 dtype=None) -> tuple[str, str]:
   platform, cc, kind = platform_info()
   fam = registry.RUNNERS.get("pallas_mosaic")
   if platform == "gpu" and cc is not None and cc[0] == 9 and fam:
     cls = fam.get(fmt or ActivationFormat.Standard)
     if cls is not None:
       ok, why = cls.is_available()
+      if ok and dtype is not None and not cls().supports_dtype(dtype):
+        return "xla", f"{jax.numpy.dtype(dtype).name} input: the Pallas kernels take bf16/f16"
       if ok and cls().supports_quant(quant):
         return "pallas_mosaic", f"sm{cc[0]}{cc[1]} GPU ({kind}): Pallas Mosaic GPU grouped GEMM"
       return "xla", f"Pallas Mosaic GPU unavailable ({why}): XLA ragged_dot"
@@ -66,9 +69,11 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat]) 
 
 def select_backend(runner_backend: str = "auto", a2a_backend: str = "auto", *,
                    quant: Optional[QuantConfig] = None,
-                   parallel: Optional[ParallelConfig] = None
+                   parallel: Optional[ParallelConfig] = None, dtype=None
                    ) -> tuple[PrepareFinalize, Experts, str]:
-  """Choose the parts for one call. Returns (prepare_finalize, experts, reason)."""
+  """Choose the parts for one call (`dtype`: of the activations, if known).
+
+  Returns (prepare_finalize, experts, reason)."""
   runner, runner_why = _resolve("runner_backend", runner_backend, "JMOE_RUNNER_BACKEND",
                                 RUNNER_BACKENDS)
   a2a, a2a_why = _resolve("a2a_backend", a2a_backend, "JMOE_A2A_BACKEND", A2A_BACKENDS)
@@ -92,7 +97,7 @@ def select_backend(runner_backend: str = "auto", a2a_backend: str = "auto", *,
 
   if runner == "auto":
     fmts = list(backend.by_format)
-    runner, runner_why = _auto_runner(quant, fmts[0] if len(fmts) == 1 else None)
+    runner, runner_why = _auto_runner(quant, fmts[0] if len(fmts) == 1 else None, dtype)
   family = registry.RUNNERS.get(runner)
   if not family:
     raise ValueError(f"runner_backend={runner!r} is not available here (registered: "

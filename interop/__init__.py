@@ -1,0 +1,11 @@
+"""Bridges between jmoe and PyTorch.
+
+`interop.hf`: converters from Hugging Face transformers MoE blocks and checkpoints
+(`from_hf_state_dict`, `from_hf_module`, `config_from_hf`). Importing this package does not
+import torch; the converters import it lazily, only to read torch tensors.
+"""
+from interop.hf import (MODEL_TYPES, config_from_hf, from_hf_module, from_hf_state_dict,
+                        moe_layer_prefixes, to_hf_state_dict)
+
+__all__ = ["MODEL_TYPES", "config_from_hf", "from_hf_module", "from_hf_state_dict",
+           "moe_layer_prefixes", "to_hf_state_dict"]

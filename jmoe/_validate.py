@@ -2,7 +2,8 @@
 
 Every check raises before any kernel runs and names the offending argument. Value checks
 (ids in range) run only when the values are concrete; under `jit` out-of-range ids are
-treated as empty slots unless the checkify mode is on (see `checkify_ids`).
+treated as empty slots unless the caller runs the function under `checkify` (see
+`checkify_ids`).
 """
 from __future__ import annotations
 
@@ -29,21 +30,24 @@ def is_concrete(x) -> bool:
 
 
 def checkify_enabled() -> bool:
-  return getattr(_state, "checkify", os.environ.get("JMOE_CHECKIFY", "0") == "1")
+  return getattr(_state, "checkify", os.environ.get("JMOE_CHECKIFY", "1") != "0")
 
 
 @contextlib.contextmanager
 def checkify_ids(enabled: bool = True):
-  """Turn out-of-range `topk_ids` under jit into a checkify error.
+  """The checkify mode: out-of-range `topk_ids` under jit become a checkify error.
 
-  Inside this context `fused_moe` emits `checkify.check`s, so the caller must wrap the
-  function with `jax.experimental.checkify.checkify` and call `.throw()` on the error::
+  Traced ids get a `checkify.debug_check`: a no-op in a plain `jit` (the slot is then empty),
+  an error when the caller wraps the function with `jax.experimental.checkify.checkify`::
 
       with jmoe.checkify_ids():
         err, out = checkify.checkify(jax.jit(f))(x, ...)
       err.throw()
 
-  `JMOE_CHECKIFY=1` turns it on for the whole process.
+  The check is recorded whether or not this context is active (so a `jit` cache entry traced
+  outside it still carries the check, and one traced inside it still runs without checkify);
+  the context documents the intent and, with `enabled=False`, leaves the check out of traces
+  made inside it. `JMOE_CHECKIFY=0` leaves it out for the whole process.
   """
   old = getattr(_state, "checkify", None)
   _state.checkify = enabled
@@ -57,9 +61,9 @@ def checkify_ids(enabled: bool = True):
 
 
 def check_floating(name: str, x) -> None:
-  if not jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
-                        jnp.floating):
-    raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+  dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
 
 
 def check_topk(topk_weights, topk_ids, num_tokens: int) -> int:
@@ -76,7 +80,7 @@ def check_topk(topk_weights, topk_ids, num_tokens: int) -> int:
 
 
 def check_ids_in_range(topk_ids, num_experts: int, *, argname: str = "topk_ids") -> None:
-  """Eager range check (-1 allowed as the empty slot); a checkify check when enabled."""
+  """Eager range check (-1 allowed as the empty slot); a checkify debug check when traced."""
   if is_concrete(topk_ids):
     ids = np.asarray(topk_ids)
     bad = (ids < -1) | (ids >= num_experts)
@@ -84,8 +88,22 @@ def check_ids_in_range(topk_ids, num_experts: int, *, argname: str = "topk_ids")
       raise ValueError(f"{argname} holds ids outside [-1, {num_experts}): e.g. "
                        f"{ids[bad][:5].tolist()} (global_num_experts={num_experts})")
   elif checkify_enabled():
-    checkify.check(jnp.all((topk_ids >= -1) & (topk_ids < num_experts)),
-                   f"{argname} holds ids outside [-1, {num_experts})")
+    checkify.debug_check(jnp.all((topk_ids >= -1) & (topk_ids < num_experts)),
+                         f"{argname} holds ids outside [-1, {num_experts})")
+
+
+def check_expert_map(expert_map, num_local_experts: int) -> None:
+  """expert_map [global_E]: integer local ids in [0, E_local), or -1 for not local."""
+  if expert_map.ndim != 1:
+    raise ValueError(f"expert_map must be 1-D [global_E], got shape {expert_map.shape}")
+  if not jnp.issubdtype(expert_map.dtype, jnp.integer):
+    raise TypeError(f"expert_map must be an integer array, got {expert_map.dtype}")
+  if is_concrete(expert_map):
+    m = np.asarray(expert_map)
+    bad = (m < -1) | (m >= num_local_experts)
+    if bad.any():
+      raise ValueError(f"expert_map holds local ids outside [-1, {num_local_experts}): e.g. "
+                       f"{m[bad][:5].tolist()} (w13 holds {num_local_experts} local experts)")
 
 
 def check_distinct_ids(topk_ids) -> None:

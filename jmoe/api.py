@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from jmoe import oracle
-from jmoe._validate import (check_distinct_ids, check_floating, check_ids_in_range, check_topk)
+from jmoe._validate import (check_distinct_ids, check_expert_map, check_floating,
+                            check_ids_in_range, check_topk)
 from jmoe.config import ParallelConfig, QuantConfig
 from jmoe.modular import ActivationFormat, ExpertWeights, ModularKernel
 from pallas_kernels.activations import Activation, as_activation
@@ -87,7 +88,8 @@ def fused_moe(
     [T, H] in hidden_states' dtype.
 
   Ids outside [-1, global_num_experts) raise when concrete. Under jit they count as empty
-  slots unless `jmoe.checkify_ids()` is on, which turns them into a checkify error.
+  slots unless the call runs under `jax.experimental.checkify.checkify` (the checkify mode,
+  see `jmoe.checkify_ids`), which turns them into a checkify error.
   """
   act = as_activation(activation, alpha=swiglu_alpha, limit=swiglu_limit)
   _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act)
@@ -97,8 +99,7 @@ def fused_moe(
   if apply_router_weight_on_input and k != 1:
     raise ValueError(f"apply_router_weight_on_input requires top_k == 1, got top_k={k}")
   if expert_map is not None:
-    if expert_map.ndim != 1:
-      raise ValueError(f"expert_map must be 1-D [global_E], got shape {expert_map.shape}")
+    check_expert_map(expert_map, e_local)
     if global_num_experts is not None and global_num_experts != expert_map.shape[0]:
       raise ValueError(f"global_num_experts={global_num_experts} does not match "
                        f"expert_map length {expert_map.shape[0]}")

@@ -8,13 +8,18 @@ raises a ValueError naming the field.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Optional
+
+import jax.numpy as jnp
 
 from pallas_kernels.activations import ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 RUNNER_BACKENDS = ("auto", "reference", "xla", "xla_batched", "pallas_mosaic")
 A2A_BACKENDS = ("auto", "none", "allgather", "ragged_a2a", "padded_a2a")
+EXPERT_PLACEMENTS = ("linear", "round_robin")
 QUANT_FORMATS = (None, "fp8_tensor", "fp8_channel", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "int8")
 
 
@@ -102,15 +107,39 @@ class MoEConfig:
     if self.apply_router_weight_on_input and self.top_k != 1:
       raise ValueError("apply_router_weight_on_input requires top_k == 1, "
                        f"got top_k={self.top_k}")
-    if not self.routed_scaling_factor > 0:
-      raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
-    if self.num_shared_experts < 0:
-      raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+    if not (isinstance(self.routed_scaling_factor, numbers.Real)
+            and math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+      raise ValueError("routed_scaling_factor must be a finite number > 0, got "
+                       f"{self.routed_scaling_factor!r}")
+    if not isinstance(self.num_shared_experts, int) or isinstance(self.num_shared_experts, bool) \
+        or self.num_shared_experts < 0:
+      raise ValueError(f"num_shared_experts must be an int >= 0, got {self.num_shared_experts!r}")
+    try:
+      floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(f"dtype={self.dtype!r} is not a floating-point dtype")
     if self.fuse_shared_experts and self.num_shared_experts == 0:
       raise ValueError("fuse_shared_experts=True needs num_shared_experts > 0")
     if self.fuse_shared_experts and self.shared_expert_gate:
       raise ValueError("fuse_shared_experts cannot express a shared_expert_gate (a per-token "
                        "sigmoid weight); use the separate shared-expert path")
+    if self.fuse_shared_experts and self.apply_router_weight_on_input:
+      raise ValueError("fuse_shared_experts cannot be combined with apply_router_weight_on_input "
+                       "(the fused slots make top_k > 1, and the shared experts must see the "
+                       "unscaled input); use the separate shared-expert path")
+    if self.shared_intermediate_size is not None:
+      _positive_int("shared_intermediate_size", self.shared_intermediate_size)
+      if self.fuse_shared_experts and \
+          self.shared_intermediate_size != self.num_shared_experts * self.intermediate_size:
+        raise ValueError(f"fuse_shared_experts needs shared_intermediate_size="
+                         f"{self.shared_intermediate_size} == num_shared_experts * "
+                         f"intermediate_size = {self.num_shared_experts * self.intermediate_size}")
+    if self.fuse_shared_experts and self.apply_router_weight_on_input:
+      raise ValueError("fuse_shared_experts cannot be combined with apply_router_weight_on_input "
+                       "(Llama 4): the shared slots would make top_k > 1; use the separate "
+                       "shared-expert path")
 
   @property
   def act(self) -> Activation:
@@ -143,9 +172,19 @@ class ParallelConfig:
   expert_axis: Optional[str] = None
   tensor_axis: Optional[str] = None
   a2a_backend: str = "auto"
+  # Which expert-axis rank holds which expert: "linear" (rank r: [r*El, (r+1)*El)) or
+  # "round_robin" (rank r: r, r+ep, ...). Weights are passed in physical order
+  # (`sharding.place_weights`).
+  expert_placement: str = "linear"
+  # padded_a2a: rows per (destination rank, local expert) from each source rank.
+  # None = dropless (tokens per rank); smaller values drop overflow and count it.
+  dispatch_capacity: Optional[int] = None
 
   def __post_init__(self):
     check_choice("a2a_backend", self.a2a_backend, A2A_BACKENDS)
+    check_choice("expert_placement", self.expert_placement, EXPERT_PLACEMENTS)
+    if self.dispatch_capacity is not None:
+      _positive_int("dispatch_capacity", self.dispatch_capacity)
     if self.mesh is not None:
       for name in ("data_axis", "expert_axis", "tensor_axis"):
         ax = getattr(self, name)

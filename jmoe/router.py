@@ -6,6 +6,7 @@ the weights already include `routed_scaling_factor`.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Optional
 
 import jax
@@ -73,8 +74,9 @@ def _check_routing_args(hidden_states, router_logits, top_k, scoring_func, num_e
   if e_score_correction_bias is not None and e_score_correction_bias.shape != (e,):
     raise ValueError(f"e_score_correction_bias must have shape ({e},), got "
                      f"{e_score_correction_bias.shape}")
-  if not (isinstance(routed_scaling_factor, (int, float)) and math.isfinite(routed_scaling_factor)
-          and routed_scaling_factor > 0):
+  if not (isinstance(routed_scaling_factor, numbers.Real)
+          and not isinstance(routed_scaling_factor, bool)
+          and math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
     raise ValueError(f"routed_scaling_factor must be a finite number > 0, got "
                      f"{routed_scaling_factor!r}")
   if is_concrete(router_logits) and not bool(jnp.all(jnp.isfinite(router_logits))):

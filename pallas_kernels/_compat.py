@@ -41,9 +41,24 @@ def _kernel_out_kw() -> str:
 _OUT_KW = _kernel_out_kw()
 
 
-def kernel(body, *, out_type, scratch_types=None, interpret: Any = None, **kw):
-  """``plgpu.kernel`` with the version's spelling of the output-type keyword."""
+def _mesh_has_kernel_name() -> bool:
+  try:
+    import dataclasses as _dc
+    return "kernel_name" in {f.name for f in _dc.fields(plgpu.Mesh)}
+  except Exception:  # pragma: no cover
+    return False
+
+
+_HAS_KERNEL_NAME = _mesh_has_kernel_name()
+
+
+def kernel(body, *, out_type, scratch_types=None, interpret: Any = None, name: str | None = None,
+           **kw):
+  """``plgpu.kernel`` with the version's spelling of the output-type keyword (and the kernel
+  name where the version supports naming it)."""
   kwargs = dict(kw)
+  if name is not None and _HAS_KERNEL_NAME:
+    kwargs["kernel_name"] = name
   kwargs[_OUT_KW] = out_type
   if scratch_types is not None:
     kwargs["scratch_types" if "scratch_types" in inspect.signature(plgpu.kernel).parameters

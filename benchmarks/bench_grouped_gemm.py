@@ -1,0 +1,524 @@
+"""GPU benchmark + correctness check of the Pallas Mosaic GPU grouped GEMM MoE block.
+
+Run on the H200 (device tool):
+  PYTHONPATH=$PWD python3 benchmarks/bench_grouped_gemm.py --stages variants,permute,block \
+      --presets mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 --tokens 1,64,1024,16384
+
+Stages:
+  variants  compile + check each kernel variant on a mid-size ragged problem (try/except each)
+  permute   moe_align / gather_sum device time (CUPTI)
+  block     the MoE expert block (permute, GEMM1+act, GEMM2 x router weight, gather-sum) per
+            preset x tokens: check vs a per-slot f32 XLA reference, CUPTI device time, the
+            torch._grouped_mm peer (CUDA-graph replay), weight-streaming floor
+  sweep     time GEMM1 / GEMM2 alone over candidate configs (--sweep-presets, --sweep-tokens)
+Writes $OUT/bench.json (all numbers), $OUT/errors.txt (tracebacks); prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels import grouped_gemm as gg  # noqa: E402
+from pallas_kernels import moe as pmoe  # noqa: E402
+from pallas_kernels import permute as perm  # noqa: E402
+from pallas_kernels.grouped_gemm import GroupedGemmConfig as C  # noqa: E402
+
+PRESETS = {
+    "mixtral-8x7b": dict(E=8, k=2, H=4096, N=14336),
+    "qwen3-30b-a3b": dict(E=128, k=8, H=2048, N=768),
+    "deepseek-v3": dict(E=256, k=8, H=7168, N=2048),
+    "tiny": dict(E=4, k=2, H=256, N=128),  # CPU smoke test of this script (--interpret)
+}
+INTERPRET = False
+TUNED: dict = {}  # (preset, T) -> {"gemm1": (cfg, us), "gemm2": (cfg, us)} from the sweep stage
+BW = 4.30e12  # copy bandwidth measured on this H200 (read + write), peers-h200.md
+OUT = os.environ.get("OUT", "/tmp/bench_out")
+os.makedirs(OUT, exist_ok=True)
+ERR = open(os.path.join(OUT, "errors.txt"), "a")
+RESULTS: dict = {"meta": {}, "variants": [], "permute": [], "block": [], "sweep": []}
+T0 = time.time()
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+def err(where, e):
+  ERR.write(f"==== {where}\n{traceback.format_exc()}\n")
+  ERR.flush()
+  log(f"[ERR] {where}: {type(e).__name__}: {str(e)[:300]}")
+
+
+def save():
+  with open(os.path.join(OUT, "bench.json"), "w") as f:
+    json.dump(RESULTS, f, indent=1, default=str)
+
+
+# ----------------------------------------------------------------------------- timing
+
+def cupti_times(f, arg_sets, iters=5):
+  """Median CUPTI device time (µs) of f over rotating arg sets; also per-kernel breakdown."""
+  if INTERPRET:
+    return wall_times(f, arg_sets, iters=1), [], {}
+  from jax.experimental.mosaic.gpu import profiler
+  times, per_kernel = [], {}
+  for args in arg_sets:  # warm-up / compile
+    jax.block_until_ready(f(*args))
+  for _ in range(iters):
+    for args in arg_sets:
+      out, kt = profiler.measure(f, aggregate=False)(*args)
+      jax.block_until_ready(out)
+      if kt is None:
+        continue
+      times.append(sum(t for _, t in kt) * 1e3)
+      for name, t in kt:
+        per_kernel.setdefault(name, []).append(t * 1e3)
+  med = statistics.median(times) if times else float("nan")
+  pk = {k[:60]: statistics.median(v) for k, v in per_kernel.items()}
+  return med, times, pk
+
+
+def wall_times(f, arg_sets, iters=20):
+  for args in arg_sets:
+    jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(iters):
+    for args in arg_sets:
+      t = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      ts.append((time.perf_counter() - t) * 1e6)
+  return statistics.median(ts)
+
+
+# ----------------------------------------------------------------------------- problems
+
+def make_weights(p, key, dtype=jnp.bfloat16):
+  E, H, N = p["E"], p["H"], p["N"]
+  k1, k2 = jax.random.split(key)
+  w13 = (jax.random.normal(k1, (E, H, 2 * N), jnp.float32) * (H ** -0.5)).astype(dtype)
+  w2 = (jax.random.normal(k2, (E, N, H), jnp.float32) * (N ** -0.5)).astype(dtype)
+  return w13, w2
+
+
+def make_inputs(p, T, key, dtype=jnp.bfloat16):
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (T, p["H"]), jnp.float32).astype(dtype)
+  logits = jax.random.normal(k2, (T, p["E"]), jnp.float32)
+  w, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), p["k"])
+  w = w / jnp.sum(w, axis=-1, keepdims=True)
+  return x, w.astype(jnp.float32), ids.astype(jnp.int32)
+
+
+def rel_err(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  if not np.all(np.isfinite(a)):
+    return float("inf")
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ----------------------------------------------------------------------------- stages
+
+VARIANTS = {
+    "nows_64x128": C(block_m=64, block_n=128, block_k=64, num_stages=4, warp_specialized=False),
+    "nows_128x128": C(block_m=128, block_n=128, block_k=64, num_stages=4, warp_specialized=False),
+    "ws_n_128x256": C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n",
+                      grid_minor="m", grid_tile_width=4),
+    "ws_m_128x128": C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m"),
+    "ws_n_64x128": C(block_m=64, block_n=128, block_k=128, num_stages=6, wg_split="n"),
+}
+
+
+def stage_variants(args):
+  key = jax.random.key(0)
+  M, K, N, E = 1000, 1024, 1024, 8
+  ks = jax.random.split(key, 6)
+  lhs = jax.random.normal(ks[0], (M, K), jnp.float32).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(ks[1], (E, K, 2 * N), jnp.float32) / 32).astype(jnp.bfloat16)
+  bias = jax.random.normal(ks[2], (E, 2 * N), jnp.float32)
+  scale = jax.random.uniform(ks[3], (M,), jnp.float32)
+  gs = jnp.array([100, 0, 333, 1, 0, 200, 250, 16], jnp.int32)  # sum 900 < M
+  tot = int(gs.sum())
+  ref_plain = gg.grouped_gemm_reference(lhs, rhs[:, :, :N], gs, row_scale=scale, bias=bias[:, :N],
+                                        out_dtype=jnp.float32)
+  ref_gated = gg.grouped_gemm_reference(lhs, rhs, gs, bias=bias, activation="silu", gated=True,
+                                        out_dtype=jnp.float32)
+  small_gs = jnp.array([0, 3, 0, 0, 0, 1, 0, 0], jnp.int32)
+  lhs_s = lhs[:4]
+  ref_small = gg.grouped_gemm_reference(lhs_s, rhs[:, :, :N], small_gs, out_dtype=jnp.float32)
+  for name, cfg in VARIANTS.items():
+    for kind in ("plain", "gated", "small"):
+      rec = dict(variant=name, kind=kind, config=cfg.to_json())
+      try:
+        t = time.time()
+        if kind == "plain":
+          f = jax.jit(lambda a, b, g, s, bb, cfg=cfg: gg.grouped_gemm(
+              a, b, g, row_scale=s, bias=bb, config=cfg))
+          fargs = (lhs, rhs[:, :, :N], gs, scale, bias[:, :N])
+          ref, rows = ref_plain, tot
+        elif kind == "gated":
+          gcfg = dataclasses.replace(cfg, block_n=max(64, cfg.block_n // 2)) if cfg.block_n > 128 \
+              else cfg
+          rec["config"] = gcfg.to_json()
+          f = jax.jit(lambda a, b, g, bb, cfg=gcfg: gg.grouped_gemm_gated(
+              a, b, g, activation="silu", bias=bb, config=cfg))
+          fargs = (lhs, rhs, gs, bias)
+          ref, rows = ref_gated, tot
+        else:
+          f = jax.jit(lambda a, b, g, cfg=cfg: gg.grouped_gemm(a, b, g, config=cfg))
+          fargs = (lhs_s, rhs[:, :, :N], small_gs)
+          ref, rows = ref_small, 4
+        out = jax.block_until_ready(f(*fargs))
+        rec["compile_s"] = time.time() - t
+        # run twice more: error must not move (race check)
+        e1 = rel_err(np.asarray(out[:rows], np.float32), ref[:rows])
+        out2 = jax.block_until_ready(f(*fargs))
+        e2 = rel_err(np.asarray(out2[:rows], np.float32), ref[:rows])
+        rec.update(err=e1, err_rerun=e2, ok=bool(e1 < 2e-2 and e2 < 2e-2))
+        try:
+          rec["us"], _, _ = cupti_times(f, [fargs], iters=3)
+        except Exception as e:  # noqa: BLE001
+          err(f"variant {name} {kind} timing", e)
+        log(f"[variant] {name:14s} {kind:6s} err={e1:.2e}/{e2:.2e} ok={rec['ok']} "
+            f"compile={rec['compile_s']:.1f}s us={rec.get('us', float('nan')):.1f}")
+      except Exception as e:  # noqa: BLE001
+        rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:500]}")
+        err(f"variant {name} {kind}", e)
+      RESULTS["variants"].append(rec)
+      save()
+
+
+def stage_permute(args):
+  for T, k, E in [(1, 8, 256), (1, 2, 8), (64, 8, 256), (16384, 8, 256)]:
+    try:
+      keys = jax.random.split(jax.random.key(T), 3)
+      sets = []
+      for kk in keys:
+        logits = jax.random.normal(kk, (T, E))
+        _, ids = jax.lax.top_k(logits, k)
+        sets.append((ids.astype(jnp.int32),))
+      f = jax.jit(lambda ids, E=E: perm.moe_align(ids, E))
+      o, g, inv = f(*sets[0])
+      ro, rg, rinv = perm.moe_align_reference(np.asarray(sets[0][0]), E)
+      ok = bool((np.asarray(o) == ro).all() and (np.asarray(g) == rg).all()
+                and (np.asarray(inv) == rinv).all())
+      us, _, pk = cupti_times(f, sets, iters=5)
+      wall = wall_times(f, sets, iters=10)
+      rec = dict(T=T, k=k, E=E, ok=ok, cupti_us=us, wall_us=wall, kernels=pk)
+      log(f"[permute] T={T:6d} k={k} E={E:3d} ok={ok} device={us:.1f}us wall={wall:.1f}us "
+          f"kernels={len(pk)}")
+      RESULTS["permute"].append(rec)
+    except Exception as e:  # noqa: BLE001
+      err(f"permute T={T}", e)
+  save()
+
+
+def torch_block_fn(p):
+  import torch
+  import torch.nn.functional as F
+  E, N = p["E"], p["N"]
+
+  def block(x, w13, w2, tw, ti):
+    T, k = ti.shape
+    flat = ti.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tok = order // k
+    xs = x[tok]
+    h = torch._grouped_mm(xs, w13, offs=offs)
+    a = (F.silu(h[:, :N].float()) * h[:, N:].float()).to(x.dtype)
+    y = torch._grouped_mm(a, w2, offs=offs)
+    y = y.float() * tw.reshape(-1)[order].unsqueeze(1)
+    out = torch.zeros(T, y.shape[1], device=x.device, dtype=torch.float32)
+    out.index_add_(0, tok, y)
+    return out.to(x.dtype)
+  return block
+
+
+def time_torch(block, arg_sets, iters=10):
+  import torch
+  graphs, outs = [], []
+  s = torch.cuda.Stream()
+  s.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(s):
+    for a in arg_sets:
+      block(*a)
+  torch.cuda.current_stream().wait_stream(s)
+  for a in arg_sets:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+      o = block(*a)
+    graphs.append(g)
+    outs.append(o)
+  for g in graphs:
+    g.replay()
+  torch.cuda.synchronize()
+  ts = []
+  for _ in range(iters):
+    for g in graphs:
+      st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      st.record()
+      g.replay()
+      en.record()
+      en.synchronize()
+      ts.append(st.elapsed_time(en) * 1e3)
+  return statistics.median(ts), outs
+
+
+def block_configs(args, p, T):
+  """Configs for the block: None = library default (tuned JSON / heuristic)."""
+  if args.force_nows:
+    m = T * p["k"]
+    c1 = C(block_m=64 if m <= 64 * p["E"] else 128, block_n=128, block_k=64, num_stages=4,
+           warp_specialized=False)
+    return c1, c1
+  best = TUNED.get((p["name"], T))
+  if best and "gemm1" in best and "gemm2" in best:
+    return best["gemm1"][0], best["gemm2"][0]
+  return None, None
+
+
+def stage_block(args):
+  have_torch = False
+  if not args.no_torch:
+    try:
+      import torch  # noqa: F401
+      have_torch = torch.cuda.is_available()
+    except Exception as e:  # noqa: BLE001
+      err("import torch", e)
+  for pname in args.presets.split(","):
+    p = dict(PRESETS[pname], name=pname)
+    if time.time() - T0 > args.budget_s:
+      log(f"[block] budget reached, skipping {pname}")
+      break
+    try:
+      w13, w2 = make_weights(p, jax.random.key(1))
+      jax.block_until_ready((w13, w2))
+    except Exception as e:  # noqa: BLE001
+      err(f"weights {pname}", e)
+      continue
+    tw13 = tw2 = None
+    if have_torch:
+      import torch
+      tw13, tw2 = torch.from_dlpack(w13), torch.from_dlpack(w2)
+    for T in [int(t) for t in args.tokens.split(",")]:
+      if time.time() - T0 > args.budget_s:
+        log(f"[block] budget reached, skipping {pname} T={T}")
+        break
+      rec = dict(preset=pname, T=T, **p)
+      c1_, c2_ = block_configs(args, p, T)
+      rec["configs"] = [c.to_json() if c else None for c in (c1_, c2_)]
+      try:
+        sets = [make_inputs(p, T, jax.random.key(100 + i)) for i in range(args.rotate)]
+        E, k, H, N = p["E"], p["k"], p["H"], p["N"]
+        touched = len(np.unique(np.asarray(sets[0][2])))
+        wbytes = touched * (H * 2 * N + N * H) * 2
+        flops = 2 * T * k * H * 2 * N + 2 * T * k * N * H
+        rec.update(touched=touched, weight_bytes=wbytes, flops=flops,
+                   floor_bw_us=wbytes / BW * 1e6, floor_flop_us=flops / args.peak_tflops / 1e6)
+        rec["floor_us"] = max(rec["floor_bw_us"], rec["floor_flop_us"])
+        c1, c2 = block_configs(args, p, T)
+        f0 = jax.jit(lambda x, tw, ti, w13, w2, c1=c1, c2=c2: pmoe.fused_experts(
+            x, w13, w2, tw, ti, activation="silu", config1=c1, config2=c2,
+            interpret=INTERPRET))
+        sets = [s_ + (w13, w2) for s_ in sets]
+        f = f0
+        t = time.time()
+        out = jax.block_until_ready(f(*sets[0]))
+        rec["compile_s"] = time.time() - t
+        nchk = min(T, args.check_tokens)
+        x, tw, ti = sets[0][:3]
+        ref = pmoe.fused_experts_reference(x[:nchk], w13, w2, tw[:nchk], ti[:nchk])
+        rec["err"] = rel_err(np.asarray(out[:nchk], np.float32), ref)
+        out2 = jax.block_until_ready(f(*sets[0]))
+        rec["rerun_identical"] = bool(np.array_equal(np.asarray(out), np.asarray(out2)))
+        us, samples, pk = cupti_times(f, sets, iters=args.iters)
+        rec.update(jmoe_us=us, jmoe_samples=samples, kernels=pk)
+        rec["tflops"] = flops / us / 1e6
+        rec["ratio_floor"] = us / rec["floor_us"]
+        if have_torch:
+          try:
+            tsets = [(torch.from_dlpack(x_), tw13, tw2, torch.from_dlpack(w_),
+                      torch.from_dlpack(i_).long()) for x_, w_, i_, _, _ in sets]
+            tb = torch_block_fn(p)
+            tus, touts = time_torch(tb, tsets, iters=args.iters)
+            rec["torch_us"] = tus
+            rec["torch_err"] = rel_err(touts[0][:nchk].float().cpu().numpy(), ref)
+            rec["ratio_torch"] = us / tus
+          except Exception as e:  # noqa: BLE001
+            err(f"torch {pname} T={T}", e)
+        log(f"[block] {pname:14s} T={T:6d} err={rec['err']:.2e} jmoe={us:9.1f}us "
+            f"torch={rec.get('torch_us', float('nan')):9.1f}us floor={rec['floor_us']:8.1f}us "
+            f"x_floor={rec['ratio_floor']:.2f} x_torch={rec.get('ratio_torch', float('nan')):.2f} "
+            f"compile={rec['compile_s']:.0f}s")
+        log("        kernels: " + ", ".join(f"{k_}={v:.1f}" for k_, v in sorted(
+            pk.items(), key=lambda kv: -kv[1])[:4]))
+      except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        err(f"block {pname} T={T}", e)
+      RESULTS["block"].append(rec)
+      save()
+    del w13, w2, tw13, tw2
+
+
+SWEEP_G1 = [  # gated GEMM1, large M
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=4),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
+      grid_tile_width=4),
+    C(block_m=256, block_n=64, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=8),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="n"),
+]
+SWEEP_G2 = [  # GEMM2 (row scale), large M
+    C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
+      grid_tile_width=4),
+    C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="n"),
+    C(block_m=256, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=4),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=4),
+]
+
+
+def stage_sweep(args):
+  for pname in args.sweep_presets.split(","):
+    p = PRESETS[pname]
+    w13, w2 = make_weights(p, jax.random.key(1))
+    jax.block_until_ready((w13, w2))
+    for T in [int(t) for t in args.sweep_tokens.split(",")]:
+      if time.time() - T0 > args.budget_s:
+        log("[sweep] budget reached")
+        return
+      x, tw, ti = make_inputs(p, T, jax.random.key(7))
+      order, gs, inv = perm.moe_align(ti, p["E"])
+      xs = perm.permute_rows(x, order, p["k"])
+      h = jax.random.normal(jax.random.key(3), (xs.shape[0], p["N"]), jnp.float32).astype(
+          jnp.bfloat16)
+      sc = perm.permute_weights(tw, order)
+      for which, cands in (("gemm1", SWEEP_G1), ("gemm2", SWEEP_G2)):
+        for cfg in cands:
+          rec = dict(preset=pname, T=T, gemm=which, config=cfg.to_json())
+          try:
+            if which == "gemm1":
+              f = jax.jit(lambda a, g, w, cfg=cfg: gg.grouped_gemm_gated(a, w, g, config=cfg,
+                                                                             interpret=INTERPRET))
+              fargs = (xs, gs, w13)
+              flops = 2 * xs.shape[0] * p["H"] * 2 * p["N"]
+            else:
+              f = jax.jit(lambda a, g, w, s_, cfg=cfg: gg.grouped_gemm(a, w, g, config=cfg,
+                                                                       row_scale=s_,
+                                                                       interpret=INTERPRET))
+              fargs = (h, gs, w2, sc)
+              flops = 2 * xs.shape[0] * p["N"] * p["H"]
+            us, _, _ = cupti_times(f, [fargs], iters=3)
+            rec.update(us=us, tflops=flops / us / 1e6)
+            best = TUNED.setdefault((pname, T), {})
+            if which not in best or us < best[which][1]:
+              best[which] = (cfg, us)
+            log(f"[sweep] {pname} T={T} {which} bm={cfg.block_m} bn={cfg.block_n} "
+                f"split={cfg.wg_split} minor={cfg.grid_minor}/{cfg.grid_tile_width} "
+                f"-> {us:.1f}us {flops / us / 1e6:.0f}TF/s")
+          except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            err(f"sweep {pname} T={T} {which} {cfg}", e)
+          RESULTS["sweep"].append(rec)
+          save()
+    del w13, w2
+
+
+def stage_ceiling(args):
+  try:
+    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    us, _, _ = cupti_times(f, [(a, b)], iters=5)
+    RESULTS["meta"]["dense_bf16_tflops"] = 2 * 8192 ** 3 / us / 1e6
+    log(f"[ceiling] dense bf16 8192^3: {2 * 8192 ** 3 / us / 1e6:.0f} TFLOP/s")
+  except Exception as e:  # noqa: BLE001
+    err("ceiling", e)
+
+
+def print_table():
+  log("\n=== MoE block (bf16), µs device time; floor = max(touched weights / 4.3 TB/s, "
+      "flops / peak) ===")
+  log(f"{'preset':14s} {'T':>6s} {'jmoe':>9s} {'torch':>9s} {'floor':>8s} {'x_torch':>7s} "
+      f"{'x_floor':>7s} {'TF/s':>6s} {'err':>8s}")
+  for r in RESULTS["block"]:
+    if "jmoe_us" not in r:
+      log(f"{r['preset']:14s} {r['T']:6d} FAILED {r.get('error', '')[:80]}")
+      continue
+    log(f"{r['preset']:14s} {r['T']:6d} {r['jmoe_us']:9.1f} {r.get('torch_us', float('nan')):9.1f} "
+        f"{r['floor_us']:8.1f} {r.get('ratio_torch', float('nan')):7.2f} {r['ratio_floor']:7.2f} "
+        f"{r['tflops']:6.0f} {r['err']:8.1e}")
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--stages", default="variants,permute,block")
+  ap.add_argument("--presets", default="mixtral-8x7b,qwen3-30b-a3b,deepseek-v3")
+  ap.add_argument("--tokens", default="1,64,1024,16384")
+  ap.add_argument("--sweep-presets", default="qwen3-30b-a3b")
+  ap.add_argument("--sweep-tokens", default="16384")
+  ap.add_argument("--rotate", type=int, default=3)
+  ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--check-tokens", type=int, default=16)
+  ap.add_argument("--peak-tflops", type=float, default=807.0)
+  ap.add_argument("--budget-s", type=float, default=480.0)
+  ap.add_argument("--no-torch", action="store_true")
+  ap.add_argument("--force-nows", action="store_true")
+  ap.add_argument("--interpret", action="store_true", help="CPU smoke test (GPU interpret mode)")
+  args = ap.parse_args()
+  global INTERPRET
+  INTERPRET = args.interpret
+  RESULTS["meta"].update(
+      jax=jax.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      device=str(jax.devices()[0].device_kind), argv=sys.argv)
+  log(f"jax {jax.__version__} device {jax.devices()[0].device_kind} "
+      f"{RESULTS['meta']['date']}")
+  stages = args.stages.split(",")
+  if "ceiling" in stages:
+    stage_ceiling(args)
+  if "variants" in stages:
+    stage_variants(args)
+  if "permute" in stages:
+    stage_permute(args)
+  if "sweep" in stages:
+    stage_sweep(args)
+  tuned_json = {}
+  for (pn, T), best in TUNED.items():
+    for which, (cfg, us) in best.items():
+      p = PRESETS[pn]
+      if which == "gemm1":
+        key = gg._tuned_key(p["E"], p["N"], p["H"], jnp.bfloat16, RESULTS["meta"]["device"],
+                            gg._m_bucket(T * p["k"]))
+        tuned_json.setdefault("grouped_gemm_gated", {})[key] = dict(cfg.to_json(), us=us)
+      else:
+        key = gg._tuned_key(p["E"], p["H"], p["N"], jnp.bfloat16, RESULTS["meta"]["device"],
+                            gg._m_bucket(T * p["k"]))
+        tuned_json.setdefault("grouped_gemm", {})[key] = dict(cfg.to_json(), us=us)
+  RESULTS["tuned"] = tuned_json
+  if "block" in stages:
+    stage_block(args)
+  save()
+  print_table()
+  log(f"total {time.time() - T0:.0f}s")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,654 @@
+"""Contiguous grouped GEMM for Hopper in Pallas Mosaic GPU (wgmma + TMA + multi-stage pipeline).
+
+    out[r, :] = epilogue(lhs[r, :] @ rhs[g(r)])     for r < sum(group_sizes)
+
+where the rows of ``lhs`` are sorted by group: group g owns rows
+``[sum(group_sizes[:g]), sum(group_sizes[:g+1]))``.
+
+Epilogue order (f32): ``y = act(acc + bias[g]) * row_scale[r]`` (gated:
+``y = act(acc_gate + bias_gate[g], acc_up + bias_up[g]) * row_scale[r]``), cast to ``out_dtype``.
+With no activation this is ``(acc + bias[g]) * row_scale[r]``: vLLM's GEMM2, where the down-proj
+bias is part of the expert output and the router weight multiplies the whole expert output.
+
+Rows ``r >= sum(group_sizes)`` (and every row when the sum is 0) are NOT written: their content is
+unspecified. If ``sum(group_sizes) > M`` only the first M rows are computed.
+
+Schedule: the (row-tile, group) work list is built on device with jnp (no host sync). A row tile
+that straddles a group boundary becomes one task per group it touches; each task multiplies the
+whole tile but stores only its group's rows (power-of-two TMA stores, so a neighbour group's rows
+are never overwritten). Groups with zero rows produce no task, so their weights are never read:
+at decode only touched experts' weights are streamed. A persistent grid (one CTA per SM) walks the
+dynamic number of (task, column-tile) work items.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+from pallas_kernels.activations import Activation, as_activation
+
+log = logging.getLogger(__name__)
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_SMEM_BYTES = 232448 - 1024  # max dynamic SMEM per CTA on sm_90 (as Mosaic GPU reports it)
+
+
+# ============================================================================ config
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig:
+  """Block configuration.
+
+  block_m: CTA rows (64 or 128; per compute warpgroup 64 or 128 rows).
+  block_n: CTA output columns (for the gated kernel: output columns, each with its gate and its up
+    column, so the kernel reads 2*block_n weight columns).
+  block_k: K step per pipeline stage (multiple of 16; 64 gives 128-byte swizzle for 16-bit types).
+  num_stages: pipeline depth (TMA stages in flight).
+  warp_specialized: 1 TMA warpgroup + 2 compute warpgroups (True) or one warpgroup doing both.
+  wg_split: how the 2 compute warpgroups split the CTA tile: "n" (each block_m x block_n/2) or
+    "m" (each block_m/2 x block_n). Ignored when not warp specialized.
+  grid_minor: "n": consecutive work items walk the column tiles of one row tile (lhs reuse);
+    "m": they walk row tiles within a band of ``grid_tile_width`` column tiles (weight reuse in L2).
+  grid_tile_width: band width for grid_minor="m".
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  num_stages: int = 4
+  warp_specialized: bool = True
+  wg_split: str = "n"
+  grid_minor: str = "n"
+  grid_tile_width: int = 1
+
+  def __post_init__(self):
+    if self.block_m not in (64, 128, 256):
+      raise ValueError(f"block_m={self.block_m} must be 64, 128 or 256")
+    if self.block_n % 64 or self.block_n <= 0:
+      raise ValueError(f"block_n={self.block_n} must be a positive multiple of 64")
+    if self.block_k % 16 or self.block_k <= 0:
+      raise ValueError(f"block_k={self.block_k} must be a positive multiple of 16")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages={self.num_stages} must be >= 2")
+    if self.wg_split not in ("m", "n"):
+      raise ValueError(f"wg_split={self.wg_split!r} must be 'm' or 'n'")
+    if self.grid_minor not in ("m", "n"):
+      raise ValueError(f"grid_minor={self.grid_minor!r} must be 'm' or 'n'")
+    if self.grid_tile_width < 1:
+      raise ValueError("grid_tile_width must be >= 1")
+    if self.warp_specialized and self.wg_split == "n" and self.block_n % 128:
+      raise ValueError(f"wg_split='n' needs block_n % 128 == 0 (got {self.block_n})")
+    if self.warp_specialized and self.wg_split == "m" and self.block_m < 128:
+      raise ValueError(f"wg_split='m' needs block_m >= 128 (got {self.block_m})")
+
+  def wg_tile(self) -> tuple[int, int, int]:
+    """(number of compute warpgroups, rows per warpgroup, cols per warpgroup)."""
+    if not self.warp_specialized:
+      return 1, self.block_m, self.block_n
+    if self.wg_split == "m":
+      return 2, self.block_m // 2, self.block_n
+    return 2, self.block_m, self.block_n // 2
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _smem_bytes(cfg: GroupedGemmConfig, itemsize: int, out_itemsize: int, n_rhs: int) -> int:
+  stage = (cfg.block_m * cfg.block_k + n_rhs * cfg.block_k * cfg.block_n) * itemsize
+  nwg, tm, tn = cfg.wg_tile()
+  out = nwg * tm * tn * out_itemsize
+  vec = nwg * (tm + 2 * tn) * 4 + 1024
+  return cfg.num_stages * stage + out + vec
+
+
+def _fit_stages(cfg: GroupedGemmConfig, itemsize, out_itemsize, n_rhs) -> GroupedGemmConfig:
+  while cfg.num_stages > 2 and _smem_bytes(cfg, itemsize, out_itemsize, n_rhs) > _SMEM_BYTES:
+    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+  return cfg
+
+
+_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_tuned(kernel_name: str) -> dict:
+  path = os.path.join(_CONFIG_DIR, f"{kernel_name}.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _tuned_key(E, N, K, dtype, device_kind, m_bucket) -> str:
+  return f"E={E},N={N},K={K},dtype={jnp.dtype(dtype).name},device={device_kind},M<={m_bucket}"
+
+
+_M_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 1 << 30)
+
+
+def _m_bucket(m: int) -> int:
+  for b in _M_BUCKETS:
+    if m <= b:
+      return b
+  return _M_BUCKETS[-1]
+
+
+def heuristic_config(m: int, n: int, k: int, num_groups: int, dtype, *, gated: bool = False,
+                     out_dtype=None) -> GroupedGemmConfig:
+  """Shape-aware default. m = rows of lhs, n = output columns, k = contraction."""
+  itemsize = jnp.dtype(dtype).itemsize
+  out_itemsize = jnp.dtype(out_dtype or dtype).itemsize
+  block_k = 64
+  while k % block_k and block_k > 16:
+    block_k //= 2
+  rows_per_group = m / max(1, min(num_groups, m))
+  nsm = 132
+  if rows_per_group <= 64:
+    # Weight streaming: narrow rows, many column tiles, deep pipeline.
+    touched = max(1, min(num_groups, m))
+    block_n = 128 if (n >= 128 and touched * pl.cdiv(n, 128) >= nsm) else 64
+    cfg = GroupedGemmConfig(block_m=64, block_n=block_n, block_k=128 if k % 128 == 0 else block_k,
+                            num_stages=6, warp_specialized=block_n % 128 == 0, wg_split="n",
+                            grid_minor="n")
+  else:
+    if n < 128:
+      cfg = GroupedGemmConfig(block_m=128, block_n=64, block_k=block_k, num_stages=4,
+                              warp_specialized=True, wg_split="m")
+    elif gated:
+      # H200 sweep (2026-11-29): split "m", walk row tiles in bands of 4 column tiles when the
+      # column tiles divide into bands (mixtral, deepseek), else column-minor (qwen3, N=768).
+      minor = "m" if pl.cdiv(n, 128) % 4 == 0 else "n"
+      cfg = GroupedGemmConfig(block_m=128, block_n=128, block_k=block_k, num_stages=4,
+                              warp_specialized=True, wg_split="m", grid_minor=minor,
+                              grid_tile_width=4 if minor == "m" else 1)
+    else:
+      # H200 sweep: 128x256 CTA tiles, column-minor walk was best on all three presets.
+      cfg = GroupedGemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=block_k,
+                              num_stages=4, warp_specialized=True, wg_split="n", grid_minor="n")
+  return _fit_stages(cfg, itemsize, out_itemsize, 2 if gated else 1)
+
+
+def get_config(kernel_name: str, m: int, n: int, k: int, num_groups: int, dtype, *,
+               gated: bool = False, out_dtype=None) -> GroupedGemmConfig:
+  """Tuned config from pallas_kernels/configs/<kernel>.json if one matches, else the heuristic."""
+  table = _load_tuned(kernel_name)
+  key = _tuned_key(num_groups, n, k, dtype, _compat.device_kind(), _m_bucket(m))
+  if key in table:
+    log.debug("grouped_gemm: tuned config for %s: %s", key, table[key])
+    fields = {f.name for f in dataclasses.fields(GroupedGemmConfig)}
+    return GroupedGemmConfig(**{k_: v for k_, v in table[key].items() if k_ in fields})
+  cfg = heuristic_config(m, n, k, num_groups, dtype, gated=gated, out_dtype=out_dtype)
+  log.debug("grouped_gemm: no tuned config for %s; heuristic %s", key, cfg)
+  return cfg
+
+
+# ============================================================================ metadata
+
+
+def tile_metadata(group_sizes: jax.Array, m: int, block_m: int):
+  """Work list of (group, row block, row range) computed on device.
+
+  Returns (meta int32[4, T], num_tasks int32[1]) with T = cdiv(m, block_m) + G - 1 (static upper
+  bound); row t < num_tasks of meta is (group, block index, first row, end row) of task t. Groups
+  with zero rows produce no task. Rows past m are dropped (group sizes are clipped to m in total).
+  """
+  gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  g = gs.shape[0]
+  ends = jnp.minimum(jnp.cumsum(gs), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  sizes = ends - starts
+  first = starts // block_m
+  last = (ends - 1) // block_m
+  ntiles = jnp.where(sizes > 0, last - first + 1, 0)
+  tile_end = jnp.cumsum(ntiles)
+  tile_start = tile_end - ntiles
+  t_max = pl.cdiv(m, block_m) + g - 1
+  t = jnp.arange(t_max, dtype=jnp.int32)
+  # expert of task t = number of experts whose tiles all end at or before t (compare-sum: fuses)
+  e = jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1)
+  e = jnp.minimum(e, g - 1)
+  block = first[e] + (t - tile_start[e])
+  lo = jnp.maximum(starts[e], block * block_m)
+  hi = jnp.minimum(ends[e], block * block_m + block_m)
+  valid = t < tile_end[-1]
+  lo = jnp.where(valid, lo, 0)
+  hi = jnp.where(valid, hi, 0)
+  block = jnp.where(valid, block, 0)
+  meta = jnp.stack([e, block, lo, hi]).astype(jnp.int32)
+  return meta, tile_end[-1:].astype(jnp.int32)
+
+
+# ============================================================================ in-kernel activations
+# Same functions as pallas_kernels.activations (which the tests check against), written with
+# primitives Mosaic GPU lowers (no lax.logistic): sigmoid(x) = 1 / (1 + exp(-x)).
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _act_single(name: str, x):
+  if name in ("silu", "silu_no_mul"):
+    return x * _sigmoid(x)
+  if name in ("gelu", "gelu_no_mul"):
+    return 0.5 * x * (1.0 + lax.erf(x * 0.7071067811865476))
+  if name == "gelu_tanh":
+    c = 0.7978845608028654
+    return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * (x * x * x))))
+  if name == "relu2_no_mul":
+    r = jnp.maximum(x, 0.0)
+    return r * r
+  raise ValueError(f"activation {name!r} has no single-input form")
+
+
+def kernel_activation(act: Activation, gate, up=None):
+  """f32 activation as computed inside the kernels (gated when ``up`` is given)."""
+  if up is None:
+    return _act_single(act.name, gate)
+  if act.name == "swigluoai":
+    g = jnp.minimum(gate, act.limit)
+    u = jnp.minimum(jnp.maximum(up, -act.limit), act.limit)
+    return g * _sigmoid(act.alpha * g) * (u + 1.0)
+  return _act_single(act.name, gate) * up
+
+
+# ============================================================================ kernel
+
+
+def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg: GroupedGemmConfig,
+                  gated: bool, act: Activation | None, has_scale: bool, has_bias: bool,
+                  t_max: int, num_sms: int, interpret):
+  nwg, tile_m, tile_n = cfg.wg_tile()
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  k_iters = pl.cdiv(k, bk)
+  n_tiles = pl.cdiv(n_out, bn)
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(bk * itemsize * 8)
+  swizzle_elems = swizzle // itemsize
+  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  ladder = []
+  r = min(tile_m, m_pad)
+  while r > 0:
+    ladder.append(1 << int(math.log2(r)))
+    r //= 2
+  n_rhs = 2 if gated else 1
+  # layout_cast has no interpret rule; under interpretation layouts do not exist anyway.
+  _cast = (lambda x, _l: x) if interpret else plgpu.layout_cast
+  width = cfg.grid_tile_width if n_tiles % cfg.grid_tile_width == 0 else 1
+
+  def item_to_task_col(lin, num_tasks):
+    if cfg.grid_minor == "n":
+      return lax.div(lin, jnp.int32(n_tiles)), lax.rem(lin, jnp.int32(n_tiles))
+    band_size = num_tasks * width
+    band = lax.div(lin, band_size)
+    r_ = lax.rem(lin, band_size)
+    task = lax.rem(r_, num_tasks)
+    col = band * width + lax.div(r_, num_tasks)
+    return task, col
+
+  def body(meta_ref, ntask_ref, lhs_ref, rhs_ref, *rest):
+    rest = list(rest)
+    scale_ref = rest.pop(0) if has_scale else None
+    bias_ref = rest.pop(0) if has_bias else None
+    out_ref = rest.pop(0)
+    out_smem, vec_smem, vec_bar = rest[:3]
+    pipeline_allocs = rest[3] if cfg.warp_specialized else None
+
+    num_tasks = ntask_ref[0]
+    num_items = num_tasks * n_tiles
+
+    def epilogue(accs, wg, e, blk, lo, hi, ni):
+      """accs: f32 values (tile_m, tile_n); stores rows [lo, hi) of this warpgroup's tile."""
+      if cfg.warp_specialized and cfg.wg_split == "m":
+        r0 = blk * bm + wg * tile_m
+        c0 = ni * bn
+      elif cfg.warp_specialized:
+        r0 = blk * bm
+        c0 = ni * bn + wg * tile_n
+      else:
+        r0 = blk * bm
+        c0 = ni * bn
+      bars = vec_bar.at[wg * 3]
+      # bias / row-scale vectors: TMA into SMEM, then into registers.
+      if has_bias:
+        plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(c0, tile_n)], vec_smem.at[wg, 0, :tile_n],
+                                vec_bar.at[wg * 3 + 0])
+        if gated:
+          plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(n_out + c0, tile_n)],
+                                  vec_smem.at[wg, 1, :tile_n], vec_bar.at[wg * 3 + 1])
+      if has_scale:
+        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r0, tile_m)], vec_smem.at[wg, 2, :tile_m],
+                                vec_bar.at[wg * 3 + 2])
+      del bars
+      shape = (tile_m, tile_n)
+      vals = []
+      for j, a in enumerate(accs):
+        if has_bias:
+          plgpu.barrier_wait(vec_bar.at[wg * 3 + j])
+          b = _cast(vec_smem.at[wg, j, :tile_n][...], plgpu.Layout.WGMMA.reduce(0))
+          a = a + lax.broadcast_in_dim(b, shape, [1])
+        vals.append(a)
+      if gated:
+        y = kernel_activation(act, vals[0], vals[1])
+      elif act is not None:
+        y = kernel_activation(act, vals[0])
+      else:
+        y = vals[0]
+      if has_scale:
+        plgpu.barrier_wait(vec_bar.at[wg * 3 + 2])
+        s = _cast(vec_smem.at[wg, 2, :tile_m][...], plgpu.Layout.WGMMA.reduce(1))
+        y = y * lax.broadcast_in_dim(s, shape, [0])
+      o_smem = out_smem.at[wg]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's stores read o_smem
+      o_smem[...] = y.astype(out_dtype)
+      plgpu.commit_smem()
+      start = jnp.maximum(lo - r0, 0)
+      size = jnp.maximum(jnp.minimum(hi, r0 + tile_m) - jnp.maximum(lo, r0), 0)
+      for rows in ladder:
+        @pl.when((size & rows) != 0)
+        def _store():
+          plgpu.copy_smem_to_gmem(
+              o_smem.at[pl.ds(start, rows)],
+              out_ref.at[pl.ds(r0 + start, rows), pl.ds(c0, tile_n)])
+        start = start + (size & rows)
+
+    def task_info(lin):
+      task, ni = item_to_task_col(lin, num_tasks)
+      e = meta_ref[0, task]
+      blk = meta_ref[1, task]
+      lo = meta_ref[2, task]
+      hi = meta_ref[3, task]
+      return e, blk, lo, hi, ni
+
+    if cfg.warp_specialized:
+      def mma_body(_, a_smem, *refs):
+        b_refs, accs = refs[:n_rhs], refs[n_rhs]
+        wg = lax.axis_index("wg")
+        if cfg.wg_split == "m":
+          a = a_smem.at[pl.ds(wg * tile_m, tile_m)]
+          bs = [b for b in b_refs]
+        else:
+          a = a_smem
+          bs = [b.at[:, pl.ds(wg * tile_n, tile_n)] for b in b_refs]
+        for acc, b in zip(accs, bs):
+          plgpu.wgmma(acc, a, b)
+        plgpu.wgmma_wait(0)
+        return accs
+
+      def make_pipeline(body_fn, ctx):
+        specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms)]
+        specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms)
+                  for _ in range(n_rhs)]
+        return plgpu.emit_pipeline_warp_specialized(
+            body_fn, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg",
+            num_compute_wgs=2, max_concurrent_steps=cfg.num_stages, compute_context=ctx)
+
+      @plgpu.nd_loop((num_items,), collective_axes="sm")
+      def _loop(info):
+        (lin,) = info.index
+        e, blk, lo, hi, ni = task_info(lin)
+
+        def compute_context(eval_pipeline):
+          def scope(*acc_refs):
+            accs = eval_pipeline(tuple(acc_refs))
+            wg = lax.axis_index("wg")
+            epilogue([a[...] for a in accs], wg, e, blk, lo, hi, ni)
+          pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32)
+                                 for _ in range(n_rhs)])
+
+        rhs_e = rhs_ref.at[e]
+        b_views = [rhs_e.at[:, pl.ds(ni * bn, bn)]]
+        if gated:
+          b_views.append(rhs_e.at[:, pl.ds(n_out + ni * bn, bn)])
+        make_pipeline(mma_body, compute_context)(
+            lhs_ref.at[pl.ds(blk * bm, bm), :], *b_views, allocations=pipeline_allocs)
+
+    else:
+      @plgpu.nd_loop((num_items,), collective_axes="sm")
+      def _loop(info):
+        (lin,) = info.index
+        e, blk, lo, hi, ni = task_info(lin)
+        rhs_e = rhs_ref.at[e]
+        b_views = [rhs_e.at[:, pl.ds(ni * bn, bn)]]
+        if gated:
+          b_views.append(rhs_e.at[:, pl.ds(n_out + ni * bn, bn)])
+
+        def scope(*acc_refs):
+          def step(_, a_smem, *b_smems):
+            for acc, b in zip(acc_refs, b_smems):
+              plgpu.wgmma(acc, a_smem, b)
+            plgpu.wgmma_wait(n_rhs)
+          specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms,
+                                   delay_release=1)]
+          specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms,
+                                    delay_release=1) for _ in range(n_rhs)]
+          plgpu.emit_pipeline(step, grid=(k_iters,), in_specs=specs,
+                              max_concurrent_steps=cfg.num_stages)(
+                                  lhs_ref.at[pl.ds(blk * bm, bm), :], *b_views)
+          plgpu.wgmma_wait(0)
+          epilogue([a[...] for a in acc_refs], 0, e, blk, lo, hi, ni)
+        pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  scratch = [
+      plgpu.SMEM((nwg, tile_m, tile_n), out_dtype),
+      plgpu.SMEM((nwg, 3, max(tile_m, tile_n)), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=3 * nwg),
+  ]
+  if cfg.warp_specialized:
+    ignore = lambda *_, **__: None
+    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms)]
+    specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms)
+              for _ in range(n_rhs)]
+    pipe = plgpu.emit_pipeline_warp_specialized(
+        ignore, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg",
+        num_compute_wgs=2, max_concurrent_steps=cfg.num_stages, compute_context=ignore)
+    lhs_aval = jax.ShapeDtypeStruct((bm, k), dtype)
+    rhs_aval = jax.ShapeDtypeStruct((k, bn), dtype)
+    scratch.append(pipe.get_allocations(lhs_aval, *([rhs_aval] * n_rhs)))
+
+  extra = {}
+  if cfg.warp_specialized:
+    extra = dict(num_threads=3, thread_name="wg")
+  return _compat.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype),
+      scratch_types=scratch,
+      grid=(num_sms,),
+      grid_names=("sm",),
+      compiler_params=_compat.compiler_params(approx_math=True),
+      interpret=interpret,
+      name=("jmoe_gg_gated" if gated else "jmoe_gg") + ("_ws" if cfg.warp_specialized else ""),
+      **extra,
+  )
+
+
+# ============================================================================ public API
+
+
+def _check_dtype(name, x):
+  if jnp.dtype(x.dtype) == jnp.dtype(jnp.float32):
+    raise NotImplementedError(
+        f"{name}: float32 inputs are not supported by the Mosaic GPU grouped GEMM (bf16/f16 only); "
+        "use the XLA path or cast to bfloat16")
+  if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+    raise ValueError(f"{name}: dtype {x.dtype} is not supported (bfloat16 or float16)")
+
+
+def _validate(lhs, rhs, group_sizes, row_scale, bias, rhs_cols):
+  if lhs.ndim != 2:
+    raise ValueError(f"lhs must be [M, K], got shape {lhs.shape}")
+  if rhs.ndim != 3:
+    raise ValueError(f"rhs must be [E, K, N], got shape {rhs.shape}")
+  m, k = lhs.shape
+  e, k2, n = rhs.shape
+  if k != k2:
+    raise ValueError(f"lhs K={k} does not match rhs K={k2} (lhs {lhs.shape}, rhs {rhs.shape})")
+  _check_dtype("lhs", lhs)
+  _check_dtype("rhs", rhs)
+  if lhs.dtype != rhs.dtype:
+    raise ValueError(f"lhs dtype {lhs.dtype} != rhs dtype {rhs.dtype}")
+  if group_sizes.shape != (e,):
+    raise ValueError(f"group_sizes must have shape ({e},), got {group_sizes.shape}")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be integer, got {group_sizes.dtype}")
+  if row_scale is not None and row_scale.shape != (m,):
+    raise ValueError(f"row_scale must have shape ({m},), got {row_scale.shape}")
+  if bias is not None and bias.shape != (e, rhs_cols):
+    raise ValueError(f"bias must have shape ({e}, {rhs_cols}), got {bias.shape}")
+  if k % 16:
+    raise ValueError(f"K={k} must be a multiple of 16 (pad lhs and rhs along K)")
+  if m == 0:
+    raise ValueError("lhs has 0 rows")
+
+
+def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, gated, act,
+         kernel_name, meta=None, keep_rows=False):
+  """meta: precomputed tile_metadata(group_sizes, M, block_m) (shared by GEMM1 and GEMM2).
+  keep_rows: return all kernel rows (max(M, block_m)) instead of slicing back to M."""
+  m, k = lhs.shape
+  e, _, n_total = rhs.shape
+  n_out = n_total // 2 if gated else n_total
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  if config is None:
+    config = get_config(kernel_name, m, n_out, k, e, lhs.dtype, gated=gated, out_dtype=out_dtype)
+  cfg = _fit_stages(config, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, 2 if gated else 1)
+  if k % cfg.block_k:
+    raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k}")
+  if gated and n_out % cfg.block_n and n_out > cfg.block_n:
+    # The up half starts at column n_out; tiles of the gate half must not need clipping into it
+    # other than at the end (it is fine: clipped columns are never stored).
+    pass
+  if n_out < cfg.block_n:
+    raise ValueError(f"N={n_out} is smaller than block_n={cfg.block_n}; use a smaller block_n")
+  bm = cfg.block_m
+  m_pad = max(m, bm)
+  if m_pad != m:  # tiny M: pad so that a row tile fits in the array (cheap).
+    lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
+  if row_scale is not None:
+    row_scale = row_scale.astype(jnp.float32)
+    if m_pad != m:
+      row_scale = jnp.pad(row_scale, (0, m_pad - m))
+  if bias is not None:
+    bias = bias.astype(jnp.float32)
+  if meta is None:
+    meta = tile_metadata(group_sizes, m, bm)
+  meta, ntasks = meta
+  t_max = meta.shape[1]
+  interp = None
+  if interpret:
+    interp = interpret if not isinstance(interpret, bool) else _compat.interpret_params()
+    nsm = 1  # interpret mode simulates a single block
+  else:
+    nsm = _compat.num_sms()
+  kern = _build_kernel(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, num_groups=e,
+                       dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg, gated=gated, act=act,
+                       has_scale=row_scale is not None, has_bias=bias is not None, t_max=t_max,
+                       num_sms=nsm, interpret=interp)
+  args = [meta, ntasks, lhs, rhs]
+  if row_scale is not None:
+    args.append(row_scale)
+  if bias is not None:
+    args.append(bias)
+  out = kern(*args)
+  if m_pad != m and not keep_rows:
+    out = out[:m]
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "activation"))
+def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                 row_scale: jax.Array | None = None, bias: jax.Array | None = None,
+                 activation: Activation | str | None = None, out_dtype=None,
+                 config: GroupedGemmConfig | None = None, interpret: Any = False) -> jax.Array:
+  """out[r] = act((lhs[r] @ rhs[g(r)] + bias[g(r)])) * row_scale[r] for r < sum(group_sizes).
+
+  lhs [M, K] bf16/f16 (rows sorted by group), rhs [E, K, N] same dtype, group_sizes [E] int.
+  row_scale [M] (f32), bias [E, N] (f32 or any float), activation: None or a non-gated
+  ``*_no_mul`` Activation (gated ones need :func:`grouped_gemm_gated`). Accumulates in f32.
+  Returns [M, N] in out_dtype (default lhs.dtype); rows >= sum(group_sizes) are unwritten.
+  K must be a multiple of 16 (and of config.block_k); N >= block_n (any N; partial column tiles
+  are clipped). interpret: False, True (GPU interpret mode on CPU) or an InterpretGPUParams.
+  """
+  act = None
+  if activation is not None:
+    act = as_activation(activation)
+    if act.is_gated:
+      raise ValueError(f"activation={act.name!r} is gated: use grouped_gemm_gated")
+  _validate(lhs, rhs, group_sizes, row_scale, bias, rhs.shape[2])
+  return _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, False, act,
+              "grouped_gemm")
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))
+def grouped_gemm_gated(lhs: jax.Array, w13: jax.Array, group_sizes: jax.Array, *,
+                       activation: Activation | str = "silu", bias: jax.Array | None = None,
+                       row_scale: jax.Array | None = None, out_dtype=None,
+                       config: GroupedGemmConfig | None = None, interpret: Any = False
+                       ) -> jax.Array:
+  """GEMM1 with the gated activation fused: out[r, j] = act(h[r, j], h[r, N + j]) (* row_scale).
+
+  h = lhs[r] @ w13[g(r)] + bias[g(r)], w13 [E, K, 2N] with gate columns [0, N) and up columns
+  [N, 2N) (the jmoe convention). The [M, 2N] intermediate never reaches HBM: each output tile
+  computes its gate and up columns in two f32 accumulators. Returns [M, N]; rows past
+  sum(group_sizes) are unwritten.
+  """
+  act = as_activation(activation)
+  if not act.is_gated:
+    raise ValueError(f"activation={act.name!r} is not gated: use grouped_gemm(activation=...)")
+  if w13.ndim != 3 or w13.shape[2] % 2:
+    raise ValueError(f"w13 must be [E, K, 2N], got shape {w13.shape}")
+  _validate(lhs, w13, group_sizes, row_scale, bias, w13.shape[2])
+  return _run(lhs, w13, group_sizes, row_scale, bias, out_dtype, config, interpret, True, act,
+              "grouped_gemm_gated")
+
+
+# ============================================================================ references
+
+
+def grouped_gemm_reference(lhs, rhs, group_sizes, *, row_scale=None, bias=None, activation=None,
+                           gated=False, out_dtype=None):
+  """Pure-jnp reference (f32 math, dense per-row gather of the group's weights by masking).
+
+  Rows past sum(group_sizes) are returned as zeros.
+  """
+  m = lhs.shape[0]
+  e = rhs.shape[0]
+  gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.cumsum(gs)
+  row = jnp.arange(m)
+  gid = jnp.searchsorted(ends, row, side="right")
+  valid = gid < e
+  gid_c = jnp.minimum(gid, e - 1)
+  h = jnp.zeros((m, rhs.shape[2]), jnp.float32)
+  for g in range(e):
+    hg = jnp.dot(lhs.astype(jnp.float32), rhs[g].astype(jnp.float32),
+                 precision=lax.Precision.HIGHEST)
+    h = jnp.where((gid_c == g)[:, None], hg, h)
+  if bias is not None:
+    h = h + bias.astype(jnp.float32)[gid_c]
+  if gated:
+    n = h.shape[1] // 2
+    y = as_activation(activation).gated(h[:, :n], h[:, n:])
+  elif activation is not None:
+    y = as_activation(activation)(h)
+  else:
+    y = h
+  if row_scale is not None:
+    y = y * row_scale.astype(jnp.float32)[:, None]
+  y = jnp.where(valid[:, None], y, 0.0)
+  return y.astype(out_dtype or lhs.dtype)

@@ -1,0 +1,83 @@
+"""The contiguous MoE expert block on the Pallas kernels (a convenience for jmoe's Experts and the
+benchmarks): permute -> GEMM1 + activation -> GEMM2 (x router weight, + bias) -> gather-sum.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import permute as _perm
+from pallas_kernels.activations import Activation, as_activation
+from pallas_kernels import grouped_gemm as gg
+from pallas_kernels.grouped_gemm import GroupedGemmConfig
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "config1", "config2", "interpret"))
+def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
+                  topk_ids: jax.Array, *, activation: Activation | str = "silu",
+                  w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
+                  config1: GroupedGemmConfig | None = None,
+                  config2: GroupedGemmConfig | None = None, interpret: Any = False) -> jax.Array:
+  """out[t] = sum_j topk_weights[t, j] * (act(x[t] @ w13[e] + b13[e]) @ w2[e] + b2[e]), e = ids[t, j].
+
+  x [T, H] bf16/f16; w13 [E, H, 2N] (gated) or [E, H, N] (``*_no_mul``); w2 [E, N, H];
+  topk_weights [T, k] (f32), topk_ids [T, k] int (-1 = empty slot, contributes 0).
+  """
+  act = as_activation(activation)
+  t, k = topk_ids.shape
+  e, hdim, n13 = w13.shape
+  n = n13 // 2 if act.is_gated else n13
+  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
+  m = t * k
+  if config1 is None:
+    config1 = gg.get_config("grouped_gemm_gated" if act.is_gated else "grouped_gemm", m, n, hdim,
+                            e, x.dtype, gated=act.is_gated)
+  if config2 is None:
+    config2 = gg.get_config("grouped_gemm", m, hdim, n, e, x.dtype)
+  # Allocate at least one row tile so the kernels never need padding or slicing copies; the
+  # extra rows (and rows past sum(group_sizes)) are garbage that gather_sum never reads.
+  m_alloc = max(m, config1.block_m, config2.block_m)
+  order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
+  xs = _perm.permute_rows(x, order, k)
+  scale = _perm.permute_weights(topk_weights, order)
+  meta1 = gg.tile_metadata(group_sizes, m_alloc, config1.block_m)
+  meta2 = meta1 if config2.block_m == config1.block_m else gg.tile_metadata(
+      group_sizes, m_alloc, config2.block_m)
+  gg._validate(xs, w13, group_sizes, None, w13_bias, n13)
+  h = gg._run(xs, w13, group_sizes, None, w13_bias, None, config1, interpret, act.is_gated, act,
+              "", meta=meta1)
+  gg._validate(h, w2, group_sizes, scale, w2_bias, w2.shape[2])
+  y = gg._run(h, w2, group_sizes, scale, w2_bias, None, config2, interpret, False, None, "",
+              meta=meta2)
+  return _perm.gather_sum(y, inv, out_dtype=x.dtype)
+
+
+def fused_experts_reference(x, w13, w2, topk_weights, topk_ids, *, activation="silu",
+                            w13_bias=None, w2_bias=None):
+  """Per-slot f32 reference (reads one expert per slot; for small T)."""
+  act = as_activation(activation)
+  t, k = topk_ids.shape
+  e = w13.shape[0]
+  ids = topk_ids.reshape(-1)
+  valid = (ids >= 0) & (ids < e)
+  idc = jnp.where(valid, ids, 0)
+  tok = jnp.repeat(jnp.arange(t), k)
+  hp = jax.lax.Precision.HIGHEST
+
+  def one(args):
+    ti, ei = args
+    h = jnp.dot(x[ti].astype(jnp.float32), w13[ei].astype(jnp.float32), precision=hp)
+    if w13_bias is not None:
+      h = h + w13_bias[ei].astype(jnp.float32)
+    a = act(h)
+    y = jnp.dot(a, w2[ei].astype(jnp.float32), precision=hp)
+    if w2_bias is not None:
+      y = y + w2_bias[ei].astype(jnp.float32)
+    return y
+
+  ys = jax.lax.map(one, (tok, idc))
+  ys = ys * (topk_weights.reshape(-1).astype(jnp.float32) * valid)[:, None]
+  return ys.reshape(t, k, -1).sum(axis=1)

@@ -1,0 +1,374 @@
+"""Expert-parallel PrepareFinalize implementations. They run inside `shard_map`.
+
+Each object is built from a `ParallelConfig` (its axis names and sizes) and used by the
+`ModularKernel` that `sharding.ep_fused_moe` applies inside the `shard_map` body, so `prepare`
+sees this rank's tokens `x [T, H]` (T = tokens per (data, expert) shard) and `finalize` returns
+this rank's `[T, H]`. Collectives run over the expert axis; the tensor axis (intermediate dim
+split) costs one `psum` at the end of `finalize`.
+
+* `AllGather` / `AllGatherBatched` — all-gather tokens and top-k ids/weights over the expert
+  axis, compute the local experts with `expert_map`, reduce-scatter the partial outputs.
+* `RaggedA2A` — count slots per (destination, local expert), exchange the counts, send exactly
+  the routed copies with a ragged all-to-all, local experts in Standard format, reverse.
+* `PaddedA2A` — fixed capacity per (destination rank, local expert): static shapes, one
+  `all_to_all` each way, Batched experts; overflow over the capacity is dropped and counted.
+
+`prepare_async` issues the dispatch collective and returns the receiver, which does the local
+post-processing; work placed between them (shared experts) has no data dependence on the
+collective, so XLA's scheduler is free to overlap them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmoe.config import ParallelConfig
+from jmoe.modular import (ActivationFormat, Contiguous, Delegate, ExpertsInput, NaiveBatched,
+                          PrepareFinalize, TopKWeightAndReduce, local_expert_ids)
+from jmoe.prepare_finalize.no_ep import apply_weight_on_input, batched_layout
+from jmoe.quant import quantize_activations
+from sharding import collectives
+from sharding.mesh import ExpertPlacement, axis_sizes, expert_placement
+
+
+class EPPrepareFinalize(PrepareFinalize):
+  """Common state of the EP variants: axis names/sizes, placement, capacity."""
+
+  needs_expert_axis: bool = True
+
+  def __init__(self, parallel: ParallelConfig, *,
+               placement: Union[str, ExpertPlacement, None] = None,
+               capacity: Optional[int] = None, ragged_impl: Optional[str] = None):
+    if parallel is None or parallel.mesh is None:
+      raise ValueError(f"{type(self).__name__} needs parallel=ParallelConfig(mesh=...)")
+    if self.needs_expert_axis and parallel.expert_axis is None:
+      raise ValueError(f"{type(self).__name__} needs ParallelConfig.expert_axis")
+    self.parallel = parallel
+    self.expert_axis = parallel.expert_axis
+    self.tensor_axis = parallel.tensor_axis
+    self.data_axis = parallel.data_axis
+    s = axis_sizes(parallel)
+    self.ep, self.tp, self.dp = s.ep, s.tp, s.dp
+    self.placement_spec = placement if placement is not None else parallel.expert_placement
+    self.capacity = capacity if capacity is not None else parallel.dispatch_capacity
+    if self.capacity is not None and self.capacity <= 0:
+      raise ValueError(f"capacity must be positive, got {self.capacity}")
+    self.ragged_impl = ragged_impl or collectives.ragged_impl_for(
+        collectives.mesh_platform(parallel.mesh))
+    self.last_dropped = None  # set by prepare (a traced scalar) for the stats side output
+
+  def __repr__(self):
+    return (f"{type(self).__name__}(ep={self.ep}, tp={self.tp}, dp={self.dp}, "
+            f"placement={getattr(self.placement_spec, 'kind', self.placement_spec)})")
+
+  # ---- helpers usable only inside shard_map
+
+  def placement(self, num_local_experts: int) -> ExpertPlacement:
+    return expert_placement(num_local_experts * self.ep, self.ep, self.placement_spec)
+
+  def rank(self) -> jax.Array:
+    if self.expert_axis is None:
+      return jnp.int32(0)
+    return jax.lax.axis_index(self.expert_axis)
+
+  def kernel_expert_map(self, num_local_experts: int) -> Optional[jax.Array]:
+    """The `expert_map` the experts get (None: prepare already made ids local)."""
+    return None
+
+  def num_dispatchers(self) -> int:
+    return self.ep
+
+  def _tensor_psum(self, y: jax.Array) -> jax.Array:
+    if self.tensor_axis is not None:  # size 1 too: makes the value tensor-invariant
+      y = jax.lax.psum(y, self.tensor_axis)
+    return y
+
+  def _count_dropped(self, dropped: jax.Array) -> jax.Array:
+    axes = tuple(a for a in (self.data_axis, self.expert_axis) if a is not None)
+    return jax.lax.psum(dropped, axes) if axes else dropped
+
+  def prepare(self, *args, **kwargs) -> ExpertsInput:
+    return self.prepare_async(*args, **kwargs)()
+
+
+def _resolve(wr: TopKWeightAndReduce, default: TopKWeightAndReduce) -> TopKWeightAndReduce:
+  return default if isinstance(wr, Delegate) else wr
+
+
+# --------------------------------------------------------------------------------------------
+# all-gather / reduce-scatter (hybrid EP x TP)
+
+
+class AllGather(EPPrepareFinalize):
+  """All-gather tokens + top-k over the expert axis; local experts; reduce-scatter back."""
+
+  name = "allgather"
+  activation_format = ActivationFormat.Standard
+  default_weight_and_reduce = Contiguous()
+  needs_expert_axis = False
+
+  def kernel_expert_map(self, num_local_experts):
+    if self.ep == 1:
+      return None
+    maps = jnp.asarray(self.placement(num_local_experts).expert_maps)
+    return maps[self.rank()]
+
+  def _gather(self, v):
+    if v is None or self.ep == 1:
+      return v
+    return jax.lax.all_gather(v, self.expert_axis, tiled=True)
+
+  def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
+                    apply_router_weight_on_input, quant):
+    x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
+    a1q, a1_scale = quantize_activations(x, quant)  # quantize before sending
+    a, scale = self._gather(a1q), self._gather(a1_scale)
+    w, ids = self._gather(topk_weights), self._gather(topk_ids.astype(jnp.int32))
+    self.last_dropped = jnp.int32(0)
+    return lambda: ExpertsInput(a=a, a_scale=scale, topk_weights=w, topk_ids=ids,
+                                format=ActivationFormat.Standard)
+
+  def _combine(self, y: jax.Array, out_dtype) -> jax.Array:
+    """y [ep*T, H] f32 partial sums -> [T, H]: one reduce-scatter over (expert, tensor)."""
+    m = y.shape[0]
+    t = m // self.ep
+    ea, ta = self.expert_axis, self.tensor_axis
+    if self.ep > 1 and self.tp > 1 and t % self.tp == 0:
+      # reduce over both axes while scattering rows over ep*tp, then re-replicate over tp
+      y = jax.lax.psum_scatter(y, (ea, ta), scatter_dimension=0, tiled=True)
+      y = jax.lax.all_gather(y, ta, tiled=True, to="invarying")
+    else:
+      y = self._tensor_psum(y)
+      if self.ep > 1:
+        y = jax.lax.psum_scatter(y, ea, scatter_dimension=0, tiled=True)
+    return y.astype(out_dtype)
+
+  def finalize(self, fused_out, inp, weight_and_reduce, out_dtype):
+    wr = _resolve(weight_and_reduce, self.default_weight_and_reduce)
+    y = wr.apply(fused_out, inp, jnp.float32)
+    return self._combine(y, out_dtype)
+
+
+class AllGatherBatched(AllGather):
+  """All-gather, then the Batched layout of the local experts (capacity: all gathered tokens)."""
+
+  name = "allgather_batched"
+  activation_format = ActivationFormat.Batched
+  default_weight_and_reduce = NaiveBatched()
+
+  def kernel_expert_map(self, num_local_experts):
+    return None  # prepare maps ids to local experts itself
+
+  def max_num_tokens_per_rank(self):
+    return self.capacity
+
+  def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
+                    apply_router_weight_on_input, quant):
+    inner = AllGather.prepare_async(
+        self, x, topk_weights, topk_ids, num_local_experts=num_local_experts, expert_map=None,
+        apply_router_weight_on_input=apply_router_weight_on_input, quant=None)
+    emap = AllGather.kernel_expert_map(self, num_local_experts)
+
+    def receive():
+      g = inner()
+      m, k = g.topk_ids.shape
+      cap = min(self.capacity or m, m)
+      local = local_expert_ids(g.topk_ids, num_local_experts, emap)
+      src_slot, num_tokens, slot_pos, dropped = batched_layout(local, num_local_experts, cap)
+      tok = jnp.where(src_slot >= 0, src_slot // k, 0)
+      a = jnp.where((src_slot >= 0)[..., None], g.a[tok], jnp.zeros((), g.a.dtype))
+      a1q, a1_scale = quantize_activations(a, quant)
+      self.last_dropped = self._count_dropped(dropped)
+      return ExpertsInput(a=a1q, a_scale=a1_scale, topk_weights=g.topk_weights,
+                          topk_ids=g.topk_ids, expert_num_tokens=num_tokens,
+                          slot_expert=jnp.clip(local, 0, num_local_experts - 1),
+                          slot_pos=slot_pos, dropped=self.last_dropped,
+                          format=ActivationFormat.Batched)
+    return receive
+
+
+# --------------------------------------------------------------------------------------------
+# ragged all-to-all (high throughput, contiguous)
+
+
+class RaggedA2A(EPPrepareFinalize):
+  """Send exactly the routed token copies with a ragged all-to-all; Standard experts.
+
+  Dispatch: slots sorted by (destination rank, local expert); per-(rank, expert) counts are
+  all-gathered (E ints per rank) so every rank knows every offset; one ragged all-to-all of the
+  rows; the receiver labels rows with their local expert from the counts. Combine: the
+  reverse ragged all-to-all with the roles swapped, un-sort, weight and sum over k on the
+  sender (f32), then one psum over the tensor axis.
+
+  The receive buffer holds the dropless worst case, ep * T * min(k, E_local) rows.
+  """
+
+  name = "ragged_a2a"
+  activation_format = ActivationFormat.Standard
+  default_weight_and_reduce = Contiguous()
+
+  def recv_rows(self, t: int, k: int, num_local_experts: int) -> int:
+    return self.ep * t * min(k, num_local_experts)
+
+  def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
+                    apply_router_weight_on_input, quant):
+    x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
+    a1q, a1_scale = quantize_activations(x, quant)
+    t, k = topk_ids.shape
+    el, ep = num_local_experts, self.ep
+    e = el * ep
+    pl = self.placement(el)
+    ids = topk_ids.astype(jnp.int32).reshape(-1)
+    valid = (ids >= 0) & (ids < e)
+    safe = jnp.clip(ids, 0, e - 1)
+    dest = jnp.where(valid, jnp.asarray(pl.owner)[safe], ep)
+    le = jnp.where(valid, jnp.asarray(pl.local_index)[safe], 0)
+    key = dest * el + le  # ep*el for slots that go nowhere
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    counts = jnp.bincount(key, length=ep * el + 1)[:ep * el].reshape(ep, el).astype(jnp.int32)
+    x_send = a1q[order // k]  # [T*k, H], grouped by destination then local expert
+    counts_all = jax.lax.all_gather(counts, self.expert_axis)  # [src, dst, el]
+    cnt = counts_all.sum(-1)  # [src, dst]
+    in_off = collectives.exclusive_cumsum(cnt, axis=1)  # offset in the sender's buffer
+    out_off = collectives.exclusive_cumsum(cnt, axis=0)  # offset in the receiver's buffer
+    me = self.rank()
+    r = self.recv_rows(t, k, el)
+    recv = collectives.ragged_all_to_all(
+        x_send, jnp.zeros((r,) + x_send.shape[1:], x_send.dtype), in_off[me], cnt[me],
+        out_off[me], cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
+    scale = None
+    if a1_scale is not None:  # per-token scales travel with their rows (fp8 dispatch)
+      s_send = a1_scale[order // k]
+      scale = collectives.ragged_all_to_all(
+          s_send, jnp.zeros((r,) + s_send.shape[1:], s_send.dtype), in_off[me], cnt[me],
+          out_off[me], cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
+    self.last_dropped = jnp.int32(0)
+
+    def receive():
+      # received rows: src-major, each source's block sorted by local expert
+      seg = counts_all[:, me, :].reshape(-1)  # [ep*el] in (src, local expert) order
+      ends = jnp.cumsum(seg)
+      seg_id = jnp.searchsorted(ends, jnp.arange(r, dtype=ends.dtype), side="right")
+      rle = jnp.where(seg_id < ep * el, seg_id % el, -1).astype(jnp.int32)
+      plan = dict(order=order, cnt=cnt, in_off=in_off, out_off=out_off, ids=topk_ids,
+                  weights=topk_weights)
+      return ExpertsInput(a=recv, a_scale=scale, topk_weights=jnp.ones((r, 1), jnp.float32),
+                          topk_ids=rle[:, None], extra=plan, format=ActivationFormat.Standard)
+    return receive
+
+  def finalize(self, fused_out, inp, weight_and_reduce, out_dtype):
+    wr = _resolve(weight_and_reduce, self.default_weight_and_reduce)
+    y = wr.apply(fused_out, inp, out_dtype)  # [R, H]: rows travel back in activation dtype
+    plan = inp.extra
+    t, k = plan["ids"].shape
+    me = self.rank()
+    cnt, in_off, out_off = plan["cnt"], plan["in_off"], plan["out_off"]
+    back = collectives.ragged_all_to_all(
+        y, jnp.zeros((t * k,) + y.shape[1:], y.dtype), out_off[:, me], cnt[:, me],
+        in_off[:, me], cnt[me], axis_name=self.expert_axis, impl=self.ragged_impl)
+    inv = jnp.argsort(plan["order"]).astype(jnp.int32)
+    per_slot = back[inv].reshape(t, k, -1).astype(jnp.float32)
+    ids = plan["ids"]
+    w = jnp.where(ids >= 0, plan["weights"].astype(jnp.float32), 0.0)
+    out = jnp.einsum("tk,tkh->th", w, per_slot)
+    return self._tensor_psum(out).astype(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# padded all-to-all (low latency, batched, static shapes)
+
+
+class PaddedA2A(EPPrepareFinalize):
+  """Fixed capacity C per (destination rank, local expert); Batched experts.
+
+  Every source packs `[ep, E_local, C, H]` (rows past the count are zero), one all_to_all
+  sends it, the receiver compacts each expert's rows from all sources to the front of
+  `[E_local, ep*C, H]` with `expert_num_tokens`. Combine is the exact reverse. C defaults to
+  T (dropless: a token sends at most one copy per expert); a smaller C drops the overflow and
+  the number of dropped token copies is reported (`ExpertsInput.dropped`, the stats output).
+  """
+
+  name = "padded_a2a"
+  activation_format = ActivationFormat.Batched
+  default_weight_and_reduce = NaiveBatched()
+
+  def max_num_tokens_per_rank(self):
+    return self.capacity
+
+  def _a2a(self, v):
+    return jax.lax.all_to_all(v, self.expert_axis, 0, 0, tiled=True)
+
+  def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
+                    apply_router_weight_on_input, quant):
+    x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
+    t, k = topk_ids.shape
+    el, ep = num_local_experts, self.ep
+    e = el * ep
+    cap = min(self.capacity or t, t)
+    pl = self.placement(el)
+    ids = topk_ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < e)
+    phys = jnp.where(valid, jnp.asarray(pl.log_to_phys, jnp.int32)[jnp.clip(ids, 0, e - 1)], e)
+    src_slot, num_tokens, slot_pos, dropped = batched_layout(phys, e, cap)
+    tok = jnp.where(src_slot >= 0, src_slot // k, 0)
+    send = jnp.where((src_slot >= 0)[..., None], x[tok], jnp.zeros((), x.dtype))  # [E, C, H]
+    a1q, a1_scale = quantize_activations(send, quant)
+    recv = self._a2a(a1q.reshape((ep, el, cap) + a1q.shape[2:]))  # [src, el, C, H]
+    scale = None
+    if a1_scale is not None:
+      scale = self._a2a(a1_scale.reshape((ep, el, cap) + a1_scale.shape[2:]))
+    recv_counts = self._a2a(num_tokens.reshape(ep, el))  # [src, el]
+    self.last_dropped = self._count_dropped(dropped)
+
+    def receive():
+      cnt = recv_counts.T  # [el, src]
+      ends = jnp.cumsum(cnt, axis=1)
+      starts = ends - cnt
+      m = ep * cap
+      p = jnp.arange(m, dtype=cnt.dtype)
+      src = jnp.sum(ends[:, None, :] <= p[None, :, None], axis=-1)  # [el, m]
+      live = src < ep
+      srcc = jnp.clip(src, 0, ep - 1)
+      row = jnp.clip(p[None, :] - jnp.take_along_axis(starts, srcc, axis=1), 0, cap - 1)
+      lidx = jnp.broadcast_to(jnp.arange(el)[:, None], (el, m))
+
+      def compact(v):
+        g = v[srcc, lidx, row]
+        return jnp.where(live.reshape(live.shape + (1,) * (g.ndim - 2)), g,
+                         jnp.zeros((), v.dtype))
+      plan = dict(recv_counts=recv_counts, starts=starts)
+      return ExpertsInput(
+          a=compact(recv), a_scale=None if scale is None else compact(scale),
+          topk_weights=topk_weights, topk_ids=topk_ids,
+          expert_num_tokens=ends[:, -1].astype(jnp.int32),
+          slot_expert=jnp.clip(phys, 0, e - 1), slot_pos=slot_pos, dropped=self.last_dropped,
+          extra=plan, format=ActivationFormat.Batched)
+    return receive
+
+  def finalize(self, fused_out, inp, weight_and_reduce, out_dtype):
+    wr = _resolve(weight_and_reduce, self.default_weight_and_reduce)
+    if not isinstance(wr, NaiveBatched):
+      raise ValueError(f"{self!r} combines batched expert outputs itself and needs experts "
+                       f"whose weight-and-reduce is NaiveBatched, got {wr!r}")
+    el, m, h = fused_out.shape
+    ep = self.ep
+    cap = m // ep
+    plan = inp.extra
+    cnt = plan["recv_counts"]  # [src, el]
+    starts = plan["starts"]  # [el, src]
+    row = jnp.arange(cap)
+    pos = starts.T[:, :, None] + row[None, None, :]  # [src, el, C]
+    ok = row[None, None, :] < cnt[:, :, None]
+    lidx = jnp.broadcast_to(jnp.arange(el)[None, :, None], pos.shape)
+    back_send = jnp.where(ok[..., None], fused_out[lidx, jnp.clip(pos, 0, m - 1)],
+                          jnp.zeros((), fused_out.dtype))
+    back = self._a2a(back_send).reshape(ep * el, cap, h)  # my own [E, C, H] layout again
+    out = NaiveBatched().apply(back, inp, jnp.float32)
+    return self._tensor_psum(out).astype(out_dtype)
+
+
+def factory(cls) -> Callable[[ParallelConfig], PrepareFinalize]:
+  return lambda parallel, **kw: cls(parallel, **kw)

@@ -1,0 +1,247 @@
+"""Every registered PrepareFinalize x Experts pair (the analogue of vLLM's modular-kernel
+combinations test): compatible pairs match ReferenceExperts over a matrix of activations,
+dtypes, shapes and routing cases; incompatible pairs refuse to be built, naming both parts."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmoe
+import oracle_np as onp
+from jmoe import registry
+from jmoe.modular import (ActivationFormat, Contiguous, Delegate, ExpertsInput, ExpertWeights,
+                          IncompatiblePartsError, ModularKernel, compatibility)
+from jmoe.experts import ReferenceExperts
+from jmoe.prepare_finalize import NoEP, NoEPBatched
+from pallas_kernels.activations import Activation
+
+PFS = registry.all_prepare_finalize()
+EXPERTS = registry.all_experts()
+PAIRS = [(label, f, cls) for (label, f), cls in itertools.product(PFS, EXPERTS)]
+
+
+def _pair_id(p):
+  return f"{p[0]}+{p[2].__name__}"
+
+
+def _compatible(pf_factory, experts_cls):
+  return compatibility(pf_factory(), experts_cls()) is None
+
+
+COMPATIBLE = [p for p in PAIRS if _compatible(p[1], p[2])]
+INCOMPATIBLE = [p for p in PAIRS if not _compatible(p[1], p[2])]
+
+
+def _skip_unavailable(experts_cls):
+  ok, why = experts_cls.is_available()
+  if not ok:
+    pytest.skip(f"{experts_cls.__name__} unavailable here: {why}")
+
+
+def test_registry_has_the_builtin_parts():
+  names = {c.__name__ for c in EXPERTS}
+  assert {"ReferenceExperts", "XlaExperts", "XlaBatchedExperts"} <= names
+  labels = {label for label, _ in PFS}
+  assert {"none:standard", "none:batched"} <= labels
+  assert COMPATIBLE and INCOMPATIBLE
+
+
+# ---------------------------------------------------------------------------------------------
+# the matrix
+
+T, H, N, E, K = 6, 12, 10, 5, 2
+
+
+def _problem(rng, activation, routing, dtype):
+  """-> (args for ModularKernel.__call__ as a dict, expert_map or None)."""
+  act = Activation(activation)
+  k = 1 if routing == "weight_on_input" else K
+  w = onp.make_weights(rng, E, H, N, gated=act.is_gated, bias=(routing == "bias"))
+  tw, ids = onp.random_topk(rng, T, E, k)
+  emap = None
+  if routing == "empty_slots":
+    ids[::2, 1] = -1
+    ids[3] = -1
+  elif routing == "expert_map":  # 8 global experts, 5 local
+    emap = jnp.asarray([3, -1, 0, 4, -1, 1, -1, 2], jnp.int32)
+    ids = np.stack([rng.permutation(8)[:K] for _ in range(T)]).astype(np.int32)
+  elif routing == "one_expert":
+    ids[:, 0] = 3
+    ids[:, 1] = np.where(ids[:, 1] == 3, 0, ids[:, 1])
+  weights = ExpertWeights(**{n: jnp.asarray(v, dtype) for n, v in w.items()})
+  return dict(x=jnp.asarray(2 * rng.standard_normal((T, H)), dtype), weights=weights,
+              topk_weights=jnp.asarray(tw), topk_ids=jnp.asarray(ids), activation=act,
+              expert_map=emap, apply_router_weight_on_input=(routing == "weight_on_input"))
+
+
+ACTIVATIONS = ("silu", "swigluoai", "gelu_no_mul")
+ROUTINGS = ("plain", "empty_slots", "expert_map", "one_expert", "bias", "weight_on_input")
+DTYPES = ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2))
+REFERENCE = ModularKernel(NoEP(), ReferenceExperts())
+
+
+@pytest.mark.parametrize("pair", COMPATIBLE, ids=_pair_id)
+def test_compatible_pair_matches_reference(pair, rng):
+  label, pf_factory, experts_cls = pair
+  _skip_unavailable(experts_cls)
+  kernel = ModularKernel(pf_factory(), experts_cls())
+  failures = []
+  for activation, routing, (dtype, tol) in itertools.product(ACTIVATIONS, ROUTINGS, DTYPES):
+    p = _problem(rng, activation, routing, dtype)
+    if p["expert_map"] is not None and kernel.prepare_finalize.activation_format == \
+        ActivationFormat.Standard and not experts_cls.supports_expert_map:
+      with pytest.raises(IncompatiblePartsError):
+        kernel(**p)
+      continue
+    out = kernel(**p)
+    ref = REFERENCE(**p)
+    assert out.shape == (T, H) and out.dtype == dtype
+    err = onp.rel_err(np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+    if not err <= tol:
+      failures.append(f"{activation}/{routing}/{jnp.dtype(dtype).name}: rel err {err:.2e}")
+  assert not failures, f"{kernel!r}: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("pair", COMPATIBLE, ids=_pair_id)
+def test_compatible_pair_jit_and_odd_shapes(pair, rng):
+  """Jitted, on shapes nothing is a multiple of 8 in (and T=1, E=1, k=E), vs the f64 oracle."""
+  label, pf_factory, experts_cls = pair
+  _skip_unavailable(experts_cls)
+  kernel = ModularKernel(pf_factory(), experts_cls())
+  act = Activation("gelu_tanh")
+  f = jax.jit(lambda x, w, tw, ti: kernel(x, w, tw, ti, activation=act))
+  for t, h, n, e, k in ((1, 5, 3, 3, 2), (7, 9, 5, 1, 1), (4, 3, 7, 3, 3)):
+    w = onp.make_weights(rng, e, h, n, bias=True)
+    tw, ids = onp.random_topk(rng, t, e, k)
+    x = rng.standard_normal((t, h))
+    out = f(jnp.asarray(x, jnp.float32),
+            ExpertWeights(**{nm: jnp.asarray(v, jnp.float32) for nm, v in w.items()}),
+            jnp.asarray(tw), jnp.asarray(ids))
+    ref = onp.fused_moe(x, w["w13"], w["w2"], tw, ids, activation="gelu_tanh",
+                        w13_bias=w["w13_bias"], w2_bias=w["w2_bias"])
+    onp.assert_rel_close(np.asarray(out), ref, 1e-5, f"{kernel!r} T={t} H={h} N={n} E={e}")
+
+
+@pytest.mark.parametrize("pair", INCOMPATIBLE, ids=_pair_id)
+def test_incompatible_pair_raises(pair):
+  label, pf_factory, experts_cls = pair
+  pf, experts = pf_factory(), experts_cls()
+  reason = compatibility(pf, experts)
+  with pytest.raises(IncompatiblePartsError) as info:
+    ModularKernel(pf, experts)
+  assert isinstance(info.value, ValueError)
+  msg = str(info.value)
+  assert repr(pf) in msg and repr(experts) in msg, msg
+  assert reason in msg
+
+
+@pytest.mark.parametrize("experts_cls", EXPERTS, ids=lambda c: c.__name__)
+def test_quantized_formats_refused_clearly(experts_cls):
+  """No part supports a quantized format yet: building one must raise, naming both parts."""
+  quant = jmoe.QuantConfig(format="fp8_block", block_shape=(128, 128))
+  for label, pf_factory in PFS:
+    pf, experts = pf_factory(), experts_cls()
+    if pf.supports_quant(quant) and experts.supports_quant(quant):
+      continue
+    with pytest.raises(IncompatiblePartsError, match="cannot be combined") as info:
+      ModularKernel(pf, experts, quant)
+    assert repr(pf) in str(info.value) and repr(experts) in str(info.value)
+
+
+@pytest.mark.parametrize("experts_cls", EXPERTS, ids=lambda c: c.__name__)
+def test_workspace_shapes_match_apply(experts_cls, rng):
+  _skip_unavailable(experts_cls)
+  experts = experts_cls()
+  pf = NoEP() if experts.activation_formats[0] == ActivationFormat.Standard else NoEPBatched()
+  w = onp.make_weights(rng, E, H, N)
+  weights = ExpertWeights(w13=jnp.asarray(w["w13"], jnp.float32),
+                          w2=jnp.asarray(w["w2"], jnp.float32))
+  tw, ids = onp.random_topk(rng, T, E, K)
+  x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+  inp = pf.prepare(x, jnp.asarray(tw), jnp.asarray(ids), num_local_experts=E, expert_map=None,
+                   apply_router_weight_on_input=False, quant=None)
+  got = experts.workspace_shapes(inp, weights, jnp.float32)
+  out = experts.apply(inp, weights, activation=Activation("silu"), expert_map=None,
+                      out_dtype=jnp.float32)
+  assert (got.shape, got.dtype) == (out.shape, out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# NoEPBatched capacity, Delegate, shared-output hook
+
+
+def test_batched_capacity_reports_dropped(rng):
+  ids = np.array([[0, 1], [0, 2], [0, 1], [0, 3], [4, 0], [2, 1]], np.int32)  # expert 0: 5 slots
+  tw = rng.uniform(0.1, 1, ids.shape).astype(np.float32)
+  x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+  w = onp.make_weights(rng, E, H, N)
+  weights = ExpertWeights(w13=jnp.asarray(w["w13"], jnp.float32),
+                          w2=jnp.asarray(w["w2"], jnp.float32))
+  kw = dict(num_local_experts=E, expert_map=None, apply_router_weight_on_input=False, quant=None)
+  # Default capacity (T): dropless.
+  inp = NoEPBatched().prepare(x, jnp.asarray(tw), jnp.asarray(ids), **kw)
+  assert int(inp.dropped) == 0 and inp.a.shape == (E, T, H)
+  np.testing.assert_array_equal(inp.expert_num_tokens, [5, 3, 2, 1, 1])
+  # Capacity 2: expert 0 drops 3 slots, expert 1 drops 1.
+  pf = NoEPBatched(max_tokens_per_expert=2)
+  assert pf.max_num_tokens_per_rank() == 2
+  inp = pf.prepare(x, jnp.asarray(tw), jnp.asarray(ids), **kw)
+  assert int(inp.dropped) == 4
+  assert inp.a.shape == (E, 2, H)
+  np.testing.assert_array_equal(inp.expert_num_tokens, [2, 2, 2, 1, 1])
+  kept = np.asarray(inp.slot_pos) >= 0
+  assert int((~kept).sum()) == 4
+  # The kept slots are the first ones in token order (stable), and the output equals the
+  # oracle with the dropped slots emptied.
+  np.testing.assert_array_equal(~kept, [[0, 0], [0, 0], [1, 0], [1, 0], [0, 1], [0, 1]])
+  out = ModularKernel(pf, jmoe.experts.XlaBatchedExperts())(
+      x, weights, jnp.asarray(tw), jnp.asarray(ids), activation=Activation("silu"))
+  ref = onp.fused_moe(np.asarray(x), w["w13"], w["w2"], tw, np.where(kept, ids, -1))
+  onp.assert_rel_close(np.asarray(out), ref, 1e-5)
+  # Under jit the count is a traced value and still right.
+  dropped = jax.jit(lambda a, b, c: pf.prepare(a, b, c, **kw).dropped)(
+      x, jnp.asarray(tw), jnp.asarray(ids))
+  assert int(dropped) == 4
+
+
+def test_batched_capacity_must_be_positive():
+  with pytest.raises(ValueError, match="max_tokens_per_expert"):
+    NoEPBatched(max_tokens_per_expert=0)
+
+
+class _DelegatingExperts(ReferenceExperts):
+  """Returns the per-slot [T, k, H] layout and lets the PrepareFinalize pick the reduce."""
+
+  name = "delegating_test"
+
+  def finalize_weight_and_reduce_impl(self):
+    return Delegate()
+
+
+def test_delegate_resolves_to_prepare_finalize_default(rng):
+  p = _problem(rng, "silu", "plain", jnp.float32)
+  assert isinstance(NoEP().default_weight_and_reduce, Contiguous)
+  out = ModularKernel(NoEP(), _DelegatingExperts())(**p)
+  np.testing.assert_allclose(out, REFERENCE(**p), rtol=1e-6)
+  inp = ExpertsInput(a=p["x"], topk_weights=p["topk_weights"], topk_ids=p["topk_ids"])
+  with pytest.raises(RuntimeError, match="Delegate"):
+    Delegate().apply(jnp.zeros((T, K, H)), inp, jnp.float32)
+
+
+@pytest.mark.parametrize("label_factory", PFS, ids=lambda p: p[0])
+def test_shared_output_hook_is_added(label_factory, rng):
+  label, pf_factory = label_factory
+  pf = pf_factory()
+  experts = ReferenceExperts() if pf.activation_format == ActivationFormat.Standard \
+      else jmoe.experts.XlaBatchedExperts()
+  kernel = ModularKernel(pf, experts)
+  p = _problem(rng, "silu", "plain", jnp.float32)
+  shared = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+  calls = []
+  out = kernel(**p, shared_output=lambda: calls.append(1) or shared)
+  assert calls == [1]
+  np.testing.assert_allclose(out, kernel(**p) + shared, rtol=1e-5, atol=1e-6)

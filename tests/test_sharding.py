@@ -1,0 +1,426 @@
+"""Expert parallelism on 8 simulated CPU devices: every EP PrepareFinalize x compatible experts
+equals the single-device reference (forward and grad) over several meshes.
+
+`tests/conftest.py` sets `--xla_force_host_platform_device_count=8` before jax initialises;
+when jax was initialised with fewer devices (the file run in a process that imported jax
+first) the module is skipped rather than failing.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.extend.core import Literal  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jmoe  # noqa: E402
+import sharding  # noqa: E402
+from jmoe import registry  # noqa: E402
+from jmoe.shared import shared_expert_mlp  # noqa: E402
+from sharding import collectives  # noqa: E402
+from sharding.mesh import (ExpertPlacement, expert_placement, make_ep_mesh, make_parallel,  # noqa: E402
+                           parallel_config, place_weights)
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
+                                reason="needs 8 (simulated) devices: XLA_FLAGS set too late")
+
+T, H, N, E, K = 16, 8, 4, 16, 3
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+MESHES = {
+    "e8": dict(expert=8),
+    "d2e4": dict(data=2, expert=4),
+    "e4t2": dict(expert=4, tensor=2),
+    "e2t4": dict(expert=2, tensor=4),
+    "d2e2t2": dict(data=2, expert=2, tensor=2),
+}
+ALL_PAIRS = [("allgather", "xla"), ("allgather", "reference"), ("allgather", "xla_batched"),
+             ("ragged_a2a", "xla"), ("ragged_a2a", "reference"), ("padded_a2a", "xla_batched")]
+CORE = [("allgather", "xla"), ("ragged_a2a", "xla"), ("padded_a2a", "xla_batched")]
+CHEAP = [("allgather", "reference"), ("ragged_a2a", "reference"), ("padded_a2a", "xla_batched")]
+CASES = ([("e8",) + p for p in ALL_PAIRS] + [("e4t2",) + p for p in ALL_PAIRS]
+         + [("d2e4",) + p for p in CORE] + [("d2e2t2",) + p for p in CORE]
+         + [("e2t4", "allgather", "xla_batched"), ("e2t4", "ragged_a2a", "reference"),
+            ("e2t4", "padded_a2a", "xla_batched")])
+
+
+@functools.lru_cache(maxsize=None)
+def parallel(name: str, **kw):
+  return make_parallel(**MESHES[name], **kw)
+
+
+def problem(seed=0, t=T, e=E, k=K, h=H, n=N, bias=True):
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+  x = f(t, h)
+  w13, w2 = f(e, h, 2 * n) / 3, f(e, n, h) / 2
+  b13, b2 = (f(e, 2 * n) / 3, f(e, h) / 3) if bias else (None, None)
+  tw, ti = jmoe.select_experts(x, f(t, e), k)
+  return dict(x=x, w13=w13, w2=w2, b13=b13, b2=b2, tw=tw, ti=ti)
+
+
+# XLA:CPU compile time dominates these tests; LLVM's optimisations are not what they test
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def fast_jit(fn):
+  """jax.jit(fn) compiled with cheap backend options (call once per argument shapes)."""
+  def call(*args):
+    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
+  return call
+
+
+def _fwd_and_vjp(fn):
+  """(out, grads) of fn(x, w13, w2, tw, b13, b2; ti) with one compile."""
+  def run(x, w13, w2, tw, b13, b2, ti, ct):
+    out, vjp = jax.vjp(lambda *a: fn(*a, ti), x, w13, w2, tw, b13, b2)
+    return out, vjp(ct)
+  return fast_jit(run)
+
+
+def reference(p, **kw):
+  fn = lambda x, w13, w2, tw, b13, b2, ti: jmoe.fused_moe(  # noqa: E731
+      x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2, runner_backend="reference", **kw)
+  return _fwd_and_vjp(fn)(p["x"], p["w13"], p["w2"], p["tw"], p["b13"], p["b2"], p["ti"],
+                          _cotangent(p))
+
+
+def ep(p, par, a2a, runner, **kw):
+  fn = lambda x, w13, w2, tw, b13, b2, ti: jmoe.fused_moe(  # noqa: E731
+      x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2, runner_backend=runner, a2a_backend=a2a,
+      parallel=par, **kw)
+  return _fwd_and_vjp(fn)(p["x"], p["w13"], p["w2"], p["tw"], p["b13"], p["b2"], p["ti"],
+                          _cotangent(p))
+
+
+def _cotangent(p):
+  return jnp.asarray(np.random.default_rng(7).normal(size=p["x"].shape), jnp.float32)
+
+
+def assert_same(got, want):
+  out, grads = got
+  rout, rgrads = want
+  np.testing.assert_allclose(np.asarray(out), np.asarray(rout), **TOL)
+  for name, g, r in zip(("x", "w13", "w2", "topk_weights", "w13_bias", "w2_bias"), grads, rgrads):
+    if r is None:
+      continue
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), **TOL, err_msg=f"grad {name}")
+
+
+@pytest.fixture(scope="module")
+def prob():
+  p = problem()
+  return p, reference(p)
+
+
+# --------------------------------------------------------------------------------------------
+# every backend x experts x mesh: forward and grad equal the single-device reference
+
+
+@pytest.mark.parametrize("mesh,a2a,runner", CASES, ids=["-".join(c) for c in CASES])
+def test_matches_reference(prob, mesh, a2a, runner):
+  p, ref = prob
+  got = ep(p, parallel(mesh), a2a, runner)
+  assert_same(got, ref)
+  out = got[0]
+  assert out.shape == p["x"].shape and out.dtype == p["x"].dtype
+
+
+@pytest.mark.parametrize("k", [1, 8])
+@pytest.mark.parametrize("a2a,runner", CHEAP)
+def test_top_k(a2a, runner, k):
+  p = problem(seed=k, k=k, bias=False)
+  kw = dict(apply_router_weight_on_input=True) if k == 1 else {}
+  assert_same(ep(p, parallel("e8"), a2a, runner, **kw), reference(p, **kw))
+
+
+def _skewed(kind: str):
+  p = problem(seed=3, k=2)
+  rng = np.random.default_rng(3)
+  if kind == "one_expert":  # every token's first slot to expert 5, second slot empty
+    ti = np.stack([np.full(T, 5), np.full(T, -1)], 1)
+  else:  # uneven: most experts empty, a few hot, some empty slots
+    ti = np.stack([rng.choice([0, 1, 9], T), rng.choice([4, 13], T)], 1)
+    ti[::5, 1] = -1
+  p["ti"] = jnp.asarray(ti, jnp.int32)
+  return p
+
+
+@pytest.mark.parametrize("kind", ["one_expert", "uneven"])
+@pytest.mark.parametrize("a2a,runner", CHEAP)
+def test_skewed_routing(a2a, runner, kind):
+  p = _skewed(kind)
+  assert_same(ep(p, parallel("d2e4"), a2a, runner), reference(p))
+
+
+@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "padded_a2a"])
+def test_round_robin_placement(prob, a2a):
+  p, ref = prob
+  par = parallel("e4t2", expert_placement="round_robin")
+  pl = expert_placement(E, 4, "round_robin")
+  assert pl.owner.tolist()[:5] == [0, 1, 2, 3, 0]
+  out = fast_jit(lambda x: jmoe.fused_moe(
+      x, place_weights(p["w13"], pl), place_weights(p["w2"], pl), p["tw"], p["ti"],
+      w13_bias=place_weights(p["b13"], pl), w2_bias=place_weights(p["b2"], pl),
+      a2a_backend=a2a, parallel=par))(p["x"])
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref[0]), **TOL)
+
+
+def test_explicit_make_mesh(prob):
+  """jax 0.10's make_mesh gives Explicit axes; both plain and set_mesh use must work."""
+  p, ref = prob
+  mesh = jax.make_mesh((4, 2), ("expert", "tensor"))
+  par = parallel_config(mesh)
+  f = jax.jit(lambda x, tw, ti: jmoe.fused_moe(x, p["w13"], p["w2"], tw, ti, w13_bias=p["b13"],
+                                               w2_bias=p["b2"], a2a_backend="ragged_a2a",
+                                               parallel=par))
+  np.testing.assert_allclose(np.asarray(f(p["x"], p["tw"], p["ti"])), np.asarray(ref[0]), **TOL)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(p["x"], NamedSharding(mesh, P("expert")))
+    out = f(xs, p["tw"], p["ti"])
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref[0]), **TOL)
+  assert out.sharding.spec == P("expert", None)
+
+
+def test_output_sharded_like_input(prob):
+  p, ref = prob
+  par = parallel("d2e4")
+  xs = sharding.shard_tokens(p["x"], par)
+  out = fast_jit(lambda x: jmoe.fused_moe(x, p["w13"], p["w2"], p["tw"], p["ti"],
+                                         w13_bias=p["b13"], w2_bias=p["b2"], parallel=par))(xs)
+  assert out.sharding.is_equivalent_to(xs.sharding, 2)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref[0]), **TOL)
+
+
+def test_padded_capacity_counts_drops():
+  p = problem(seed=5, k=2, bias=False)
+  rng = np.random.default_rng(5)
+  ti = np.stack([rng.choice([0, 1], T), rng.choice([2, 3, 15], T)], 1)
+  p["ti"] = jnp.asarray(ti, jnp.int32)
+  par = parallel("e8")
+  ref = reference(p)[0]
+  t_loc = T // 8
+  for cap in (None, 1):
+    out, stats = fast_jit(lambda x: sharding.ep_fused_moe(
+        x, p["w13"], p["w2"], p["tw"], p["ti"], a2a_backend="padded_a2a", parallel=par,
+        capacity=cap, return_stats=True))(p["x"])
+    want = 0
+    if cap is not None:  # count per source rank and expert what exceeds the capacity
+      for r in range(8):
+        blk = ti[r * t_loc:(r + 1) * t_loc].reshape(-1)
+        want += int(np.maximum(np.bincount(blk, minlength=E) - cap, 0).sum())
+    assert int(stats["dropped"]) == want
+    np.testing.assert_array_equal(np.asarray(stats["expert_load"]),
+                                  np.bincount(ti.reshape(-1), minlength=E))
+    if cap is None:
+      np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+  assert want > 0
+
+
+@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "padded_a2a"])
+def test_shared_experts_and_two_batch_overlap(prob, a2a):
+  p, ref = prob
+  rng = np.random.default_rng(11)
+  s13 = jnp.asarray(rng.normal(size=(H, 2 * N)) / 3, jnp.float32)
+  s2 = jnp.asarray(rng.normal(size=(N, H)) / 3, jnp.float32)
+  want = ref[0] + shared_expert_mlp(p["x"], s13, s2, jmoe.Activation("silu"))
+  out = fast_jit(lambda x: sharding.ep_fused_moe(
+      x, p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"], w2_bias=p["b2"],
+      a2a_backend=a2a, parallel=parallel("e4t2"), shared_w13=s13, shared_w2=s2,
+      micro_batches=2))(p["x"])
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), **TOL)
+
+
+def test_prepare_async_leaves_room_for_shared_work():
+  """The shared-expert matmul does not depend on the dispatch collective (it can overlap)."""
+  p = problem(bias=False)
+  rng = np.random.default_rng(1)
+  s13 = jnp.asarray(rng.normal(size=(H, 2 * N)), jnp.float32)
+  s2 = jnp.asarray(rng.normal(size=(N, H)), jnp.float32)
+  f = lambda x: sharding.ep_fused_moe(x, p["w13"], p["w2"], p["tw"], p["ti"],  # noqa: E731
+                                      a2a_backend="padded_a2a", parallel=parallel("e8"),
+                                      shared_w13=s13, shared_w2=s2)
+  jaxpr = jax.make_jaxpr(f)(p["x"]).jaxpr
+  body = next(e for e in jaxpr.eqns if e.primitive.name == "shard_map").params["jaxpr"]
+  names = [e.primitive.name for e in body.eqns]
+  first_a2a = names.index("all_to_all")
+  # the shared MLP's dots come after the dispatch was issued and before the experts' einsums
+  dots = [i for i, n in enumerate(names) if n == "dot_general"]
+  assert dots and dots[0] > first_a2a
+  # ... and they read only the local tokens: no path from the all_to_all outputs
+  a2a_out = set(map(id, body.eqns[first_a2a].outvars))
+  dep = set(a2a_out)
+  for e in body.eqns[first_a2a + 1:dots[0] + 1]:
+    if any(id(v) in dep for v in e.invars if not isinstance(v, Literal)):
+      dep.update(map(id, e.outvars))
+  assert not any(id(v) in dep for v in body.eqns[dots[0]].outvars)
+
+
+# --------------------------------------------------------------------------------------------
+# the ragged all-to-all emulation
+
+
+def test_ragged_all_to_all_emulation_matches_numpy():
+  mesh = make_ep_mesh(expert=8, keep_unit_axes=False)
+  ep_, rows, h = 8, 20, 3
+  rng = np.random.default_rng(0)
+  sizes = rng.integers(0, 3, size=(ep_, ep_))  # sizes[src, dst]
+  ops = rng.normal(size=(ep_, rows, h)).astype(np.float32)
+  in_off = np.cumsum(sizes, 1) - sizes + 1  # a gap of one row before the first slice
+  out_off = np.cumsum(sizes, 0) - sizes + 2
+  want = np.full((ep_, 2 + rows + 8, h), -1.0, np.float32)
+  for s in range(ep_):
+    for d in range(ep_):
+      want[d, out_off[s, d]:out_off[s, d] + sizes[s, d]] = \
+          ops[s, in_off[s, d]:in_off[s, d] + sizes[s, d]]
+
+  def body(op, io, ss, oo, rs):
+    out = jnp.full((want.shape[1], h), -1.0, jnp.float32)
+    return collectives.ragged_all_to_all(op[0], out, io[0], ss[0], oo[0], rs[0],
+                                         axis_name="expert", impl="emulated")[None]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+  i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+  got = f(jnp.asarray(ops), i32(in_off), i32(sizes), i32(out_off), i32(sizes.T))
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_ragged_impl_choice(monkeypatch):
+  assert collectives.ragged_impl_for("cpu") == "emulated"
+  assert collectives.ragged_impl_for("gpu") == "native"
+  monkeypatch.setenv("JMOE_RAGGED_A2A", "native")
+  assert collectives.ragged_impl_for("cpu") == "native"
+  monkeypatch.setenv("JMOE_RAGGED_A2A", "bogus")
+  with pytest.raises(ValueError, match="JMOE_RAGGED_A2A"):
+    collectives.ragged_impl_for("cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# registry / oracle
+
+
+def test_backends_registered():
+  for name in ("allgather", "ragged_a2a", "padded_a2a"):
+    assert registry.A2A_BACKENDS[name].needs_mesh
+
+
+def test_oracle_defaults_and_forcing(monkeypatch):
+  monkeypatch.delenv("JMOE_A2A_BACKEND", raising=False)
+  monkeypatch.delenv("JMOE_RUNNER_BACKEND", raising=False)
+  par = parallel("e8")
+  pf, ex, why = sharding.select_parts(par)
+  assert isinstance(pf, sharding.AllGather) and "all-gather" in why
+  pf, ex, _ = sharding.select_parts(par, a2a_backend="padded_a2a")
+  assert isinstance(pf, sharding.PaddedA2A) and ex.name == "xla_batched"
+  monkeypatch.setenv("JMOE_A2A_BACKEND", "ragged_a2a")
+  pf, _, why = sharding.select_parts(par)
+  assert isinstance(pf, sharding.RaggedA2A) and "JMOE_A2A_BACKEND" in why
+  pf, _, _ = sharding.select_parts(parallel("e8", a2a_backend="padded_a2a"))
+  assert isinstance(pf, sharding.RaggedA2A)  # the environment beats the config
+  with pytest.raises(ValueError, match="no experts"):
+    sharding.select_parts(par, a2a_backend="padded_a2a", runner_backend="reference")
+  with pytest.raises(ValueError, match="needs parallel"):
+    jmoe.select_backend("xla", "ragged_a2a")
+
+
+def test_a2a_none_on_mesh_runs_replicated(prob):
+  p, ref = prob
+  out = jmoe.fused_moe(p["x"], p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"],
+                       w2_bias=p["b2"], a2a_backend="none", parallel=parallel("e8"))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref[0]), **TOL)
+
+
+# --------------------------------------------------------------------------------------------
+# clear errors
+
+
+def test_errors(prob):
+  p, _ = prob
+  call = lambda par, **kw: jmoe.fused_moe(  # noqa: E731
+      kw.pop("x", p["x"]), kw.pop("w13", p["w13"]), kw.pop("w2", p["w2"]),
+      kw.pop("tw", p["tw"]), kw.pop("ti", p["ti"]), parallel=par, **kw)
+  with pytest.raises(ValueError, match=r"T=12 is not divisible .*data=2 x expert=4 = 8"):
+    call(parallel("d2e4"), x=p["x"][:12], tw=p["tw"][:12], ti=p["ti"][:12])
+  with pytest.raises(ValueError, match="num_experts=12 is not divisible by the expert axis"):
+    call(parallel("e8"), w13=p["w13"][:12], w2=p["w2"][:12], ti=p["ti"] % 12)
+  par = make_parallel(expert=1, tensor=8)
+  with pytest.raises(ValueError, match="intermediate_size=4 is not divisible by the tensor axis"):
+    call(par)
+  with pytest.raises(ValueError, match="needs ParallelConfig.expert_axis"):
+    sharding.RaggedA2A(parallel_config(make_ep_mesh(tensor=8, expert=1, keep_unit_axes=False)))
+  with pytest.raises(ValueError, match="micro_batches=3"):
+    sharding.ep_fused_moe(p["x"], p["w13"], p["w2"], p["tw"], p["ti"], parallel=parallel("e8"),
+                          micro_batches=3)
+  with pytest.raises(ValueError, match="repeats an expert"):
+    call(parallel("e8"), a2a_backend="padded_a2a",
+         ti=jnp.zeros_like(p["ti"]).at[:, 1].set(1))
+
+
+# --------------------------------------------------------------------------------------------
+# mesh helpers and placement
+
+
+def test_make_ep_mesh_shapes():
+  m = make_ep_mesh(data=2, expert=-1, tensor=2)
+  assert dict(m.shape) == {"data": 2, "expert": 2, "tensor": 2}
+  assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
+  m = make_ep_mesh(expert=8, keep_unit_axes=False)
+  assert m.axis_names == ("expert",)
+  m = make_ep_mesh(expert=4, tensor=2, axis_names=("dp", "ep", "tp"))
+  par = parallel_config(m, data_axis="dp", expert_axis="ep", tensor_axis="tp")
+  assert (par.axis_size(par.expert_axis), par.axis_size(par.tensor_axis)) == (4, 2)
+  with pytest.raises(ValueError, match="does not match the device count"):
+    make_ep_mesh(data=3, expert=2, tensor=1)
+  with pytest.raises(ValueError, match="at most one axis size may be -1"):
+    make_ep_mesh(data=-1, expert=-1)
+  with pytest.raises(ValueError, match="cannot be split"):
+    make_ep_mesh(data=3, expert=-1)
+  am = sharding.as_auto_mesh(jax.make_mesh((8,), ("expert",)))
+  assert am.axis_types == (jax.sharding.AxisType.Auto,)
+
+
+def test_validate_messages():
+  par = parallel("e4t2")
+  s = sharding.validate(par, num_experts=8, intermediate_size=6, hidden_size=10, num_tokens=8)
+  assert (s.dp, s.ep, s.tp) == (1, 4, 2)
+  with pytest.raises(ValueError, match="hidden_size=9 is not divisible by the axis 'tensor'"):
+    sharding.validate(par, num_experts=8, intermediate_size=6, hidden_size=9,
+                      hidden_axis="tensor")
+  with pytest.raises(ValueError, match="two roles"):
+    sharding.validate(jmoe.ParallelConfig(mesh=par.mesh, expert_axis="expert",
+                                          tensor_axis="expert"),
+                      num_experts=8, intermediate_size=8)
+  with pytest.raises(ValueError, match="expert_placement"):
+    jmoe.ParallelConfig(expert_placement="random")
+  with pytest.raises(ValueError, match="dispatch_capacity"):
+    jmoe.ParallelConfig(dispatch_capacity=0)
+
+
+@pytest.mark.parametrize("kind", ["linear", "round_robin"])
+def test_placement_maps(kind):
+  e, ep_ = 12, 4
+  pl = expert_placement(e, ep_, kind)
+  maps = pl.expert_maps
+  assert maps.shape == (ep_, e)
+  # every expert is local to exactly one rank, local ids 0..El-1 on each rank
+  assert ((maps >= 0).sum(0) == 1).all()
+  for r in range(ep_):
+    assert sorted(maps[r][maps[r] >= 0].tolist()) == list(range(e // ep_))
+    np.testing.assert_array_equal(maps[r][pl.local_experts(r)], np.arange(e // ep_))
+    np.testing.assert_array_equal(sharding.expert_map(e, ep_, r, kind), maps[r])
+  if kind == "linear":
+    np.testing.assert_array_equal(maps[1], [-1, -1, -1, 0, 1, 2] + [-1] * 6)
+  else:
+    np.testing.assert_array_equal(pl.local_experts(1), [1, 5, 9])
+  assert pl == expert_placement(e, ep_, kind) and hash(pl) == hash(expert_placement(e, ep_, kind))
+  with pytest.raises(ValueError, match="permutation"):
+    ExpertPlacement(np.array([0, 0, 1, 2]), 2)
+  with pytest.raises(ValueError, match="not divisible"):
+    expert_placement(10, 4, kind)
+  with pytest.raises(ValueError, match="not known"):
+    expert_placement(8, 4, "random")

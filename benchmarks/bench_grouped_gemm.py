@@ -43,6 +43,7 @@ PRESETS = {
     "tiny": dict(E=4, k=2, H=256, N=128),  # CPU smoke test of this script (--interpret)
 }
 INTERPRET = False
+PERMUTE_IMPL = "xla"
 TUNED: dict = {}  # (preset, T) -> {"gemm1": (cfg, us), "gemm2": (cfg, us)} from the sweep stage
 BW = 4.30e12  # copy bandwidth measured on this H200 (read + write), peers-h200.md
 OUT = os.environ.get("OUT", "/tmp/bench_out")
@@ -60,6 +61,9 @@ def err(where, e):
   ERR.write(f"==== {where}\n{traceback.format_exc()}\n")
   ERR.flush()
   log(f"[ERR] {where}: {type(e).__name__}: {str(e)[:300]}")
+  if INTERPRET:
+    from pallas_kernels import _compat
+    _compat.reset_interpret_state()
 
 
 def save():
@@ -202,7 +206,9 @@ def stage_variants(args):
 
 
 def stage_permute(args):
-  for T, k, E in [(1, 8, 256), (1, 2, 8), (64, 8, 256), (16384, 8, 256)]:
+  for T, k, E, method in [(1, 8, 256, "auto"), (1, 2, 8, "auto"), (64, 8, 256, "auto"),
+                          (1024, 8, 128, "auto"), (1024, 8, 128, "argsort"),
+                          (16384, 8, 256, "auto"), (16384, 8, 256, "argsort")]:
     try:
       keys = jax.random.split(jax.random.key(T), 3)
       sets = []
@@ -210,19 +216,50 @@ def stage_permute(args):
         logits = jax.random.normal(kk, (T, E))
         _, ids = jax.lax.top_k(logits, k)
         sets.append((ids.astype(jnp.int32),))
-      f = jax.jit(lambda ids, E=E: perm.moe_align(ids, E))
+      f = jax.jit(lambda ids, E=E, method=method: perm.moe_align(ids, E, method=method))
       o, g, inv = f(*sets[0])
       ro, rg, rinv = perm.moe_align_reference(np.asarray(sets[0][0]), E)
       ok = bool((np.asarray(o) == ro).all() and (np.asarray(g) == rg).all()
                 and (np.asarray(inv) == rinv).all())
       us, _, pk = cupti_times(f, sets, iters=5)
       wall = wall_times(f, sets, iters=10)
-      rec = dict(T=T, k=k, E=E, ok=ok, cupti_us=us, wall_us=wall, kernels=pk)
-      log(f"[permute] T={T:6d} k={k} E={E:3d} ok={ok} device={us:.1f}us wall={wall:.1f}us "
+      rec = dict(T=T, k=k, E=E, method=method, ok=ok, cupti_us=us, wall_us=wall, kernels=pk)
+      log(f"[permute] T={T:6d} k={k} E={E:3d} {method:7s} ok={ok} device={us:.1f}us wall={wall:.1f}us "
           f"kernels={len(pk)}")
       RESULTS["permute"].append(rec)
     except Exception as e:  # noqa: BLE001
       err(f"permute T={T}", e)
+  save()
+  # token gather x[order // k]: XLA gather vs the Pallas TMA row-copy kernel
+  global PERMUTE_IMPL
+  wins = []
+  for T, k, H in [(1, 8, 7168), (1024, 8, 2048), (16384, 8, 2048), (16384, 8, 7168)]:
+    if INTERPRET:
+      T, H = min(T, 4), min(H, 512)
+    rec = dict(kind="gather", T=T, k=k, H=H)
+    try:
+      x = jax.random.normal(jax.random.key(T), (T, H), jnp.float32).astype(jnp.bfloat16)
+      m = max(T * k, 128)
+      sets = [(x, jax.random.randint(jax.random.key(i), (m,), 0, T * k).astype(jnp.int32))
+              for i in range(3)]
+      fx = jax.jit(lambda x, o, k=k: perm.permute_rows(x, o, k, impl="xla"))
+      fp = jax.jit(lambda x, o, k=k: perm.permute_rows(x, o, k, impl="pallas",
+                                                      interpret=INTERPRET))
+      ok = bool(np.array_equal(np.asarray(fx(*sets[0])), np.asarray(fp(*sets[0]))))
+      ux, _, _ = cupti_times(fx, sets, iters=3)
+      up, _, _ = cupti_times(fp, sets, iters=3)
+      rec.update(ok=ok, xla_us=ux, pallas_us=up, tbps_pallas=2 * m * H * 2 / up / 1e6)
+      wins.append(ok and up < ux)
+      log(f"[gather] T={T:6d} k={k} H={H}: xla {ux:.1f}us pallas {up:.1f}us ok={ok}")
+    except Exception as e:  # noqa: BLE001
+      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      err(f"gather T={T}", e)
+      wins.append(False)
+    RESULTS["permute"].append(rec)
+  if args.permute_impl == "auto":
+    PERMUTE_IMPL = "pallas" if wins and all(wins[1:]) else "xla"
+  log(f"[gather] block stage uses permute_impl={PERMUTE_IMPL}")
+  RESULTS["meta"]["permute_impl"] = PERMUTE_IMPL
   save()
 
 
@@ -320,7 +357,7 @@ def stage_block(args):
       if time.time() - T0 > args.budget_s:
         log(f"[block] budget reached, skipping {pname} T={T}")
         break
-      rec = dict(preset=pname, T=T, **p)
+      rec = dict(preset=pname, T=T, permute_impl=PERMUTE_IMPL, **p)
       c1_, c2_ = block_configs(args, p, T)
       rec["configs"] = [c.to_json() if c else None for c in (c1_, c2_)]
       try:
@@ -335,7 +372,7 @@ def stage_block(args):
         c1, c2 = block_configs(args, p, T)
         f0 = jax.jit(lambda x, tw, ti, w13, w2, c1=c1, c2=c2: pmoe.fused_experts(
             x, w13, w2, tw, ti, activation="silu", config1=c1, config2=c2,
-            interpret=INTERPRET))
+            interpret=INTERPRET, permute_impl=PERMUTE_IMPL))
         sets = [s_ + (w13, w2) for s_ in sets]
         f = f0
         t = time.time()
@@ -395,6 +432,13 @@ SWEEP_G2 = [  # GEMM2 (row scale), large M
       grid_tile_width=4),
 ]
 
+SWEEP_SMALL = [  # narrow-row / weight-streaming candidates (both GEMMs)
+    C(block_m=64, block_n=128, block_k=128, num_stages=6, wg_split="n"),
+    C(block_m=64, block_n=64, block_k=128, num_stages=6, warp_specialized=False),
+    C(block_m=64, block_n=256, block_k=64, num_stages=4, wg_split="n"),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="n", grid_minor="n"),
+]
+
 
 def stage_sweep(args):
   for pname in args.sweep_presets.split(","):
@@ -411,7 +455,10 @@ def stage_sweep(args):
       h = jax.random.normal(jax.random.key(3), (xs.shape[0], p["N"]), jnp.float32).astype(
           jnp.bfloat16)
       sc = perm.permute_weights(tw, order)
-      for which, cands in (("gemm1", SWEEP_G1), ("gemm2", SWEEP_G2)):
+      small = T <= args.sweep_small_max_t
+      g1 = SWEEP_SMALL + SWEEP_G1[:1] if small else SWEEP_G1
+      g2 = SWEEP_SMALL + SWEEP_G2[1:2] if small else SWEEP_G2
+      for which, cands in (("gemm1", g1), ("gemm2", g2)):
         for cfg in cands:
           rec = dict(preset=pname, T=T, gemm=which, config=cfg.to_json())
           try:
@@ -440,6 +487,95 @@ def stage_sweep(args):
           RESULTS["sweep"].append(rec)
           save()
     del w13, w2
+
+
+def xla_block_fn(E, act="silu"):
+  from pallas_kernels.activations import as_activation
+  a_ = as_activation(act)
+
+  def block(x, w13, w2, tw, ti):
+    t, k = ti.shape
+    order, gs, inv = perm.moe_align(ti, E)
+    xs = perm.permute_rows(x, order, k)
+    h = jax.lax.ragged_dot(xs, w13, gs, preferred_element_type=jnp.float32)
+    a = a_(h).astype(x.dtype)
+    y = jax.lax.ragged_dot(a, w2, gs, preferred_element_type=jnp.float32)
+    y = y * perm.permute_weights(tw, order)[:, None]
+    return perm.gather_sum(y, inv, out_dtype=x.dtype)
+  return block
+
+
+def stage_train(args):
+  from pallas_kernels import tgmm as tg
+  # (1) tgmm kernel alone
+  M, K, N, E = (8192, 2048, 1536, 8) if not INTERPRET else (100, 64, 64, 8)
+  ks = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(ks[0], (M, K), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(ks[1], (M, N), jnp.float32).astype(jnp.bfloat16)
+  gs = jnp.array([1000, 0, 2000, 777, 1500, 3, 1700, 1212], jnp.int32)
+  if INTERPRET:
+    gs = jnp.array([10, 0, 20, 7, 15, 3, 17, 12], jnp.int32)
+  ref = tg.tgmm_reference(x, dy, gs)
+  for tik in (False, True):
+    rec = dict(kind="tgmm", M=M, K=K, N=N, E=E, transpose_in_kernel=tik)
+    try:
+      cfg = tg.TgmmConfig(transpose_in_kernel=tik)
+      f = jax.jit(lambda a, b, g, cfg=cfg: tg.tgmm(a, b, g, config=cfg, out_dtype=jnp.float32,
+                                                   interpret=INTERPRET))
+      out = jax.block_until_ready(f(x, dy, gs))
+      rec["err"] = rel_err(out, ref)
+      us, _, _ = cupti_times(f, [(x, dy, gs)], iters=3)
+      rec.update(us=us, tflops=2 * M * K * N / us / 1e6)
+      log(f"[train] tgmm transpose_in_kernel={tik} err={rec['err']:.2e} {us:.1f}us "
+          f"{rec['tflops']:.0f}TF/s")
+    except Exception as e:  # noqa: BLE001
+      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      err(f"tgmm tik={tik}", e)
+    RESULTS.setdefault("train", []).append(rec)
+    save()
+  # (2) whole block fwd+bwd vs forward, and vs the XLA (ragged_dot) path
+  for pname in [p_ for p_ in args.train_presets.split(",") if p_]:
+    p = PRESETS[pname]
+    T = args.train_tokens
+    rec = dict(kind="block_grad", preset=pname, T=T)
+    try:
+      w13, w2 = make_weights(p, jax.random.key(1))
+      x, tw, ti = make_inputs(p, T, jax.random.key(11))
+      ct = jax.random.normal(jax.random.key(12), (T, p["H"]), jnp.float32)
+      args_ = (x, w13, w2, tw, ti, ct)
+
+      def loss_pallas(x, w13, w2, tw, ti, ct):
+        return jnp.sum(pmoe.fused_experts_train(x, w13, w2, tw, ti, interpret=INTERPRET)
+                       .astype(jnp.float32) * ct)
+
+      blk = xla_block_fn(p["E"])
+
+      def loss_xla(x, w13, w2, tw, ti, ct):
+        return jnp.sum(blk(x, w13, w2, tw, ti).astype(jnp.float32) * ct)
+
+      fwd = jax.jit(lambda x, w13, w2, tw, ti, ct: pmoe.fused_experts(x, w13, w2, tw, ti,
+                                                                       interpret=INTERPRET))
+      g_p = jax.jit(jax.grad(loss_pallas, argnums=(0, 1, 2, 3)))
+      g_x = jax.jit(jax.grad(loss_xla, argnums=(0, 1, 2, 3)))
+      gp = jax.block_until_ready(g_p(*args_))
+      gx = jax.block_until_ready(g_x(*args_))
+      rec["grad_err_vs_xla"] = [rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                                for a, b in zip(gp, gx)]
+      rec["fwd_us"], _, _ = cupti_times(fwd, [args_], iters=3)
+      rec["fwdbwd_us"], _, _ = cupti_times(g_p, [args_], iters=3)
+      rec["xla_fwdbwd_us"], _, _ = cupti_times(g_x, [args_], iters=2)
+      rec["ratio_fwdbwd_fwd"] = rec["fwdbwd_us"] / rec["fwd_us"]
+      rec["speedup_vs_xla"] = rec["xla_fwdbwd_us"] / rec["fwdbwd_us"]
+      log(f"[train] {pname} T={T} grad err vs xla {['%.1e' % v for v in rec['grad_err_vs_xla']]} "
+          f"fwd={rec['fwd_us']:.0f}us fwd+bwd={rec['fwdbwd_us']:.0f}us "
+          f"(x{rec['ratio_fwdbwd_fwd']:.2f}) xla fwd+bwd={rec['xla_fwdbwd_us']:.0f}us "
+          f"(speedup {rec['speedup_vs_xla']:.2f})")
+      del w13, w2
+    except Exception as e:  # noqa: BLE001
+      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      err(f"train {pname}", e)
+    RESULTS.setdefault("train", []).append(rec)
+    save()
 
 
 def stage_ceiling(args):
@@ -475,7 +611,12 @@ def main():
   ap.add_argument("--tokens", default="1,64,1024,16384")
   ap.add_argument("--sweep-presets", default="qwen3-30b-a3b")
   ap.add_argument("--sweep-tokens", default="16384")
+  ap.add_argument("--sweep-small-max-t", type=int, default=1024,
+                  help="token counts up to this also try the weight-streaming candidates")
   ap.add_argument("--rotate", type=int, default=3)
+  ap.add_argument("--train-presets", default="mixtral-8x7b")
+  ap.add_argument("--permute-impl", default="auto", choices=["auto", "xla", "pallas"])
+  ap.add_argument("--train-tokens", type=int, default=1024)
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--check-tokens", type=int, default=16)
   ap.add_argument("--peak-tflops", type=float, default=807.0)
@@ -484,8 +625,10 @@ def main():
   ap.add_argument("--force-nows", action="store_true")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test (GPU interpret mode)")
   args = ap.parse_args()
-  global INTERPRET
+  global INTERPRET, PERMUTE_IMPL
   INTERPRET = args.interpret
+  if args.permute_impl != "auto":
+    PERMUTE_IMPL = args.permute_impl
   RESULTS["meta"].update(
       jax=jax.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
       device=str(jax.devices()[0].device_kind), argv=sys.argv)
@@ -515,6 +658,8 @@ def main():
   RESULTS["tuned"] = tuned_json
   if "block" in stages:
     stage_block(args)
+  if "train" in stages and time.time() - T0 < args.budget_s:
+    stage_train(args)
   save()
   print_table()
   log(f"total {time.time() - T0:.0f}s")

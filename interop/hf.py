@@ -10,7 +10,8 @@ Supported model types (`MODEL_TYPES`, HF `config.model_type` spellings), by fami
 
 =======================  ================================================================
 mixtral, minimax         softmax top-k, renormalize
-qwen3_moe, olmoe         softmax top-k, renormalize iff `norm_topk_prob`
+qwen3_moe, olmoe,        softmax top-k, renormalize iff `norm_topk_prob` (Qwen3-VL: always);
+qwen3_vl_moe             Qwen3-VL checkpoints store fused experts in x @ W order
 qwen2_moe, qwen3_next    as qwen3_moe + one shared expert scaled by sigmoid(x @ shared_expert_gate)
 deepseek_v3, glm4_moe,   sigmoid scores, `e_score_correction_bias` (selection only), grouped
 dots1                    top-k (`n_group`/`topk_group`, group score = sum of its top-2),
@@ -30,9 +31,10 @@ Weight layouts understood, per family, whichever the checkpoint or the installed
 uses:
 
 * fused `experts.gate_up_proj` + `experts.down_proj` (transformers >= 5 for Mixtral/Qwen/DeepSeek:
-  `[E, 2N, H]` / `[E, H, N]`, torch `nn.Linear` order; gpt-oss and Llama 4: `[E, H, 2N]` /
-  `[E, N, H]`, x @ W order). The orientation is read from the shapes; when H == 2N makes them
-  ambiguous the family's known layout decides.
+  `[E, 2N, H]` / `[E, H, N]`, torch `nn.Linear` order; gpt-oss, Llama 4 and Qwen3-VL
+  checkpoints: `[E, H, 2N]` / `[E, N, H]`, x @ W order). The orientation is read from the
+  shapes; when H == 2N makes gate_up_proj ambiguous, down_proj's orientation decides (and
+  when N == H makes down_proj ambiguous, the family's known layout).
 * per-expert linears `experts.{i}.gate_proj|up_proj|down_proj.weight` (Qwen, DeepSeek
   checkpoints, transformers < 5) or `experts.{i}.w1|w3|w2.weight` (Mixtral checkpoints, gate
   w1, up w3, down w2).
@@ -40,6 +42,18 @@ uses:
 
 jmoe's layout: w13 [E, H, 2N] (gate = w13[..., :N], up = w13[..., N:]), w2 [E, N, H], router_w
 [H, E]; shared experts as one dense MLP shared_w13 [H, 2Ns], shared_w2 [Ns, H], shared_gate [H].
+
+`to_hf_state_dict` is the inverse (jmoe parameters under the HF names, fused or per-expert).
+
+Example (a checkpoint on disk; nothing here downloads)::
+
+  import json, safetensors.numpy, jmoe
+  from interop import hf
+  cfg = json.load(open("config.json"))
+  sd = safetensors.numpy.load_file("model-00001-of-00004.safetensors")
+  for prefix in hf.moe_layer_prefixes(sd):            # "model.layers.0.mlp.", ...
+    config, params = hf.from_hf_state_dict(None, cfg, sd, prefix)
+    y = jmoe.moe_block(x, params, config)             # x [T, H]
 
 This module imports torch lazily (only to read torch tensors); jmoe never imports it.
 """
@@ -54,7 +68,7 @@ import numpy as np
 # HF model_type -> the family whose MoE-block semantics it shares.
 FAMILIES = {
     "mixtral": "mixtral", "minimax": "mixtral",
-    "qwen3_moe": "qwen3_moe", "olmoe": "qwen3_moe",
+    "qwen3_moe": "qwen3_moe", "olmoe": "qwen3_moe", "qwen3_vl_moe_text": "qwen3_moe",
     "qwen2_moe": "qwen2_moe", "qwen3_next": "qwen2_moe",
     "deepseek_v3": "deepseek_v3", "glm4_moe": "deepseek_v3", "dots1": "deepseek_v3",
     "deepseek_v2": "deepseek_v2",
@@ -62,7 +76,7 @@ FAMILIES = {
     "llama4_text": "llama4_text",
 }
 MODEL_TYPES = tuple(FAMILIES)
-_ALIASES = {"llama4": "llama4_text"}
+_ALIASES = {"llama4": "llama4_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
 # Families whose experts' width is `intermediate_size` (the others: `moe_intermediate_size`).
 _N_FROM_INTERMEDIATE = ("mixtral", "minimax", "olmoe", "gpt_oss", "llama4_text")
 
@@ -74,6 +88,7 @@ BLOCK_CLASSES = {
     "Qwen3MoeSparseMoeBlock": "qwen3_moe",
     "Qwen3NextSparseMoeBlock": "qwen3_next",
     "OlmoeSparseMoeBlock": "olmoe",
+    "Qwen3VLMoeTextSparseMoeBlock": "qwen3_vl_moe_text",
     "DeepseekV3MoE": "deepseek_v3",
     "DeepseekV2Moe": "deepseek_v2",
     "Glm4MoeMoE": "glm4_moe",
@@ -174,7 +189,9 @@ def config_from_hf(model_type: Optional[str], hf_config: Any, *, dtype: str = "b
   if fam == "mixtral":
     kw.update(scoring_func="softmax", renormalize=True)
   elif fam in ("qwen3_moe", "qwen2_moe"):
-    kw.update(scoring_func="softmax", renormalize=bool(_get(cfg, "norm_topk_prob", default=False)))
+    # Qwen3-VL-MoE always renormalizes (its config has no norm_topk_prob)
+    norm = mt == "qwen3_vl_moe_text" or bool(_get(cfg, "norm_topk_prob", default=False))
+    kw.update(scoring_func="softmax", renormalize=norm)
     if fam == "qwen2_moe":
       ns = int(_get(cfg, "shared_expert_intermediate_size", default=0))
       if ns:
@@ -226,11 +243,10 @@ def _torch_to_numpy(t) -> np.ndarray:
   t = t.detach().cpu()
   if not t.is_contiguous():
     t = t.contiguous()
-  special = {
-      torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
-      getattr(torch, "float8_e4m3fn", None): (torch.uint8, ml_dtypes.float8_e4m3fn),
-      getattr(torch, "float8_e5m2", None): (torch.uint8, ml_dtypes.float8_e5m2),
-  }
+  special = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
+  for name in ("float8_e4m3fn", "float8_e5m2"):  # numpy has no such dtypes: view the bytes
+    if hasattr(torch, name):
+      special[getattr(torch, name)] = (torch.uint8, getattr(ml_dtypes, name))
   if t.dtype in special:
     as_int, np_dtype = special[t.dtype]
     return t.view(as_int).numpy().view(np_dtype)
@@ -247,7 +263,7 @@ def to_numpy(x) -> np.ndarray:
 
 
 class _Reader:
-  """Looks tensors up under `prefix`, remembers what was used, explains what is missing."""
+  """Looks tensors up under `prefix` and says what is missing, with the keys that are there."""
 
   def __init__(self, state_dict: Mapping, prefix: str, hf_config: Any):
     self.sd = state_dict
@@ -335,8 +351,14 @@ def _fused_gate_up(r: _Reader, mt: str, e: int, h: int, n: int) -> Optional[np.n
     return None
   if w.ndim != 3:
     raise ValueError(f"{r.prefix}{key} must be 3-D, got shape {w.shape}")
-  # MXFP4 tensors are always stored [E, 2N, H]: prefer the linear order for them.
+  # MXFP4 tensors are always stored [E, 2N, H]. Otherwise, when H == 2N leaves the shape
+  # ambiguous, down_proj (stored the same way, and distinguishable then) tells; else the family.
   prefer_xw = FAMILIES[mt] in _FUSED_XW_ORDER and not r.has(key + "_blocks")
+  dk = r.first("experts.down_proj", "experts.down_proj.weight")
+  if dk is not None and h == 2 * n and h != n:
+    down_shape = tuple(r.sd[r.prefix + dk].shape)
+    if down_shape in ((e, n, h), (e, h, n)):
+      prefer_xw = down_shape == (e, n, h)
   w = _orient(w, (e, h, 2 * n), (e, 2 * n, h), prefer_xw, r.prefix + key)
   return _deinterleave(w) if FAMILIES[mt] in _INTERLEAVED else w
 
@@ -400,7 +422,8 @@ def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Ma
   Args:
     model_type: one of `MODEL_TYPES` (or "llama4"); None reads `hf_config.model_type`.
     hf_config: the transformers config object of the model (or its config.json as a dict).
-    state_dict: name -> tensor (torch tensors, NumPy or jax arrays).
+    state_dict: name -> tensor (torch tensors, NumPy or jax arrays); for a lazily opened
+      safetensors file pass `{k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}`.
     prefix: the block's prefix in `state_dict`, e.g. "model.layers.3.mlp." ("" for a block's
       own `state_dict()`); a missing trailing "." is added.
     dtype: dtype of the returned parameters; None keeps the checkpoint's expert dtype

@@ -37,7 +37,7 @@ def checkify_enabled() -> bool:
 def checkify_ids(enabled: bool = True):
   """The checkify mode: out-of-range `topk_ids` under jit become a checkify error.
 
-  Traced ids get a `checkify.debug_check`: a no-op in a plain `jit` (the slot is then empty),
+  Traced ids get a debug `checkify.check`: a no-op in a plain `jit` (the slot is then empty),
   an error when the caller wraps the function with `jax.experimental.checkify.checkify`::
 
       with jmoe.checkify_ids():
@@ -76,11 +76,14 @@ def check_topk(topk_weights, topk_ids, num_tokens: int) -> int:
   if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
     raise TypeError(f"topk_ids must be an integer array, got {topk_ids.dtype}")
   check_floating("topk_weights", topk_weights)
+  if topk_ids.shape[1] == 0:
+    raise ValueError(f"topk_ids must have at least one slot per token (k >= 1), got shape "
+                     f"{topk_ids.shape}")
   return int(topk_ids.shape[1])
 
 
 def check_ids_in_range(topk_ids, num_experts: int, *, argname: str = "topk_ids") -> None:
-  """Eager range check (-1 allowed as the empty slot); a checkify debug check when traced."""
+  """Eager range check (-1 allowed as the empty slot); a debug checkify check when traced."""
   if is_concrete(topk_ids):
     ids = np.asarray(topk_ids)
     bad = (ids < -1) | (ids >= num_experts)
@@ -88,8 +91,10 @@ def check_ids_in_range(topk_ids, num_experts: int, *, argname: str = "topk_ids")
       raise ValueError(f"{argname} holds ids outside [-1, {num_experts}): e.g. "
                        f"{ids[bad][:5].tolist()} (global_num_experts={num_experts})")
   elif checkify_enabled():
-    checkify.debug_check(jnp.all((topk_ids >= -1) & (topk_ids < num_experts)),
-                         f"{argname} holds ids outside [-1, {num_experts})")
+    # debug=True: dropped unless the caller functionalizes with checkify.checkify (the form
+    # jax documents from 0.10 on; `checkify.debug_check` is its older spelling).
+    checkify.check(jnp.all((topk_ids >= -1) & (topk_ids < num_experts)),
+                   f"{argname} holds ids outside [-1, {num_experts})", debug=True)
 
 
 def check_expert_map(expert_map, num_local_experts: int) -> None:

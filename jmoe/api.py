@@ -106,7 +106,7 @@ def fused_moe(
     global_num_experts = expert_map.shape[0]
   elif global_num_experts is None:
     global_num_experts = e_local
-  elif parallel is None and global_num_experts != e_local:
+  elif (parallel is None or parallel.mesh is None) and global_num_experts != e_local:
     raise ValueError(f"global_num_experts={global_num_experts} differs from w13's E={e_local} "
                      "but no expert_map says which experts are local")
   if k > global_num_experts:

@@ -5,6 +5,7 @@ Flax layer, the converters from Hugging Face models and the benchmarks call.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -65,6 +66,34 @@ def init_params(config: MoEConfig, key: jax.Array, dtype=jnp.float32, scale: flo
   return MoEParams(**p)
 
 
+def fuse_shared_params(params: MoEParams, config: MoEConfig) -> MoEParams:
+  """Append the shared experts to the routed weights once (at load time), for
+  `MoEConfig(fuse_shared_experts=True)`: w13 [E+S, H, 2N], w2 [E+S, N, H], shared_* = None.
+
+  `moe_block` accepts both forms; passing fused params saves copying every expert's weights
+  on each forward.
+  """
+  c = config
+  if not (c.num_shared_experts and c.fuse_shared_experts):
+    raise ValueError("fuse_shared_params needs MoEConfig(num_shared_experts > 0, "
+                     "fuse_shared_experts=True)")
+  if params.shared_w13 is None or params.shared_w2 is None:
+    raise ValueError("params hold no shared_w13/shared_w2 to fuse (already fused?)")
+  s13, s2 = split_shared_weights(params.shared_w13, params.shared_w2, c.num_shared_experts,
+                                 c.intermediate_size, c.act.is_gated)
+
+  def pad_bias(b):  # shared experts carry no bias
+    if b is None:
+      return None
+    return jnp.concatenate([b, jnp.zeros((c.num_shared_experts,) + b.shape[1:], b.dtype)])
+
+  return dataclasses.replace(
+      params, w13=jnp.concatenate([params.w13, s13.astype(params.w13.dtype)]),
+      w2=jnp.concatenate([params.w2, s2.astype(params.w2.dtype)]),
+      w13_bias=pad_bias(params.w13_bias), w2_bias=pad_bias(params.w2_bias),
+      shared_w13=None, shared_w2=None)
+
+
 def router_logits(x: jax.Array, params: MoEParams) -> jax.Array:
   logits = jnp.dot(x.astype(jnp.float32), params.router_w.astype(jnp.float32), precision=_HI)
   if params.router_b is not None:
@@ -86,18 +115,10 @@ def moe_block(x: jax.Array, params: MoEParams, config: MoEConfig, *,
   w13_bias, w2_bias = params.w13_bias, params.w2_bias
   shared = None
   if c.num_shared_experts and c.fuse_shared_experts:
-    if c.shared_size != c.num_shared_experts * c.intermediate_size:
-      raise ValueError("fuse_shared_experts needs shared_intermediate_size == "
-                       "num_shared_experts * intermediate_size")
-    s13, s2 = split_shared_weights(params.shared_w13, params.shared_w2, c.num_shared_experts,
-                                   c.intermediate_size, c.act.is_gated)
-    w13 = jnp.concatenate([w13, s13.astype(w13.dtype)])
-    w2 = jnp.concatenate([w2, s2.astype(w2.dtype)])
-    if w13_bias is not None:  # shared experts carry no bias
-      w13_bias = jnp.concatenate([w13_bias, jnp.zeros((c.num_shared_experts,) + w13_bias.shape[1:],
-                                                      w13_bias.dtype)])
-      w2_bias = jnp.concatenate([w2_bias, jnp.zeros((c.num_shared_experts,) + w2_bias.shape[1:],
-                                                    w2_bias.dtype)])
+    if params.shared_w13 is not None:  # not fused at load time: fuse now (copies the weights)
+      params = fuse_shared_params(params, c)
+    w13, w2 = params.w13, params.w2
+    w13_bias, w2_bias = params.w13_bias, params.w2_bias
     weights, ids = fuse_shared_slots(weights, ids, c.num_experts, c.num_shared_experts,
                                      c.routed_scaling_factor)
   elif c.num_shared_experts:

@@ -136,10 +136,6 @@ class MoEConfig:
         raise ValueError(f"fuse_shared_experts needs shared_intermediate_size="
                          f"{self.shared_intermediate_size} == num_shared_experts * "
                          f"intermediate_size = {self.num_shared_experts * self.intermediate_size}")
-    if self.fuse_shared_experts and self.apply_router_weight_on_input:
-      raise ValueError("fuse_shared_experts cannot be combined with apply_router_weight_on_input "
-                       "(Llama 4): the shared slots would make top_k > 1; use the separate "
-                       "shared-expert path")
 
   @property
   def act(self) -> Activation:
@@ -176,8 +172,9 @@ class ParallelConfig:
   # "round_robin" (rank r: r, r+ep, ...). Weights are passed in physical order
   # (`sharding.place_weights`).
   expert_placement: str = "linear"
-  # padded_a2a: rows per (destination rank, local expert) from each source rank.
-  # None = dropless (tokens per rank); smaller values drop overflow and count it.
+  # EP dispatch capacity: rows one source rank may send to one (rank, local expert); bounds
+  # the static buffers of padded_a2a / ragged_a2a / allgather's batched layout. None = dropless
+  # (tokens per rank); smaller values drop the overflow and count it.
   dispatch_capacity: Optional[int] = None
 
   def __post_init__(self):

@@ -240,11 +240,16 @@ class Experts(abc.ABC):
             expert_map: Optional[jax.Array], out_dtype) -> jax.Array:
     """Run the experts on `inp`; the result's layout matches finalize_weight_and_reduce_impl."""
 
-  def workspace_shapes(self, inp: ExpertsInput, weights: ExpertWeights, out_dtype
-                       ) -> jax.ShapeDtypeStruct:
-    """Static shape/dtype of `apply`'s output (for donation / output aliasing)."""
+  def workspace_shapes(self, inp: ExpertsInput, weights: ExpertWeights, out_dtype, *,
+                       activation: Optional[Activation] = None) -> jax.ShapeDtypeStruct:
+    """Static shape/dtype of `apply`'s output (for donation / output aliasing).
+
+    `activation` defaults to silu, or silu_no_mul when w13 is [E, H, N] (non-gated)."""
+    if activation is None:
+      gated = weights.w13.shape[-1] == 2 * weights.intermediate_size
+      activation = Activation("silu" if gated else "silu_no_mul")
     return jax.eval_shape(
-        lambda i, w: self.apply(i, w, activation=Activation("silu"), expert_map=None,
+        lambda i, w: self.apply(i, w, activation=activation, expert_map=None,
                                 out_dtype=out_dtype), inp, weights)
 
   def __repr__(self):
@@ -259,7 +264,8 @@ def local_expert_ids(topk_ids: jax.Array, num_local_experts: int,
   if expert_map is not None:
     n_global = expert_map.shape[0]
     ok = (ids >= 0) & (ids < n_global)
-    ids = jnp.where(ok, expert_map.astype(jnp.int32)[jnp.clip(ids, 0, n_global - 1)], -1)
+    emap = jnp.asarray(expert_map, jnp.int32)  # may be a NumPy array closed over by a jit
+    ids = jnp.where(ok, emap[jnp.clip(ids, 0, n_global - 1)], -1)
   valid = (ids >= 0) & (ids < num_local_experts)
   return jnp.where(valid, ids, num_local_experts)
 
@@ -312,6 +318,9 @@ class ModularKernel:
     if expert_map is not None and pf.activation_format == ActivationFormat.Standard \
         and not experts.supports_expert_map:
       raise IncompatiblePartsError(f"{experts!r} does not support expert_map (with {pf!r})")
+    if not experts.supports_activation(activation):
+      raise IncompatiblePartsError(f"{experts!r} does not support activation "
+                                   f"{activation.name!r} (with {pf!r})")
     receive = pf.prepare_async(
         x, topk_weights, topk_ids, num_local_experts=weights.num_experts,
         expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,

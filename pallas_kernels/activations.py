@@ -90,7 +90,8 @@ def as_activation(activation: "str | Activation", *, alpha: float | None = None,
                   limit: float | None = None) -> Activation:
   """Normalise a name or Activation, raising a clear error for unknown names."""
   if isinstance(activation, Activation):
-    return activation
+    kw = {k: float(v) for k, v in (("alpha", alpha), ("limit", limit)) if v is not None}
+    return dataclasses.replace(activation, **kw) if kw else activation
   if not isinstance(activation, str):
     raise TypeError(f"activation must be a str or Activation, got {type(activation).__name__}")
   kw = {}

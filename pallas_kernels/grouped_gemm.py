@@ -209,13 +209,21 @@ def tile_metadata(group_sizes: jax.Array, m: int, block_m: int):
   g = gs.shape[0]
   ends = jnp.minimum(jnp.cumsum(gs), m)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  return tile_metadata_from_bounds(starts, ends, block_m, pl.cdiv(m, block_m) + g - 1)
+
+
+def tile_metadata_from_bounds(starts: jax.Array, ends: jax.Array, block_m: int, t_max: int):
+  """Like tile_metadata for groups at arbitrary row ranges [starts[g], ends[g]) (increasing,
+  non-overlapping); t_max must bound the number of tasks."""
+  g = starts.shape[0]
+  starts = starts.astype(jnp.int32)
+  ends = jnp.maximum(ends.astype(jnp.int32), starts)
   sizes = ends - starts
   first = starts // block_m
   last = (ends - 1) // block_m
   ntiles = jnp.where(sizes > 0, last - first + 1, 0)
   tile_end = jnp.cumsum(ntiles)
   tile_start = tile_end - ntiles
-  t_max = pl.cdiv(m, block_m) + g - 1
   t = jnp.arange(t_max, dtype=jnp.int32)
   # expert of task t = number of experts whose tiles all end at or before t (compare-sum: fuses)
   e = jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1)
@@ -321,7 +329,6 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       else:
         r0 = blk * bm
         c0 = ni * bn
-      bars = vec_bar.at[wg * 3]
       # bias / row-scale vectors: TMA into SMEM, then into registers.
       if has_bias:
         plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(c0, tile_n)], vec_smem.at[wg, 0, :tile_n],
@@ -332,7 +339,6 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       if has_scale:
         plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r0, tile_m)], vec_smem.at[wg, 2, :tile_m],
                                 vec_bar.at[wg * 3 + 2])
-      del bars
       shape = (tile_m, tile_n)
       vals = []
       for j, a in enumerate(accs):
@@ -489,7 +495,27 @@ def _check_dtype(name, x):
     raise ValueError(f"{name}: dtype {x.dtype} is not supported (bfloat16 or float16)")
 
 
-def _validate(lhs, rhs, group_sizes, row_scale, bias, rhs_cols):
+def _adapt_config(cfg: GroupedGemmConfig, k: int, n_out: int) -> GroupedGemmConfig:
+  """Shrink block_k / block_n so they divide K / N: tiles never read or write past K or N (only
+  past M, where the extra rows are never stored)."""
+  bk, bn = cfg.block_k, cfg.block_n
+  while k % bk:
+    bk //= 2
+  while n_out % bn:
+    bn //= 2
+  if bk != cfg.block_k or bn != cfg.block_n:
+    ws, split = cfg.warp_specialized, cfg.wg_split
+    if ws and split == "n" and bn % 128:
+      split = "m"
+    if ws and split == "m" and cfg.block_m < 128:
+      ws = False
+    log.debug("grouped_gemm: config %s adapted to K=%d N=%d: block_k=%d block_n=%d", cfg, k,
+              n_out, bk, bn)
+    cfg = dataclasses.replace(cfg, block_k=bk, block_n=bn, warp_specialized=ws, wg_split=split)
+  return cfg
+
+
+def _validate(lhs, rhs, group_sizes, row_scale, bias, rhs_cols, gated=False):
   if lhs.ndim != 2:
     raise ValueError(f"lhs must be [M, K], got shape {lhs.shape}")
   if rhs.ndim != 3:
@@ -511,7 +537,11 @@ def _validate(lhs, rhs, group_sizes, row_scale, bias, rhs_cols):
   if bias is not None and bias.shape != (e, rhs_cols):
     raise ValueError(f"bias must have shape ({e}, {rhs_cols}), got {bias.shape}")
   if k % 16:
-    raise ValueError(f"K={k} must be a multiple of 16 (pad lhs and rhs along K)")
+    raise ValueError(f"K={k} must be a multiple of 16 (pad lhs and rhs along K with zeros)")
+  n_out = rhs_cols // 2 if gated else rhs_cols
+  if n_out % 64:
+    raise ValueError(f"N={n_out} (output columns) must be a multiple of 64; pad the weight columns "
+                     "(and bias) with zeros once at load time")
   if m == 0:
     raise ValueError("lhs has 0 rows")
 
@@ -526,15 +556,8 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   if config is None:
     config = get_config(kernel_name, m, n_out, k, e, lhs.dtype, gated=gated, out_dtype=out_dtype)
-  cfg = _fit_stages(config, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, 2 if gated else 1)
-  if k % cfg.block_k:
-    raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k}")
-  if gated and n_out % cfg.block_n and n_out > cfg.block_n:
-    # The up half starts at column n_out; tiles of the gate half must not need clipping into it
-    # other than at the end (it is fine: clipped columns are never stored).
-    pass
-  if n_out < cfg.block_n:
-    raise ValueError(f"N={n_out} is smaller than block_n={cfg.block_n}; use a smaller block_n")
+  cfg = _adapt_config(config, k, n_out)
+  cfg = _fit_stages(cfg, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, 2 if gated else 1)
   bm = cfg.block_m
   m_pad = max(m, bm)
   if m_pad != m:  # tiny M: pad so that a row tile fits in the array (cheap).
@@ -581,8 +604,10 @@ def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   row_scale [M] (f32), bias [E, N] (f32 or any float), activation: None or a non-gated
   ``*_no_mul`` Activation (gated ones need :func:`grouped_gemm_gated`). Accumulates in f32.
   Returns [M, N] in out_dtype (default lhs.dtype); rows >= sum(group_sizes) are unwritten.
-  K must be a multiple of 16 (and of config.block_k); N >= block_n (any N; partial column tiles
-  are clipped). interpret: False, True (GPU interpret mode on CPU) or an InterpretGPUParams.
+  K must be a multiple of 16 and N a multiple of 64 (ValueError otherwise: pad the weights once);
+  config.block_k / block_n are shrunk to divide K / N. float32 inputs raise NotImplementedError
+  (callers fall back to XLA). interpret: False, True (GPU interpret mode on CPU, race detection
+  on) or an InterpretGPUParams.
   """
   act = None
   if activation is not None:
@@ -612,7 +637,7 @@ def grouped_gemm_gated(lhs: jax.Array, w13: jax.Array, group_sizes: jax.Array, *
     raise ValueError(f"activation={act.name!r} is not gated: use grouped_gemm(activation=...)")
   if w13.ndim != 3 or w13.shape[2] % 2:
     raise ValueError(f"w13 must be [E, K, 2N], got shape {w13.shape}")
-  _validate(lhs, w13, group_sizes, row_scale, bias, w13.shape[2])
+  _validate(lhs, w13, group_sizes, row_scale, bias, w13.shape[2], gated=True)
   return _run(lhs, w13, group_sizes, row_scale, bias, out_dtype, config, interpret, True, act,
               "grouped_gemm_gated")
 
@@ -652,3 +677,72 @@ def grouped_gemm_reference(lhs, rhs, group_sizes, *, row_scale=None, bias=None, 
     y = y * row_scale.astype(jnp.float32)[:, None]
   y = jnp.where(valid[:, None], y, 0.0)
   return y.astype(out_dtype or lhs.dtype)
+
+
+# ============================================================================ batched (masked) format
+
+
+def _batched(lhs, rhs, expert_num_tokens, row_scale, bias, out_dtype, config, interpret, gated,
+             act, kernel_name):
+  if lhs.ndim != 3:
+    raise ValueError(f"lhs must be [E, max_tokens, K], got shape {lhs.shape}")
+  e, cap, k = lhs.shape
+  if rhs.ndim != 3 or rhs.shape[0] != e:
+    raise ValueError(f"rhs must be [E={e}, K, N], got shape {rhs.shape}")
+  if expert_num_tokens.shape != (e,):
+    raise ValueError(f"expert_num_tokens must have shape ({e},), got {expert_num_tokens.shape}")
+  if row_scale is not None and row_scale.shape != (e, cap):
+    raise ValueError(f"row_scale must have shape ({e}, {cap}), got {row_scale.shape}")
+  m = e * cap
+  lhs2 = lhs.reshape(m, k)
+  scale2 = None if row_scale is None else row_scale.reshape(m)
+  _validate(lhs2, rhs, expert_num_tokens, scale2, bias, rhs.shape[2], gated=gated)
+  n_out = rhs.shape[2] // 2 if gated else rhs.shape[2]
+  if config is None:
+    config = get_config(kernel_name, m, n_out, k, e, lhs.dtype, gated=gated, out_dtype=out_dtype)
+  bm = config.block_m
+  counts = jnp.clip(expert_num_tokens.astype(jnp.int32), 0, cap)
+  starts = jnp.arange(e, dtype=jnp.int32) * cap
+  # tiles of one expert: at most cdiv(cap, bm) + 1 (its rows may start mid-tile)
+  t_max = e * (pl.cdiv(cap, bm) + (1 if cap % bm else 0))
+  meta = tile_metadata_from_bounds(starts, starts + counts, bm, t_max)
+  out = _run(lhs2, rhs, expert_num_tokens, scale2, bias, out_dtype, config, interpret, gated, act,
+             kernel_name, meta=meta)
+  return out.reshape(e, cap, n_out)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "activation"))
+def batched_grouped_gemm(lhs: jax.Array, rhs: jax.Array, expert_num_tokens: jax.Array, *,
+                         row_scale: jax.Array | None = None, bias: jax.Array | None = None,
+                         activation: Activation | str | None = None, out_dtype=None,
+                         config: GroupedGemmConfig | None = None, interpret: Any = False
+                         ) -> jax.Array:
+  """Batched (masked) format: out[e, r] = epilogue(lhs[e, r] @ rhs[e]) for r < expert_num_tokens[e].
+
+  lhs [E, max_tokens, K], rhs [E, K, N], expert_num_tokens [E] int, row_scale [E, max_tokens],
+  bias [E, N]. Same kernel as grouped_gemm: row tiles past an expert's count are never scheduled
+  (no compute, no weight loads for experts with 0 tokens); rows r >= expert_num_tokens[e] of the
+  [E, max_tokens, N] result are unwritten.
+  """
+  act = None
+  if activation is not None:
+    act = as_activation(activation)
+    if act.is_gated:
+      raise ValueError(f"activation={act.name!r} is gated: use batched_grouped_gemm_gated")
+  return _batched(lhs, rhs, expert_num_tokens, row_scale, bias, out_dtype, config, interpret,
+                  False, act, "grouped_gemm")
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))
+def batched_grouped_gemm_gated(lhs: jax.Array, w13: jax.Array, expert_num_tokens: jax.Array, *,
+                               activation: Activation | str = "silu",
+                               bias: jax.Array | None = None,
+                               row_scale: jax.Array | None = None, out_dtype=None,
+                               config: GroupedGemmConfig | None = None, interpret: Any = False
+                               ) -> jax.Array:
+  """Batched format of grouped_gemm_gated: [E, max_tokens, K] x [E, K, 2N] -> [E, max_tokens, N]."""
+  act = as_activation(activation)
+  if not act.is_gated:
+    raise ValueError(f"activation={act.name!r} is not gated: use batched_grouped_gemm")
+  return _batched(lhs, w13, expert_num_tokens, row_scale, bias, out_dtype, config, interpret,
+                  True, act, "grouped_gemm_gated")

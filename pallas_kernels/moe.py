@@ -15,16 +15,19 @@ from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.grouped_gemm import GroupedGemmConfig
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "config1", "config2", "interpret"))
+@functools.partial(jax.jit, static_argnames=("activation", "config1", "config2", "interpret",
+                                             "permute_impl"))
 def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
                   topk_ids: jax.Array, *, activation: Activation | str = "silu",
                   w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
                   config1: GroupedGemmConfig | None = None,
-                  config2: GroupedGemmConfig | None = None, interpret: Any = False) -> jax.Array:
+                  config2: GroupedGemmConfig | None = None, interpret: Any = False,
+                  permute_impl: str = "xla") -> jax.Array:
   """out[t] = sum_j topk_weights[t, j] * (act(x[t] @ w13[e] + b13[e]) @ w2[e] + b2[e]), e = ids[t, j].
 
   x [T, H] bf16/f16; w13 [E, H, 2N] (gated) or [E, H, N] (``*_no_mul``); w2 [E, N, H];
   topk_weights [T, k] (f32), topk_ids [T, k] int (-1 = empty slot, contributes 0).
+  permute_impl: "xla" (jnp.take) or "pallas" (permute.gather_rows) for the token gather.
   """
   act = as_activation(activation)
   t, k = topk_ids.shape
@@ -41,12 +44,12 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   # extra rows (and rows past sum(group_sizes)) are garbage that gather_sum never reads.
   m_alloc = max(m, config1.block_m, config2.block_m)
   order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
-  xs = _perm.permute_rows(x, order, k)
+  xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret)
   scale = _perm.permute_weights(topk_weights, order)
   meta1 = gg.tile_metadata(group_sizes, m_alloc, config1.block_m)
   meta2 = meta1 if config2.block_m == config1.block_m else gg.tile_metadata(
       group_sizes, m_alloc, config2.block_m)
-  gg._validate(xs, w13, group_sizes, None, w13_bias, n13)
+  gg._validate(xs, w13, group_sizes, None, w13_bias, n13, gated=act.is_gated)
   h = gg._run(xs, w13, group_sizes, None, w13_bias, None, config1, interpret, act.is_gated, act,
               "", meta=meta1)
   gg._validate(h, w2, group_sizes, scale, w2_bias, w2.shape[2])
@@ -81,3 +84,38 @@ def fused_experts_reference(x, w13, w2, topk_weights, topk_ids, *, activation="s
   ys = jax.lax.map(one, (tok, idc))
   ys = ys * (topk_weights.reshape(-1).astype(jnp.float32) * valid)[:, None]
   return ys.reshape(t, k, -1).sum(axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
+                        topk_ids: jax.Array, *, activation: Activation | str = "silu",
+                        w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
+                        interpret: Any = False) -> jax.Array:
+  """Differentiable MoE expert block (same math as fused_experts): both GEMMs are ``tgmm.gmm``
+  (Pallas forward; Pallas backward = gmm on transposed weights + tgmm); bias, activation,
+  router-weight multiply, permute and gather-sum are jnp (differentiated by JAX).
+  Gradients flow to x, w13, w2, topk_weights and the biases. No epilogue fusion (the [M, 2N]
+  intermediate is materialized, as the backward needs it anyway).
+  """
+  from pallas_kernels import tgmm as _tg
+  act = as_activation(activation)
+  t, k = topk_ids.shape
+  e = w13.shape[0]
+  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
+  m = t * k
+  m_alloc = max(m, 128)
+  order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
+  xs = _perm.permute_rows(x, order, k)
+  gid = None
+  if w13_bias is not None or w2_bias is not None:
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    gid = jnp.clip(jnp.take(ids, order, mode="clip"), 0, e - 1)  # rows past the total: unused
+  h = _tg.gmm(xs, w13, group_sizes, None, interpret)
+  if w13_bias is not None:
+    h = h.astype(jnp.float32) + jnp.take(w13_bias.astype(jnp.float32), gid, axis=0)
+  a = act(h).astype(x.dtype)
+  y = _tg.gmm(a, w2, group_sizes, None, interpret).astype(jnp.float32)
+  if w2_bias is not None:
+    y = y + jnp.take(w2_bias.astype(jnp.float32), gid, axis=0)
+  y = y * _perm.permute_weights(topk_weights, order)[:, None]
+  return _perm.gather_sum(y, inv, out_dtype=x.dtype)

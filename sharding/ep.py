@@ -41,7 +41,7 @@ def select_parts(parallel: ParallelConfig, *, runner_backend: str = "auto",
 
 def _warn_dropped(n):
   if int(n) > 0:
-    log.warning("jmoe padded dispatch dropped %d token copies (capacity too small); "
+    log.warning("jmoe EP dispatch dropped %d token copies (capacity too small); "
                 "call sharding.ep_fused_moe(..., return_stats=True) to track them", int(n))
 
 
@@ -76,7 +76,10 @@ def ep_fused_moe(
     placement: "linear" / "round_robin" / an `ExpertPlacement` (default: the config's).
       `w13`/`w2`/biases are in *physical* order (`sharding.place_weights`); topk_ids are
       global (logical) ids.
-    capacity: padded_a2a rows per (destination rank, local expert); None = dropless.
+    capacity: rows one source rank may send to one (rank, local expert) — the static bound of
+      padded_a2a's buffers, ragged_a2a's receive buffer and allgather's batched layout;
+      None = the config's `dispatch_capacity`, else T per rank (dropless for distinct ids).
+      Copies over it are dropped and counted (stats "dropped", or a logged warning).
     shared_w13 [H, 2Ns], shared_w2 [Ns, H], shared_gate [H]: a shared-expert MLP, replicated,
       computed between dispatch send and receive (single-batch overlap) and added.
     micro_batches: split each rank's tokens into this many micro-batches whose dispatch and
@@ -180,7 +183,7 @@ def ep_fused_moe(
   out, dropped = fn(*vals)
   if return_stats:
     return out, {"dropped": dropped, "expert_load": expert_load}
-  if pf.capacity is not None and pf.activation_format == ActivationFormat.Batched:
+  if pf.capacity is not None:
     jax.debug.callback(_warn_dropped, dropped)
   return out
 

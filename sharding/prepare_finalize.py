@@ -23,7 +23,6 @@ from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jmoe.config import ParallelConfig
 from jmoe.modular import (ActivationFormat, Contiguous, Delegate, ExpertsInput, NaiveBatched,
@@ -175,7 +174,7 @@ class AllGatherBatched(AllGather):
     def receive():
       g = inner()
       m, k = g.topk_ids.shape
-      cap = min(self.capacity or m, m)
+      cap = min(self.capacity * self.ep if self.capacity else m, m)  # C per source rank
       local = local_expert_ids(g.topk_ids, num_local_experts, emap)
       src_slot, num_tokens, slot_pos, dropped = batched_layout(local, num_local_experts, cap)
       tok = jnp.where(src_slot >= 0, src_slot // k, 0)
@@ -203,15 +202,20 @@ class RaggedA2A(EPPrepareFinalize):
   reverse ragged all-to-all with the roles swapped, un-sort, weight and sum over k on the
   sender (f32), then one psum over the tensor axis.
 
-  The receive buffer holds the dropless worst case, ep * T * min(k, E_local) rows.
+  Capacity C (`dispatch_capacity`, default T: dropless for distinct top-k ids) bounds the rows
+  one source sends to one (rank, local expert); copies past it are dropped and counted. The
+  receive buffer is the worst case under that bound, ep * min(E_local * C, T * k) rows.
   """
 
   name = "ragged_a2a"
   activation_format = ActivationFormat.Standard
   default_weight_and_reduce = Contiguous()
 
+  def capacity_for(self, t: int, k: int) -> int:
+    return min(self.capacity or t, t * k)
+
   def recv_rows(self, t: int, k: int, num_local_experts: int) -> int:
-    return self.ep * t * min(k, num_local_experts)
+    return self.ep * min(num_local_experts * self.capacity_for(t, k), t * k)
 
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
                     apply_router_weight_on_input, quant):
@@ -220,15 +224,22 @@ class RaggedA2A(EPPrepareFinalize):
     t, k = topk_ids.shape
     el, ep = num_local_experts, self.ep
     e = el * ep
+    nkeys = ep * el
     pl = self.placement(el)
     ids = topk_ids.astype(jnp.int32).reshape(-1)
     valid = (ids >= 0) & (ids < e)
     safe = jnp.clip(ids, 0, e - 1)
     dest = jnp.where(valid, jnp.asarray(pl.owner)[safe], ep)
     le = jnp.where(valid, jnp.asarray(pl.local_index)[safe], 0)
-    key = dest * el + le  # ep*el for slots that go nowhere
+    raw_key = dest * el + le  # nkeys for slots that go nowhere
+    # position of each slot within its (destination, local expert) group; past C: dropped
+    order0 = jnp.argsort(raw_key, stable=True)
+    counts0 = jnp.bincount(raw_key, length=nkeys + 1)
+    pos = jnp.argsort(order0) - (jnp.cumsum(counts0) - counts0)[raw_key]
+    kept = valid & (pos < self.capacity_for(t, k))
+    key = jnp.where(kept, raw_key, nkeys)
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    counts = jnp.bincount(key, length=ep * el + 1)[:ep * el].reshape(ep, el).astype(jnp.int32)
+    counts = jnp.bincount(key, length=nkeys + 1)[:nkeys].reshape(ep, el).astype(jnp.int32)
     x_send = a1q[order // k]  # [T*k, H], grouped by destination then local expert
     counts_all = jax.lax.all_gather(counts, self.expert_axis)  # [src, dst, el]
     cnt = counts_all.sum(-1)  # [src, dst]
@@ -245,7 +256,8 @@ class RaggedA2A(EPPrepareFinalize):
       scale = collectives.ragged_all_to_all(
           s_send, jnp.zeros((r,) + s_send.shape[1:], s_send.dtype), in_off[me], cnt[me],
           out_off[me], cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
-    self.last_dropped = jnp.int32(0)
+    self.last_dropped = self._count_dropped(jnp.sum(valid & ~kept).astype(jnp.int32))
+    dropped = self.last_dropped
 
     def receive():
       # received rows: src-major, each source's block sorted by local expert
@@ -256,7 +268,8 @@ class RaggedA2A(EPPrepareFinalize):
       plan = dict(order=order, cnt=cnt, in_off=in_off, out_off=out_off, ids=topk_ids,
                   weights=topk_weights)
       return ExpertsInput(a=recv, a_scale=scale, topk_weights=jnp.ones((r, 1), jnp.float32),
-                          topk_ids=rle[:, None], extra=plan, format=ActivationFormat.Standard)
+                          topk_ids=rle[:, None], dropped=dropped, extra=plan,
+                          format=ActivationFormat.Standard)
     return receive
 
   def finalize(self, fused_out, inp, weight_and_reduce, out_dtype):

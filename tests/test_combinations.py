@@ -36,6 +36,12 @@ COMPATIBLE = [p for p in PAIRS if _compatible(p[1], p[2])]
 INCOMPATIBLE = [p for p in PAIRS if not _compatible(p[1], p[2])]
 
 
+def _supports_dtype(experts, dtype) -> bool:
+  """Experts may restrict their dtypes (the Pallas kernels take bf16/f16 only)."""
+  check = getattr(experts, "supports_dtype", None)
+  return True if check is None else bool(check(dtype))
+
+
 def _skip_unavailable(experts_cls):
   ok, why = experts_cls.is_available()
   if not ok:
@@ -91,6 +97,8 @@ def test_compatible_pair_matches_reference(pair, rng):
   kernel = ModularKernel(pf_factory(), experts_cls())
   failures = []
   for activation, routing, (dtype, tol) in itertools.product(ACTIVATIONS, ROUTINGS, DTYPES):
+    if not _supports_dtype(kernel.experts, dtype):
+      continue
     p = _problem(rng, activation, routing, dtype)
     if p["expert_map"] is not None and kernel.prepare_finalize.activation_format == \
         ActivationFormat.Standard and not experts_cls.supports_expert_map:
@@ -112,18 +120,21 @@ def test_compatible_pair_jit_and_odd_shapes(pair, rng):
   label, pf_factory, experts_cls = pair
   _skip_unavailable(experts_cls)
   kernel = ModularKernel(pf_factory(), experts_cls())
+  dtype, tol = next((d, t) for d, t in DTYPES if _supports_dtype(kernel.experts, d))
   act = Activation("gelu_tanh")
   f = jax.jit(lambda x, w, tw, ti: kernel(x, w, tw, ti, activation=act))
   for t, h, n, e, k in ((1, 5, 3, 3, 2), (7, 9, 5, 1, 1), (4, 3, 7, 3, 3)):
     w = onp.make_weights(rng, e, h, n, bias=True)
     tw, ids = onp.random_topk(rng, t, e, k)
     x = rng.standard_normal((t, h))
-    out = f(jnp.asarray(x, jnp.float32),
-            ExpertWeights(**{nm: jnp.asarray(v, jnp.float32) for nm, v in w.items()}),
+    out = f(jnp.asarray(x, dtype),
+            ExpertWeights(**{nm: jnp.asarray(v, dtype) for nm, v in w.items()}),
             jnp.asarray(tw), jnp.asarray(ids))
-    ref = onp.fused_moe(x, w["w13"], w["w2"], tw, ids, activation="gelu_tanh",
-                        w13_bias=w["w13_bias"], w2_bias=w["w2_bias"])
-    onp.assert_rel_close(np.asarray(out), ref, 1e-5, f"{kernel!r} T={t} H={h} N={n} E={e}")
+    up = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32), np.float64)  # noqa
+    ref = onp.fused_moe(up(x), up(w["w13"]), up(w["w2"]), tw, ids, activation="gelu_tanh",
+                        w13_bias=up(w["w13_bias"]), w2_bias=up(w["w2_bias"]))
+    onp.assert_rel_close(np.asarray(out.astype(jnp.float32)), ref, tol,
+                         f"{kernel!r} T={t} H={h} N={n} E={e}")
 
 
 @pytest.mark.parametrize("pair", INCOMPATIBLE, ids=_pair_id)
@@ -152,22 +163,24 @@ def test_quantized_formats_refused_clearly(experts_cls):
     assert repr(pf) in str(info.value) and repr(experts) in str(info.value)
 
 
+@pytest.mark.parametrize("activation", ["silu", "relu2_no_mul"])
 @pytest.mark.parametrize("experts_cls", EXPERTS, ids=lambda c: c.__name__)
-def test_workspace_shapes_match_apply(experts_cls, rng):
+def test_workspace_shapes_match_apply(experts_cls, activation, rng):
   _skip_unavailable(experts_cls)
   experts = experts_cls()
+  dtype = jnp.bfloat16 if not _supports_dtype(experts, jnp.float32) else jnp.float32
   pf = NoEP() if experts.activation_formats[0] == ActivationFormat.Standard else NoEPBatched()
-  w = onp.make_weights(rng, E, H, N)
-  weights = ExpertWeights(w13=jnp.asarray(w["w13"], jnp.float32),
-                          w2=jnp.asarray(w["w2"], jnp.float32))
+  act = Activation(activation)
+  w = onp.make_weights(rng, E, H, N, gated=act.is_gated)
+  weights = ExpertWeights(w13=jnp.asarray(w["w13"], dtype), w2=jnp.asarray(w["w2"], dtype))
   tw, ids = onp.random_topk(rng, T, E, K)
-  x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((T, H)), dtype)
   inp = pf.prepare(x, jnp.asarray(tw), jnp.asarray(ids), num_local_experts=E, expert_map=None,
                    apply_router_weight_on_input=False, quant=None)
-  got = experts.workspace_shapes(inp, weights, jnp.float32)
-  out = experts.apply(inp, weights, activation=Activation("silu"), expert_map=None,
-                      out_dtype=jnp.float32)
-  assert (got.shape, got.dtype) == (out.shape, out.dtype)
+  out = experts.apply(inp, weights, activation=act, expert_map=None, out_dtype=dtype)
+  for got in (experts.workspace_shapes(inp, weights, dtype),  # activation inferred from w13
+              experts.workspace_shapes(inp, weights, dtype, activation=act)):
+    assert (got.shape, got.dtype) == (out.shape, out.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +215,11 @@ def test_batched_capacity_reports_dropped(rng):
       x, weights, jnp.asarray(tw), jnp.asarray(ids), activation=Activation("silu"))
   ref = onp.fused_moe(np.asarray(x), w["w13"], w["w2"], tw, np.where(kept, ids, -1))
   onp.assert_rel_close(np.asarray(out), ref, 1e-5)
+  # A capacity above T wastes rows but drops nothing and changes nothing.
+  big = ModularKernel(NoEPBatched(max_tokens_per_expert=3 * T), jmoe.experts.XlaBatchedExperts())
+  out = big(x, weights, jnp.asarray(tw), jnp.asarray(ids), activation=Activation("silu"))
+  onp.assert_rel_close(np.asarray(out), onp.fused_moe(np.asarray(x), w["w13"], w["w2"], tw, ids),
+                       1e-5)
   # Under jit the count is a traced value and still right.
   dropped = jax.jit(lambda a, b, c: pf.prepare(a, b, c, **kw).dropped)(
       x, jnp.asarray(tw), jnp.asarray(ids))
@@ -245,3 +263,19 @@ def test_shared_output_hook_is_added(label_factory, rng):
   out = kernel(**p, shared_output=lambda: calls.append(1) or shared)
   assert calls == [1]
   np.testing.assert_allclose(out, kernel(**p) + shared, rtol=1e-5, atol=1e-6)
+
+
+class _NoGeluExperts(ReferenceExperts):
+  name = "no_gelu_test"
+
+  def supports_activation(self, activation):
+    return not activation.name.startswith("gelu")
+
+
+def test_unsupported_activation_refused_before_running(rng):
+  kernel = ModularKernel(NoEP(), _NoGeluExperts())
+  p = _problem(rng, "gelu_no_mul", "plain", jnp.float32)
+  with pytest.raises(IncompatiblePartsError, match=r"does not support activation 'gelu_no_mul'"):
+    kernel(**p)
+  p = _problem(rng, "silu", "plain", jnp.float32)
+  np.testing.assert_allclose(kernel(**p), REFERENCE(**p), rtol=1e-6)

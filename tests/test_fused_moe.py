@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.experimental import checkify
 
 import jmoe
@@ -171,9 +173,16 @@ CASES = {f.__name__[6:]: f for f in (
     _case_many_tokens)}
 
 
-@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", list(CASES))
+# Cases on shapes of their own run eagerly on the default backend only: eager op-by-op
+# compilation of new shapes is what costs time on CPU, and the jit runs cover the rest.
+_OWN_SHAPES = ("t1", "e1", "k_eq_e", "odd_dims", "weight_on_input", "many_tokens")
+ROUTING_PARAMS = [(name, backend, use_jit) for name in CASES for backend in BACKENDS
+                  for use_jit in (False, True)
+                  if use_jit or backend == "xla" or name not in _OWN_SHAPES]
+
+
+@pytest.mark.parametrize("name,backend,use_jit", ROUTING_PARAMS,
+                         ids=[f"{n}-{b}-{'jit' if j else 'eager'}" for n, b, j in ROUTING_PARAMS])
 def test_routing_cases(name, backend, use_jit, rng):
   case = CASES[name](rng)
   out, ref = run(case, backend, use_jit=use_jit)
@@ -279,3 +288,93 @@ def test_jit_retrace_not_needed_across_values(rng):
     out = np.asarray(f(*_args(c)), np.float64)
     onp.assert_rel_close(out, onp.fused_moe(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids), 1e-5)
   assert f._cache_size() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# more edge cases
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_tokens(backend, rng):
+  """An empty batch (a data-parallel rank with no tokens) runs, jitted and differentiated."""
+  w = onp.make_weights(rng, 4, 6, 5)
+  args = (jnp.zeros((0, 6), jnp.float32), jnp.asarray(w["w13"], jnp.float32),
+          jnp.asarray(w["w2"], jnp.float32), jnp.zeros((0, 2), jnp.float32),
+          jnp.zeros((0, 2), jnp.int32))
+  out = fused_jit(*args, runner_backend=backend)
+  assert out.shape == (0, 6)
+  g = jax.grad(lambda w13: fused_jit(args[0], w13, *args[2:], runner_backend=backend).sum())(
+      args[1])
+  np.testing.assert_array_equal(g, 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_weights_in_dead_slots_do_not_leak(backend, rng):
+  """Empty (-1) slots contribute nothing, even when their weight is garbage (NaN)."""
+  case = _case_expert_map(rng)
+  case.topk_ids[3:, 1] = -1
+  tw = case.topk_weights.copy()
+  dead = case.topk_ids < 0
+  if backend != "reference":  # the fast paths also mask non-local slots' weights
+    dead |= case.expert_map[np.maximum(case.topk_ids, 0)] < 0
+  tw[dead] = np.nan
+  out, ref = run(Case(**{**case.__dict__, "topk_weights": tw}), backend)
+  ref = onp.fused_moe(case.x, case.w13, case.w2, np.where(dead, 0.0, tw), case.topk_ids,
+                      expert_map=case.expert_map)
+  assert np.isfinite(out).all()
+  onp.assert_rel_close(out, ref, 1e-5, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float16_and_mixed_dtypes(backend, rng):
+  case = make_case(rng, *STD, bias=True)
+  out, ref = run(case, backend, jnp.float16)
+  onp.assert_rel_close(out, ref, 5e-3, f"{backend}/f16")
+  # bf16 activations with f32 weights: computed in f32, returned in bf16.
+  x = jnp.asarray(case.x, jnp.bfloat16)
+  out = jmoe.fused_moe(x, jnp.asarray(case.w13, jnp.float32), jnp.asarray(case.w2, jnp.float32),
+                       jnp.asarray(case.topk_weights), jnp.asarray(case.topk_ids),
+                       w13_bias=jnp.asarray(case.w13_bias, jnp.float32),
+                       w2_bias=jnp.asarray(case.w2_bias, jnp.float32), runner_backend=backend)
+  assert out.dtype == jnp.bfloat16
+  ref = onp.fused_moe(np.asarray(x.astype(jnp.float32)), case.w13, case.w2, case.topk_weights,
+                      case.topk_ids, w13_bias=case.w13_bias, w2_bias=case.w2_bias)
+  onp.assert_rel_close(np.asarray(out.astype(jnp.float32)), ref, 1e-2, f"{backend}/mixed")
+
+
+@given(data=st.data())
+def test_fused_moe_values_hypothesis(data):
+  """Random values, empty slots and expert maps on the standard shape (jit caches reused)."""
+  backend = data.draw(st.sampled_from(BACKENDS), label="backend")
+  activation = data.draw(st.sampled_from(["silu", "swigluoai", "relu2_no_mul"]), label="act")
+  seed = data.draw(st.integers(0, 2 ** 31), label="seed")
+  x_scale = data.draw(st.floats(0.01, 8.0), label="x_scale")
+  p_empty = data.draw(st.sampled_from([0.0, 0.3, 1.0]), label="p_empty")
+  n_global = data.draw(st.sampled_from([5, 9]), label="global_experts")
+  rng = np.random.default_rng(seed)
+  case = make_case(rng, *STD, activation=activation, bias=True, x_scale=x_scale)
+  local = rng.permutation(n_global)[:5]
+  emap = -np.ones(n_global, np.int32)
+  emap[local] = rng.permutation(5)
+  case.expert_map = emap
+  ids = np.stack([rng.permutation(n_global)[:2] for _ in range(STD[0])]).astype(np.int32)
+  case.topk_ids = np.where(rng.uniform(size=ids.shape) < p_empty, -1, ids).astype(np.int32)
+  out, ref = run(case, backend, use_jit=True)
+  if np.linalg.norm(ref) == 0:
+    np.testing.assert_array_equal(out, 0.0)
+  else:
+    onp.assert_rel_close(out, ref, 1e-5, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_routing_arrays_closed_over_by_jit(backend, rng):
+  """An expert_map / topk arrays held as NumPy constants inside a jitted function."""
+  case = _case_expert_map(rng)
+  emap = case.expert_map.astype(np.int64)
+  tw, ids = case.topk_weights, case.topk_ids
+  w13, w2 = jnp.asarray(case.w13, jnp.float32), jnp.asarray(case.w2, jnp.float32)
+  f = jax.jit(lambda x: jmoe.fused_moe(x, w13, w2, tw, ids, expert_map=emap,
+                                       runner_backend=backend))
+  out = np.asarray(f(jnp.asarray(case.x, jnp.float32)), np.float64)
+  ref = onp.fused_moe(case.x, case.w13, case.w2, tw, ids, expert_map=emap)
+  onp.assert_rel_close(out, ref, 1e-5, backend)

@@ -126,10 +126,19 @@ def test_grad_unused_expert_is_zero(rng):
       assert np.all(np.isfinite(np.asarray(g[name])))
 
 
-def test_grad_end_to_end_through_router(rng):
+E2E_CONFIGS = {
+    "mixtral": dict(num_experts=E, top_k=K),
+    "deepseek_fused_shared": dict(num_experts=8, top_k=K, scoring_func="sigmoid",
+                                  num_expert_group=4, topk_group=2, use_correction_bias=True,
+                                  routed_scaling_factor=2.5, num_shared_experts=1,
+                                  fuse_shared_experts=True),
+}
+
+
+@pytest.mark.parametrize("name", list(E2E_CONFIGS))
+def test_grad_end_to_end_through_router(name, rng):
   """Training use: d loss / d (router weights, expert weights, x) through select_experts."""
-  cfg = jmoe.MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=N,
-                       dtype="float32")
+  cfg = jmoe.MoEConfig(hidden_size=H, intermediate_size=N, dtype="float32", **E2E_CONFIGS[name])
   params = jmoe.MoEParams(**{n: jnp.asarray(v, jnp.float32)
                              for n, v in onp.make_block_params(rng, cfg).items()})
   x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
@@ -144,6 +153,8 @@ def test_grad_end_to_end_through_router(rng):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
       onp.assert_rel_close(np.asarray(a), np.asarray(b), 1e-5, backend)
   assert np.linalg.norm(np.asarray(ref[0].router_w)) > 0  # the router learns
+  if cfg.use_correction_bias:  # the bias only selects: no gradient reaches it
+    np.testing.assert_array_equal(ref[0].correction_bias, 0.0)
 
 
 def test_grad_bf16_close_to_f32(rng):

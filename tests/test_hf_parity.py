@@ -2,13 +2,16 @@
 
 Each case builds the transformers sparse-MoE block from a tiny config object (nothing is
 downloaded), fills its weights from a seeded torch generator, runs it, converts its state with
-`interop.hf` and checks `jmoe.moe_block` against it to <= 1e-4 relative (||a-b|| / ||b||),
-on every CPU runner backend and under jit. The routing itself (chosen experts and weights) is
-compared too, so a failure says whether the router or the experts disagree.
+`interop.hf` and checks `jmoe.moe_block` against it to <= 1e-4 relative (||a-b|| / ||b||):
+the six families of the foundation issue on every CPU runner backend (and with fused shared
+experts where that is expressible), the families sharing their semantics on one backend. The
+routing itself (chosen experts and weights) is compared first, so a failure says whether the
+router or the experts disagree.
 
 Beyond the live blocks: the older per-expert checkpoint names (`experts.{i}.w1/w3/w2`,
-`experts.{i}.gate_proj/up_proj/down_proj`), bfloat16 tensors, gpt-oss MXFP4 and DeepSeek FP8
-block-quantized checkpoints, and a whole tiny model's safetensors file.
+`experts.{i}.gate_proj/up_proj/down_proj`), the inverse converter, bfloat16 tensors, gpt-oss
+MXFP4 and DeepSeek FP8 block-quantized checkpoints, a whole tiny model's safetensors file, and
+clear errors. Also passes against transformers 4.56 (per-expert nn.Linear blocks).
 """
 from __future__ import annotations
 
@@ -71,9 +74,13 @@ EXTRA_CASES = {
     "olmoe": ("olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock",
               dict(hidden_size=32, intermediate_size=24, num_experts=8, num_experts_per_tok=2,
                    norm_topk_prob=False, **_ATTN)),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeTextConfig", "Qwen3VLMoeTextSparseMoeBlock",
+                     dict(hidden_size=32, moe_intermediate_size=24, num_experts=8,
+                          num_experts_per_tok=3, **_ATTN)),
     "qwen3_next": ("qwen3_next", "Qwen3NextConfig", "Qwen3NextSparseMoeBlock",
-                   dict(hidden_size=32, moe_intermediate_size=24, shared_expert_intermediate_size=16,
-                        num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, **_ATTN)),
+                   dict(hidden_size=32, moe_intermediate_size=24,
+                        shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=3,
+                        norm_topk_prob=True, **_ATTN)),
     "glm4_moe": ("glm4_moe", "Glm4MoeConfig", "Glm4MoeMoE",
                  dict(hidden_size=32, moe_intermediate_size=16, n_routed_experts=12,
                       num_experts_per_tok=3, n_group=3, topk_group=2, n_shared_experts=1,
@@ -151,7 +158,7 @@ def hf_routing(case: str, block, x2d):
       ids = torch.topk(logits, block.top_k, dim=1)[1]
       w = scores.gather(1, ids)
     else:
-      router = block.router if case.startswith("gpt_oss") else block.gate
+      router = block.router if hasattr(block, "router") else block.gate
       out = router(x2d)
       if not (isinstance(out, tuple) and len(out) == 3 and out[1].shape == out[2].shape):
         return None
@@ -160,12 +167,17 @@ def hf_routing(case: str, block, x2d):
 
 
 def jmoe_routing(x, params, c) -> tuple[np.ndarray, np.ndarray]:
-  w, ids = jmoe.select_experts(
+  w, ids = _route_jit(x, params, c)
+  return _sort_by_id(np.asarray(w), np.asarray(ids))
+
+
+@jax.jit(static_argnums=2)
+def _route_jit(x, params, c):
+  return jmoe.select_experts(
       x, jmoe.router_logits(x, params), c.top_k, scoring_func=c.scoring_func,
       renormalize=c.renormalize, num_expert_group=c.num_expert_group, topk_group=c.topk_group,
       e_score_correction_bias=params.correction_bias,
       routed_scaling_factor=c.routed_scaling_factor)
-  return _sort_by_id(np.asarray(w), np.asarray(ids))
 
 
 def _sort_by_id(w, ids):
@@ -339,6 +351,22 @@ def test_from_hf_module_finds_the_config():
   assert hf.from_hf_module(block)[0] == hf.from_hf_module(block, hf_config)[0]
 
 
+@pytest.mark.parametrize("case,overrides", [
+    ("qwen3_vl_moe", {}),  # Qwen3-VL checkpoints store fused experts as [E, H, 2N] / [E, N, H]
+    ("qwen3_moe", {"moe_intermediate_size": 16}),  # H == 2N: gate_up_proj's shape is ambiguous
+])
+def test_fused_checkpoint_in_x_at_w_order(case, overrides):
+  hf_config, block, _ = build(case, **overrides)
+  sd = dict(block.state_dict())
+  if "experts.gate_up_proj" not in sd:
+    pytest.skip("this transformers stores per-expert linears")
+  _, want = hf.from_hf_module(block, hf_config)
+  for k in ("experts.gate_up_proj", "experts.down_proj"):
+    sd[k] = sd[k].transpose(1, 2)
+  _, got = hf.from_hf_state_dict(None, hf_config, sd)
+  _assert_same_params(got, want)
+
+
 def test_config_dict_and_numpy_state_dict():
   """config.json as a plain dict, tensors as NumPy arrays (safetensors.numpy) work alike."""
   hf_config, block, x = build("qwen2_moe")
@@ -379,9 +407,11 @@ def test_bfloat16_tensors_convert_exactly(case):
   assert params.router_w.dtype == jnp.float32  # routers stay f32 (rounded to bf16 values)
 
 
-def test_bfloat16_block():
-  """gpt-oss in bfloat16 end to end (loose tolerance: HF rounds differently in bf16)."""
-  hf_config, block, x = build("gpt_oss")
+@pytest.mark.parametrize("case", list(CASES))
+def test_bfloat16_block(case):
+  """End to end in bfloat16, to DESIGN.md's bf16 tolerance (2e-2; HF rounds its router logits
+  and some intermediates to bf16 where jmoe keeps float32: about 5e-3 here)."""
+  hf_config, block, x = build(case)
   block = block.to(torch.bfloat16)
   config, params = hf.from_hf_module(block, hf_config)
   assert config.dtype == "bfloat16" and params.w13.dtype == jnp.bfloat16

@@ -3,6 +3,8 @@ the float64 oracle, and the fused-slot path (shared experts as always-chosen top
 against the separate one."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,14 +156,51 @@ def test_fuse_shared_slots_seed_convention(rng):
   cfg = _deepseek(s, False)
   params = _params(rng, cfg)
   x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
-  logits = jmoe.router_logits(x, params)
-  kw = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2,
-            e_score_correction_bias=params.correction_bias)
-  w_unscaled, ids = jmoe.select_experts(x, logits, 2, routed_scaling_factor=1.0, **kw)
-  s13, s2 = split_shared_weights(params.shared_w13, params.shared_w2, s, N)
-  w13 = jnp.concatenate([params.w13, s13])
-  w2 = jnp.concatenate([params.w2, s2])
-  fw, fids = fuse_shared_slots(w_unscaled, ids, e, s, rsf, weights_include_scaling=False)
-  out = rsf * jmoe.fused_moe(x, w13, w2, fw, fids, runner_backend="xla")
-  onp.assert_rel_close(_np(out), _np(jmoe.moe_block(x, params, cfg)), 1e-5)
+
+  @jax.jit
+  def seed_style(x, params):
+    logits = jmoe.router_logits(x, params)
+    w_unscaled, ids = jmoe.select_experts(
+        x, logits, 2, scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+        e_score_correction_bias=params.correction_bias, routed_scaling_factor=1.0)
+    s13, s2 = split_shared_weights(params.shared_w13, params.shared_w2, s, N)
+    w13 = jnp.concatenate([params.w13, s13])
+    w2 = jnp.concatenate([params.w2, s2])
+    fw, fids = fuse_shared_slots(w_unscaled, ids, e, s, rsf, weights_include_scaling=False)
+    return rsf * jmoe.fused_moe(x, w13, w2, fw, fids, runner_backend="xla")
+
+  out = seed_style(x, params)
+  onp.assert_rel_close(_np(out), _np(block_jit(x, params, config=cfg, runner_backend="xla")),
+                       1e-5)
   onp.assert_rel_close(_np(out), _oracle_block(x, params, cfg), 1e-5)
+
+
+def test_fused_slots_with_only_one_bias(rng):
+  """A model with a GEMM1 bias but no GEMM2 bias (or the reverse) fuses its shared experts too."""
+  sep, fused = _deepseek(1, False), _deepseek(1, True)
+  params = _params(rng, sep)
+  x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+  for which in ("w13_bias", "w2_bias"):
+    shape = (8, 2 * N) if which == "w13_bias" else (8, H)
+    p = dataclasses.replace(params, **{which: jnp.asarray(rng.standard_normal(shape),
+                                                          jnp.float32)})
+    onp.assert_rel_close(_np(block_jit(x, p, config=fused, runner_backend="xla")),
+                         _np(block_jit(x, p, config=sep, runner_backend="xla")), 1e-5, which)
+
+
+def test_params_fused_at_load_time_equal_per_call_fusion(rng):
+  """fuse_shared_params once, then moe_block skips the per-call weight concatenation."""
+  from jmoe.block import fuse_shared_params
+
+  cfg = _deepseek(2, True)
+  params = _params(rng, cfg)
+  fused_params = fuse_shared_params(params, cfg)
+  assert fused_params.w13.shape[0] == cfg.num_experts + 2 and fused_params.shared_w13 is None
+  x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+  out_load = block_jit(x, fused_params, config=cfg, runner_backend="xla")
+  out_call = block_jit(x, params, config=cfg, runner_backend="xla")
+  onp.assert_rel_close(_np(out_load), _np(out_call), 1e-6, "fused at load vs per call")
+  with pytest.raises(ValueError, match="already fused"):
+    fuse_shared_params(fused_params, cfg)
+  with pytest.raises(ValueError, match="fuse_shared_experts=True"):
+    fuse_shared_params(params, _deepseek(2, False))

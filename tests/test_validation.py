@@ -73,6 +73,8 @@ FUSED_BAD = {
     "ids_token_mismatch": (dict(topk_ids=jnp.zeros((T + 1, K), jnp.int32)), ValueError,
                            r"topk_ids must be \[T, k\] with T=4"),
     "ids_rank": (dict(topk_ids=jnp.zeros((T,), jnp.int32)), ValueError, r"topk_ids must be"),
+    "ids_zero_slots": (dict(topk_ids=jnp.zeros((T, 0), jnp.int32), topk_weights=jnp.ones((T, 0))),
+                       ValueError, r"topk_ids must have at least one slot per token"),
     "ids_float": (dict(topk_ids=jnp.zeros((T, K), jnp.float32)), TypeError,
                   r"topk_ids must be an integer array"),
     "weights_int": (dict(topk_weights=jnp.ones((T, K), jnp.int32)), TypeError, r"topk_weights"),
@@ -104,6 +106,8 @@ FUSED_BAD = {
                              r"global_num_experts=6 does not match expert_map length 5"),
     "global_without_map": (dict(global_num_experts=8), ValueError,
                            r"global_num_experts=8 differs from w13's E=5 but no expert_map"),
+    "global_without_map_meshless": (dict(global_num_experts=8, parallel=jmoe.ParallelConfig()),
+                                    ValueError, r"global_num_experts=8 differs from w13's E=5"),
     "expert_map_value": (dict(expert_map=jnp.asarray([0, 1, 2, 3, 5, -1], jnp.int32)),
                          ValueError, r"expert_map holds local ids outside \[-1, 5\)"),
     "expert_map_float": (dict(expert_map=jnp.asarray([0., 1., 2., 3., 4.])), TypeError,
@@ -328,3 +332,29 @@ def test_unknown_backend_lists_known_ones():
     oracle.select_backend("nope")
   for name in ("'auto'", "'reference'", "'xla'", "'xla_batched'"):
     assert name in str(info.value)
+
+
+def test_env_a2a_backend_override(monkeypatch):
+  monkeypatch.delenv("JMOE_RUNNER_BACKEND", raising=False)
+  monkeypatch.setenv("JMOE_A2A_BACKEND", "none")
+  pf, _, reason = oracle.select_backend()
+  assert type(pf).__name__ == "NoEP" and "JMOE_A2A_BACKEND" in reason
+  monkeypatch.setenv("JMOE_A2A_BACKEND", "allgather")
+  with pytest.raises(ValueError, match=r"a2a_backend='allgather' needs parallel=ParallelConfig"):
+    oracle.select_backend()
+  # the batched runner with the local a2a picks the batched PrepareFinalize
+  monkeypatch.setenv("JMOE_A2A_BACKEND", "none")
+  pf, experts, _ = oracle.select_backend("xla_batched")
+  assert type(pf).__name__ == "NoEPBatched" and type(experts).__name__ == "XlaBatchedExperts"
+
+
+def test_pallas_backend_refused_clearly_when_unavailable(no_backend_env):
+  from jmoe import registry
+  fam = registry.RUNNERS.get("pallas_mosaic")
+  if not fam:
+    pytest.skip("pallas_mosaic is not registered")
+  ok, why = next(iter(fam.values())).is_available()
+  if ok:
+    pytest.skip(f"pallas_mosaic is available here ({why})")
+  with pytest.raises(ValueError, match=r"runner_backend='pallas_mosaic' cannot run here"):
+    _call(runner_backend="pallas_mosaic")

@@ -40,6 +40,6 @@ class XlaExperts(Experts):
     expert_of_row = local.reshape(-1)[order]
     y = expert_mlp_sorted(xs, weights, group_sizes, expert_of_row, activation,
                           jnp.result_type(inp.a.dtype, weights.w13.dtype))
-    per_slot = y[inv].reshape(t, k, -1)
+    per_slot = y[inv].reshape(t, k, y.shape[-1])
     w = jnp.where(local < e, inp.topk_weights.astype(jnp.float32), 0.0)
     return jnp.einsum("tk,tkh->th", w, per_slot).astype(out_dtype)

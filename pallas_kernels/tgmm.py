@@ -1,0 +1,226 @@
+"""Transposed grouped GEMM (the weight gradient) and a differentiable grouped GEMM.
+
+    tgmm(lhs [M, K], dout [M, N], group_sizes [E]) -> [E, K, N],  out[g] = lhs[rows_g]^T @ dout[rows_g]
+
+(rows sorted by group, as in grouped_gemm; experts with no rows get zeros; rows past
+sum(group_sizes) are ignored). Mosaic GPU: a persistent grid over (expert, K tile, N tile); the
+contraction runs over the expert's own row blocks only (pipelined TMA, wgmma with a transposed
+lhs tile); the first/last row block of an expert has its foreign rows zeroed in SMEM.
+
+``gmm(lhs, rhs, group_sizes)`` is grouped_gemm with a ``jax.custom_vjp``: d lhs = gmm(dout, rhs^T)
+(the forward kernel on transposed weights) and d rhs = tgmm(lhs, dout), so ``jax.grad`` runs on
+the Pallas kernels. (The fused epilogues of grouped_gemm / grouped_gemm_gated are forward-only;
+``pallas_kernels.moe.fused_experts_train`` composes gmm with jnp epilogues for training.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+from pallas_kernels import grouped_gemm as gg
+
+
+@dataclasses.dataclass(frozen=True)
+class TgmmConfig:
+  """block_k: output rows (K) per tile (64/128); block_n: output cols per tile (multiple of 64);
+  block_r: contraction rows per pipeline step (64); num_stages: pipeline depth."""
+  block_k: int = 128
+  block_n: int = 128
+  block_r: int = 64
+  num_stages: int = 4
+  # True: wgmma reads lhs tiles transposed from SMEM (MN-major A operand; needs no extra pass,
+  # but GPU interpret mode cannot simulate it). False: lhs is transposed by XLA first ([K, M],
+  # one extra pass over lhs) and the kernel reads K-major tiles.
+  transpose_in_kernel: bool = False
+
+  def __post_init__(self):
+    if self.block_k not in (64, 128):
+      raise ValueError(f"block_k={self.block_k} must be 64 or 128")
+    if self.block_n % 64 or self.block_n <= 0:
+      raise ValueError(f"block_n={self.block_n} must be a positive multiple of 64")
+    if self.block_r not in (64, 128):
+      raise ValueError(f"block_r={self.block_r} must be 64 or 128")
+    if self.num_stages < 2:
+      raise ValueError("num_stages must be >= 2")
+
+
+def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, interpret):
+  bk, bn, br = cfg.block_k, cfg.block_n, cfg.block_r
+  k_tiles, n_tiles = k // bk, n // bn
+  itemsize = jnp.dtype(dtype).itemsize
+
+  def tf(minor, isz=itemsize):
+    sw = plgpu.find_swizzle(minor * isz * 8)
+    return (plgpu.TilingTransform((8, sw // isz)), plgpu.SwizzleTransform(sw))
+
+  _cast = (lambda x, _l: x) if interpret else plgpu.layout_cast
+
+  tik = cfg.transpose_in_kernel
+
+  def body(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, o_smem):
+    @plgpu.nd_loop((e * k_tiles * n_tiles,), collective_axes="sm")
+    def _loop(info):
+      (lin,) = info.index
+      g = lax.div(lin, jnp.int32(k_tiles * n_tiles))
+      rem = lax.rem(lin, jnp.int32(k_tiles * n_tiles))
+      ki = lax.div(rem, jnp.int32(n_tiles))
+      ni = lax.rem(rem, jnp.int32(n_tiles))
+      start = starts_ref[g]
+      end = ends_ref[g]
+      first_blk = lax.div(start, jnp.int32(br))
+      nblk = jnp.where(end > start, lax.div(end - 1, jnp.int32(br)) - first_blk + 1, 0)
+
+      def acc_scope(acc_ref):
+        def step(idx, x_smem, dy_smem):
+          (j,) = idx
+          r0 = (first_blk + j) * br
+
+          @pl.when((r0 < start) | (r0 + br > end))
+          def _mask():
+            xshape, xdim = ((br, bk), 0) if tik else ((bk, br), 1)
+            rows_x = _cast(lax.broadcasted_iota(jnp.int32, xshape, xdim), plgpu.Layout.WGMMA)
+            ok_x = (rows_x + r0 >= start) & (rows_x + r0 < end)
+            x_smem[...] = jnp.where(ok_x, x_smem[...], jnp.zeros_like(x_smem[...]))
+            rows_y = _cast(lax.broadcasted_iota(jnp.int32, (br, bn), 0), plgpu.Layout.WGMMA)
+            ok_y = (rows_y + r0 >= start) & (rows_y + r0 < end)
+            dy_smem[...] = jnp.where(ok_y, dy_smem[...], jnp.zeros_like(dy_smem[...]))
+            plgpu.commit_smem()
+
+          a = plgpu.transpose_ref(x_smem, (1, 0)) if tik else x_smem
+          plgpu.wgmma(acc_ref, a, dy_smem)
+          plgpu.wgmma_wait(0)
+
+        plgpu.emit_pipeline(
+            step, grid=(nblk,),
+            in_specs=[
+                (plgpu.BlockSpec((br, bk), lambda j: (first_blk + j, ki), transforms=tf(bk))
+                 if tik else
+                 plgpu.BlockSpec((bk, br), lambda j: (ki, first_blk + j), transforms=tf(br))),
+                plgpu.BlockSpec((br, bn), lambda j: (first_blk + j, ni), transforms=tf(bn)),
+            ],
+            max_concurrent_steps=cfg.num_stages,
+        )(lhs_ref, dout_ref)
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = acc.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  return _compat.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
+      scratch_types=[plgpu.SMEM((bk, bn), out_dtype,
+                                transforms=tf(bn, jnp.dtype(out_dtype).itemsize))],
+      grid=(num_sms,),
+      grid_names=("sm",),
+      compiler_params=_compat.compiler_params(),
+      interpret=interpret,
+      name="jmoe_tgmm",
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "config", "interpret"))
+def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups: int | None = None,
+         out_dtype=None, config: TgmmConfig | None = None, interpret: Any = False) -> jax.Array:
+  """out[g] = lhs[rows_g]^T @ dout[rows_g] -> [E, K, N] (f32 accumulation; zeros for empty g).
+
+  lhs [M, K], dout [M, N] bf16/f16 (same dtype), rows sorted by group; K and N multiples of 64.
+  """
+  if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
+    raise ValueError(f"lhs must be [M, K] and dout [M, N]; got {lhs.shape}, {dout.shape}")
+  gg._check_dtype("lhs", lhs)
+  gg._check_dtype("dout", dout)
+  if lhs.dtype != dout.dtype:
+    raise ValueError(f"lhs dtype {lhs.dtype} != dout dtype {dout.dtype}")
+  m, k = lhs.shape
+  n = dout.shape[1]
+  e = group_sizes.shape[0] if num_groups is None else num_groups
+  if group_sizes.shape != (e,):
+    raise ValueError(f"group_sizes must have shape ({e},), got {group_sizes.shape}")
+  if k % 64 or n % 64:
+    raise ValueError(f"K={k} and N={n} must be multiples of 64")
+  cfg = config or TgmmConfig()
+  bk = cfg.block_k if k % cfg.block_k == 0 else 64
+  bn = cfg.block_n
+  while n % bn:
+    bn //= 2
+  cfg = dataclasses.replace(cfg, block_k=bk, block_n=max(bn, 64))
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  if m < cfg.block_r:  # tiny M: pad rows so that one row block fits in the arrays
+    lhs = jnp.pad(lhs, ((0, cfg.block_r - m), (0, 0)))
+    dout = jnp.pad(dout, ((0, cfg.block_r - m), (0, 0)))
+  gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.minimum(jnp.cumsum(gs), m).astype(jnp.int32)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  interp = None
+  if interpret:
+    interp = interpret if not isinstance(interpret, bool) else _compat.interpret_params()
+    nsm = 1
+  else:
+    nsm = _compat.num_sms()
+  kern = _build_tgmm(m=lhs.shape[0], k=k, n=n, e=e, dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg,
+                     num_sms=nsm, interpret=interp)
+  return kern(starts, ends, lhs if cfg.transpose_in_kernel else lhs.T, dout)
+
+
+def tgmm_reference(lhs, dout, group_sizes):
+  e = group_sizes.shape[0]
+  m = lhs.shape[0]
+  ends = jnp.cumsum(group_sizes)
+  gid = jnp.searchsorted(ends, jnp.arange(m), side="right")
+  onehot = (gid[:, None] == jnp.arange(e)[None, :]).astype(jnp.float32)
+  return jnp.einsum("me,mk,mn->ekn", onehot, lhs.astype(jnp.float32), dout.astype(jnp.float32),
+                    precision=lax.Precision.HIGHEST)
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, config=None, interpret=False):
+  """grouped_gemm(lhs, rhs, group_sizes) (no epilogue) with a Pallas backward.
+
+  Rows of the result past sum(group_sizes) are zero here (so that gradients through them are
+  well defined): the forward masks them after the kernel.
+  """
+  return _gmm_fwd_value(lhs, rhs, group_sizes, config, interpret)
+
+
+def _row_mask(group_sizes, m):
+  total = jnp.sum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
+  return (jnp.arange(m) < total)[:, None]
+
+
+def _gmm_fwd_value(lhs, rhs, group_sizes, config, interpret):
+  out = gg.grouped_gemm(lhs, rhs, group_sizes, config=config, interpret=interpret)
+  return jnp.where(_row_mask(group_sizes, lhs.shape[0]), out, jnp.zeros((), out.dtype))
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, config, interpret):
+  return _gmm_fwd_value(lhs, rhs, group_sizes, config, interpret), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(config, interpret, res, dout):
+  lhs, rhs, group_sizes = res
+  dout = dout.astype(lhs.dtype)
+  dout = jnp.where(_row_mask(group_sizes, lhs.shape[0]), dout, jnp.zeros((), dout.dtype))
+  rhs_t = jnp.swapaxes(rhs, 1, 2)  # [E, N, K]: one pass over the weights
+  dlhs = gg.grouped_gemm(dout, rhs_t, group_sizes, interpret=interpret)
+  dlhs = jnp.where(_row_mask(group_sizes, lhs.shape[0]), dlhs, jnp.zeros((), dlhs.dtype))
+  drhs = tgmm(lhs, dout, group_sizes, out_dtype=rhs.dtype, interpret=interpret)
+  return dlhs.astype(lhs.dtype), drhs, None
+
+
+gmm.defvjp(_gmm_fwd, _gmm_bwd)

@@ -1,0 +1,430 @@
+"""CPU tests of the Pallas Mosaic GPU grouped-GEMM kernels, in Mosaic GPU interpret mode.
+
+The kernels run in GPU interpret mode (InterpretGPUParams(detect_races=True), through
+pallas_kernels._compat); every kernel call must finish without a detected race. Output buffers of
+interpreted kernels start as NaN (uninitialized memory), which poisons them: every row that the
+contract says is written (rows < sum(group_sizes)) must be finite and match the pure-jnp
+reference; the pure-jnp reference is itself checked against a float64 NumPy oracle.
+Shapes are tiny: interpretation is slow (seconds per kernel call).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _compat
+from pallas_kernels import grouped_gemm as gg
+from pallas_kernels import moe as pmoe
+from pallas_kernels import permute as perm
+from pallas_kernels.activations import ACTIVATIONS, Activation
+
+pytestmark = pytest.mark.skipif(
+    not _compat.interpret_available(),
+    reason="Mosaic GPU interpret mode (private jax API) unavailable in this jax version; "
+           "see pallas_kernels/_compat.py")
+
+C = gg.GroupedGemmConfig
+# Small configs (one per kernel structure): plain pipeline, warp-specialized split n / split m.
+CFG_PLAIN = C(block_m=64, block_n=64, block_k=32, num_stages=2, warp_specialized=False)
+CFG_WS_N = C(block_m=64, block_n=128, block_k=32, num_stages=2, wg_split="n")
+CFG_WS_M = C(block_m=128, block_n=64, block_k=32, num_stages=3, wg_split="m", grid_minor="m",
+             grid_tile_width=1)
+
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
+
+
+def _interpret():
+  return _compat.interpret_params(detect_races=True)
+
+
+def _call(fn, *args, **kw):
+  """Run an interpreted kernel; reset the interpreter on failure; fail on any race."""
+  try:
+    out = jax.block_until_ready(fn(*args, interpret=_interpret(), **kw))
+  except Exception:
+    _compat.reset_interpret_state()
+    raise
+  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
+  return np.asarray(out, np.float32)
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _data(rng, m, k, n, e, dtype, *, cols=None):
+  cols = n if cols is None else cols
+  lhs = rng.standard_normal((m, k)).astype(np.float32)
+  rhs = (rng.standard_normal((e, k, cols)) / np.sqrt(k)).astype(np.float32)
+  return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+
+
+# ----------------------------------------------------------------------------- float64 oracle
+
+
+def _oracle(lhs, rhs, gs, *, bias=None, row_scale=None, act=None, gated=False):
+  lhs = np.asarray(lhs, np.float64)
+  rhs = np.asarray(rhs, np.float64)
+  gs = np.asarray(gs)
+  m = lhs.shape[0]
+  ends = np.cumsum(gs)
+  starts = ends - gs
+  out = np.zeros((m, rhs.shape[2] // (2 if gated else 1)))
+  for g in range(len(gs)):
+    rows = slice(starts[g], min(ends[g], m))
+    h = lhs[rows] @ rhs[g]
+    if bias is not None:
+      h = h + np.asarray(bias, np.float64)[g]
+    if gated:
+      n = h.shape[1] // 2
+      y = np.asarray(act.gated(jnp.asarray(h[:, :n], jnp.float32),
+                               jnp.asarray(h[:, n:], jnp.float32)), np.float64)
+    elif act is not None:
+      y = np.asarray(act(jnp.asarray(h, jnp.float32)), np.float64)
+    else:
+      y = h
+    if row_scale is not None:
+      y = y * np.asarray(row_scale, np.float64)[rows, None]
+    out[rows] = y
+  return out
+
+
+def test_reference_matches_float64_oracle(rng):
+  lhs, rhs = _data(rng, 40, 32, 64, 3, jnp.float32, cols=128)
+  gs = np.array([10, 0, 25])
+  bias = rng.standard_normal((3, 128)).astype(np.float32)
+  scale = rng.uniform(size=40).astype(np.float32)
+  for act in (None, Activation("silu_no_mul")):
+    ref = gg.grouped_gemm_reference(lhs, rhs[:, :, :64], jnp.asarray(gs), bias=bias[:, :64],
+                                    row_scale=scale, activation=act, out_dtype=jnp.float32)
+    ora = _oracle(lhs, rhs[:, :, :64], gs, bias=bias[:, :64], row_scale=scale, act=act)
+    assert _rel(np.asarray(ref)[:35], ora[:35]) < 1e-5
+  act = Activation("swigluoai")
+  ref = gg.grouped_gemm_reference(lhs, rhs, jnp.asarray(gs), bias=bias, activation=act,
+                                  gated=True, out_dtype=jnp.float32)
+  ora = _oracle(lhs, rhs, gs, bias=bias, act=act, gated=True)
+  assert _rel(np.asarray(ref)[:35], ora[:35]) < 1e-5
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_kernel_activation_matches_activations_module(name):
+  act = Activation(name)
+  x = jnp.linspace(-12.0, 12.0, 301, dtype=jnp.float32)
+  y = jnp.flip(x) * 0.7
+  if act.is_gated:
+    want, got = act.gated(x, y), gg.kernel_activation(act, x, y)
+  else:
+    want, got = act(x), gg.kernel_activation(act, x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("gs", [[5, 0, 0, 60, 7], [0, 0, 72, 0, 0], [1, 1, 1, 1, 1],
+                                [0, 0, 0, 0, 0], [64, 64, 0, 3, 9]])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_tile_metadata(gs, block_m):
+  m = 150
+  meta, ntasks = gg.tile_metadata(jnp.asarray(gs, jnp.int32), m, block_m)
+  meta, ntasks = np.asarray(meta), int(np.asarray(ntasks)[0])
+  ends = np.minimum(np.cumsum(gs), m)
+  starts = np.concatenate([[0], ends[:-1]])
+  want = []
+  for g, (s, e) in enumerate(zip(starts, ends)):
+    for b in range(s // block_m, (e - 1) // block_m + 1 if e > s else s // block_m):
+      want.append((g, b, max(s, b * block_m), min(e, (b + 1) * block_m)))
+  assert ntasks == len(want)
+  assert [tuple(meta[:, t]) for t in range(ntasks)] == want
+  assert meta.shape[1] == -(-m // block_m) + len(gs) - 1
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_grouped_gemm_ragged_bias_scale(rng, dtype):
+  # zero-row experts, a tile straddling 3 experts, rows past the total (unwritten)
+  m, k, n, e = 150, 64, 128, 5
+  lhs, rhs = _data(rng, m, k, n, e, dtype)
+  gs = np.array([20, 0, 3, 100, 0])  # total 123 < m
+  bias = rng.standard_normal((e, n)).astype(np.float32)
+  scale = rng.uniform(0.1, 1.0, size=m).astype(np.float32)
+  out = _call(gg.grouped_gemm, lhs, rhs, jnp.asarray(gs, jnp.int32), row_scale=scale, bias=bias,
+              out_dtype=jnp.float32, config=CFG_PLAIN)
+  tot = gs.sum()
+  ref = np.asarray(gg.grouped_gemm_reference(lhs, rhs, jnp.asarray(gs), row_scale=scale,
+                                             bias=bias, out_dtype=jnp.float32))
+  assert np.isfinite(out[:tot]).all(), "a row inside the groups was not written"
+  assert _rel(out[:tot], ref[:tot]) < 1e-5  # f32 out: only accumulation-order differences
+  assert np.isnan(out[tot:]).all(), "rows past sum(group_sizes) are documented as unwritten"
+
+
+@pytest.mark.parametrize("cfg", [CFG_WS_N, CFG_WS_M], ids=["ws_split_n", "ws_split_m"])
+def test_grouped_gemm_warp_specialized(rng, cfg):
+  m, k, n, e = 200, 96, 128, 4
+  lhs, rhs = _data(rng, m, k, n, e, jnp.bfloat16)
+  gs = np.array([0, 77, 0, 123])
+  scale = rng.uniform(0.1, 1.0, size=m).astype(np.float32)
+  out = _call(gg.grouped_gemm, lhs, rhs, jnp.asarray(gs, jnp.int32), row_scale=scale, config=cfg)
+  ref = np.asarray(gg.grouped_gemm_reference(lhs, rhs, jnp.asarray(gs), row_scale=scale,
+                                             out_dtype=jnp.float32))
+  assert np.isfinite(out).all()
+  assert _rel(out, ref) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("case", ["m1", "one_expert", "k48", "default_config"])
+def test_grouped_gemm_edge_cases(rng, case):
+  if case == "m1":  # a single row (decode), one touched expert of many
+    m, k, n, gs = 1, 64, 64, [0, 0, 1, 0, 0, 0]
+  elif case == "one_expert":  # every row on one expert, M not a multiple of block_m
+    m, k, n, gs = 100, 32, 64, [0, 100, 0]
+  elif case == "k48":  # K not a multiple of block_k: block_k shrinks to 16
+    m, k, n, gs = 70, 48, 64, [20, 0, 45]
+  else:
+    m, k, n, gs = 90, 64, 128, [30, 30, 30]
+  lhs, rhs = _data(rng, m, k, n, len(gs), jnp.bfloat16)
+  cfg = None if case == "default_config" else CFG_PLAIN
+  out = _call(gg.grouped_gemm, lhs, rhs, jnp.asarray(gs, jnp.int32), config=cfg)
+  tot = sum(gs)
+  ref = _oracle(lhs, rhs, gs)
+  assert out.shape == (m, n)
+  assert np.isfinite(out[:tot]).all()
+  assert _rel(out[:tot], ref[:tot]) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh", "swigluoai"])
+def test_grouped_gemm_gated_activations(rng, name):
+  m, k, n, e = 96, 32, 64, 3
+  lhs, w13 = _data(rng, m, k, n, e, jnp.bfloat16, cols=2 * n)
+  gs = np.array([40, 0, 50])
+  bias = rng.standard_normal((e, 2 * n)).astype(np.float32)
+  act = Activation(name)
+  out = _call(gg.grouped_gemm_gated, lhs, w13, jnp.asarray(gs, jnp.int32), activation=act,
+              bias=bias, config=CFG_PLAIN)
+  ref = _oracle(lhs, w13, gs, bias=bias, act=act, gated=True)
+  assert np.isfinite(out[:90]).all()
+  assert _rel(out[:90], ref[:90]) < TOL[jnp.bfloat16]
+
+
+def test_grouped_gemm_gated_warp_specialized_f16(rng):
+  m, k, n, e = 130, 64, 128, 3
+  lhs, w13 = _data(rng, m, k, n, e, jnp.float16, cols=2 * n)
+  gs = np.array([65, 0, 65])
+  scale = rng.uniform(0.1, 1.0, size=m).astype(np.float32)
+  act = Activation("silu")
+  out = _call(gg.grouped_gemm_gated, lhs, w13, jnp.asarray(gs, jnp.int32), activation=act,
+              row_scale=scale, config=CFG_WS_N)
+  ref = _oracle(lhs, w13, gs, act=act, gated=True, row_scale=scale)
+  assert np.isfinite(out).all()
+  assert _rel(out, ref) < TOL[jnp.float16]
+
+
+@pytest.mark.parametrize("name", ["silu_no_mul", "gelu_no_mul", "relu2_no_mul"])
+def test_grouped_gemm_non_gated_activation(rng, name):
+  m, k, n, e = 64, 32, 64, 2
+  lhs, rhs = _data(rng, m, k, n, e, jnp.bfloat16)
+  gs = np.array([33, 31])
+  bias = rng.standard_normal((e, n)).astype(np.float32)
+  act = Activation(name)
+  out = _call(gg.grouped_gemm, lhs, rhs, jnp.asarray(gs, jnp.int32), activation=act, bias=bias,
+              config=CFG_PLAIN)
+  ref = _oracle(lhs, rhs, gs, bias=bias, act=act)
+  assert _rel(out, ref) < TOL[jnp.bfloat16]
+
+
+def test_validation_errors():
+  lhs = jnp.zeros((8, 64), jnp.bfloat16)
+  rhs = jnp.zeros((2, 64, 128), jnp.bfloat16)
+  gs = jnp.array([4, 4], jnp.int32)
+  with pytest.raises(ValueError, match="lhs K"):
+    gg.grouped_gemm(lhs[:, :32], rhs, gs)
+  with pytest.raises(ValueError, match="group_sizes"):
+    gg.grouped_gemm(lhs, rhs, gs[:1])
+  with pytest.raises(ValueError, match="row_scale"):
+    gg.grouped_gemm(lhs, rhs, gs, row_scale=jnp.ones((7,)))
+  with pytest.raises(ValueError, match="bias"):
+    gg.grouped_gemm(lhs, rhs, gs, bias=jnp.ones((2, 64)))
+  with pytest.raises(ValueError, match="multiple of 64"):
+    gg.grouped_gemm(lhs, rhs[:, :, :96], gs)
+  with pytest.raises(ValueError, match="multiple of 16"):
+    gg.grouped_gemm(lhs[:, :40], rhs[:, :40], gs)
+  with pytest.raises(ValueError, match="dtype"):
+    gg.grouped_gemm(lhs, rhs.astype(jnp.float16), gs)
+  with pytest.raises(NotImplementedError, match="float32"):
+    gg.grouped_gemm(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs)
+  with pytest.raises(ValueError, match="gated"):
+    gg.grouped_gemm(lhs, rhs, gs, activation="silu")
+  with pytest.raises(ValueError, match="not gated"):
+    gg.grouped_gemm_gated(lhs, rhs, gs, activation="relu2_no_mul")
+  with pytest.raises(ValueError):
+    C(block_m=96)
+  with pytest.raises(ValueError, match="block_n % 128"):
+    C(block_m=64, block_n=64, wg_split="n")
+
+
+# ----------------------------------------------------------------------------- permute
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 8, 256), (7, 2, 4), (300, 8, 16)])  # 2400 slots: argsort
+def test_moe_align(rng, t, k, e):
+  ids = rng.integers(-1, e, size=(t, k)).astype(np.int32)  # -1 = empty slot
+  order, gs, inv = perm.moe_align(jnp.asarray(ids), e)
+  r_order, r_gs, r_inv = perm.moe_align_reference(ids, e)
+  np.testing.assert_array_equal(np.asarray(order), r_order)
+  np.testing.assert_array_equal(np.asarray(gs), r_gs)
+  np.testing.assert_array_equal(np.asarray(inv), r_inv)
+  flat = ids.reshape(-1)
+  ok = flat >= 0
+  assert np.asarray(gs).sum() == ok.sum()
+  # sorted keys are non-decreasing over the valid prefix; inverse really inverts
+  assert (np.diff(flat[np.asarray(order)][: ok.sum()]) >= 0).all()
+  pos = np.asarray(inv).reshape(-1)
+  np.testing.assert_array_equal(np.asarray(order)[pos[ok]], np.nonzero(ok)[0])
+
+
+def test_gather_sum(rng):
+  t, k, h = 6, 3, 16
+  inv = rng.permutation(t * k).reshape(t, k).astype(np.int32)
+  inv[2, 1] = -1
+  y = rng.standard_normal((t * k + 5, h)).astype(np.float32)
+  y[t * k:] = np.nan  # rows nobody points at may hold anything
+  out = np.asarray(perm.gather_sum(jnp.asarray(y, jnp.bfloat16), jnp.asarray(inv),
+                                   out_dtype=jnp.float32))
+  yb = np.asarray(jnp.asarray(y, jnp.bfloat16), np.float64)
+  want = np.stack([sum(yb[i] for i in row if i >= 0) for row in inv])
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_rows_kernel(rng):
+  x = jnp.asarray(rng.standard_normal((10, 2048)), jnp.bfloat16)
+  idx = jnp.asarray(rng.integers(0, 10, 40), jnp.int32)
+  for r in (2, None):
+    out = _call(perm.gather_rows, x, idx, rows_per_step=r)
+    np.testing.assert_array_equal(out, np.asarray(x, np.float32)[np.asarray(idx)])
+
+
+def test_fused_experts_end_to_end(rng):
+  t, k, e, h, n = 9, 2, 4, 64, 64
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((e, n, h)) / 8, jnp.bfloat16)
+  b13 = jnp.asarray(rng.standard_normal((e, 2 * n)), jnp.float32)
+  b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.float32)
+  logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
+  tw, ti = jax.lax.top_k(jax.nn.softmax(logits), k)
+  ti = ti.at[3, 1].set(-1)  # an empty slot contributes nothing
+  try:
+    out = pmoe.fused_experts(x, w13, w2, tw, ti, activation="swigluoai", w13_bias=b13,
+                             w2_bias=b2, interpret=_interpret(), permute_impl="pallas")
+    out = np.asarray(jax.block_until_ready(out), np.float32)
+  except Exception:
+    _compat.reset_interpret_state()
+    raise
+  assert not _compat.races_found()
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, activation="swigluoai",
+                                                w13_bias=b13, w2_bias=b2))
+  assert _rel(out, ref) < 2e-2
+
+
+# ----------------------------------------------------------------------------- training path
+
+
+def test_tgmm(rng):
+  from pallas_kernels import tgmm as tg
+  m, k, n = 150, 128, 128
+  gs = jnp.array([30, 0, 70, 5, 0], jnp.int32)  # empty experts -> zeros; rows past 105 ignored
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  cfg = tg.TgmmConfig(block_k=64, block_n=64, block_r=64, num_stages=2)
+  out = _call(tg.tgmm, x, dy, gs, config=cfg, out_dtype=jnp.float32)
+  ref = np.asarray(tg.tgmm_reference(x, dy, gs))
+  assert np.isfinite(out).all()
+  assert _rel(out, ref) < 1e-5
+  assert (out[1] == 0).all() and (out[4] == 0).all()
+
+
+def test_gmm_grad_matches_ragged_dot(rng):
+  from pallas_kernels import tgmm as tg
+  m, k, n, e = 130, 64, 128, 3
+  gs = jnp.array([50, 0, 70], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((e, k, n)) / 8, jnp.bfloat16)
+  ct = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+  def f(x, w):
+    return jnp.sum(tg.gmm(x, w, gs, None, _interpret()).astype(jnp.float32) * ct)
+
+  def f_ref(x, w):
+    return jnp.sum(jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), gs) * ct)
+
+  try:
+    gx, gw = jax.grad(f, argnums=(0, 1))(x, w)
+  except Exception:
+    _compat.reset_interpret_state()
+    raise
+  assert not _compat.races_found()
+  rx, rw = jax.grad(f_ref, argnums=(0, 1))(x, w)
+  assert _rel(gx, rx) < 2e-2
+  assert _rel(gw, rw) < 2e-2
+
+
+@pytest.mark.slow
+def test_fused_experts_train_grad(rng):
+  t, k, e, h, n = 6, 2, 3, 64, 64
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((e, n, h)) / 8, jnp.bfloat16)
+  b13 = jnp.asarray(rng.standard_normal((e, 2 * n)) / 4, jnp.float32)
+  b2 = jnp.asarray(rng.standard_normal((e, h)) / 4, jnp.float32)
+  tw, ti = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((t, e)), jnp.float32)), k)
+
+  def loss(x, w13, w2, tw, b13, b2):
+    out = pmoe.fused_experts_train(x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2,
+                                   interpret=_interpret())
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  def loss_ref(x, w13, w2, tw, b13, b2):
+    return jnp.sum(pmoe.fused_experts_reference(x, w13, w2, tw, ti, w13_bias=b13,
+                                                w2_bias=b2) ** 2)
+
+  g = jax.grad(loss, argnums=tuple(range(6)))(x, w13, w2, tw, b13, b2)
+  g_ref = jax.grad(loss_ref, argnums=tuple(range(6)))(x, w13, w2, tw, b13, b2)
+  for a, b in zip(g, g_ref):
+    assert _rel(a, b) < 2e-2
+
+
+# ----------------------------------------------------------------------------- batched format
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_batched_grouped_gemm(rng, gated):
+  e, cap, k, n = 3, 40, 32, 64
+  counts = np.array([17, 0, 40])  # an empty expert, a full one, a partial one
+  cols = 2 * n if gated else n
+  lhs = jnp.asarray(rng.standard_normal((e, cap, k)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((e, k, cols)) / np.sqrt(k), jnp.bfloat16)
+  scale = rng.uniform(0.1, 1.0, size=(e, cap)).astype(np.float32)
+  act = Activation("gelu" if gated else "relu2_no_mul")
+  fn = gg.batched_grouped_gemm_gated if gated else gg.batched_grouped_gemm
+  out = _call(fn, lhs, rhs, jnp.asarray(counts, jnp.int32), row_scale=scale, activation=act,
+              config=CFG_PLAIN)
+  assert out.shape == (e, cap, n)
+  for g in range(e):
+    c = counts[g]
+    want = _oracle(lhs[g, :c], rhs[g:g + 1], np.array([c]), row_scale=scale[g, :c], act=act,
+                   gated=gated)
+    assert np.isfinite(out[g, :c]).all()
+    if c:
+      assert _rel(out[g, :c], want) < TOL[jnp.bfloat16]
+    assert np.isnan(out[g, c:]).all(), "rows past expert_num_tokens are documented as unwritten"
+
+
+@pytest.mark.parametrize("method", ["rank", "argsort", "sort"])
+def test_moe_align_methods(rng, method):
+  ids = rng.integers(-1, 16, size=(40, 4)).astype(np.int32)
+  got = perm.moe_align(jnp.asarray(ids), 16, method=method)
+  for a, b in zip(got, perm.moe_align_reference(ids, 16)):
+    np.testing.assert_array_equal(np.asarray(a), b)

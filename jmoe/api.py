@@ -114,6 +114,14 @@ def fused_moe(
   check_ids_in_range(topk_ids, global_num_experts)
 
   if parallel is not None and parallel.mesh is not None:
+    # w13/w2 are the global (expert-sharded) arrays here; placement comes from the config
+    if expert_map is not None:
+      raise ValueError("expert_map describes one device's experts; with parallel=ParallelConfig"
+                       "(mesh=...) pass the global w13/w2 and set ParallelConfig."
+                       "expert_placement (see sharding.place_weights)")
+    if global_num_experts != e_local:
+      raise ValueError(f"global_num_experts={global_num_experts} differs from w13's "
+                       f"E={e_local}: with a mesh, w13/w2 hold every expert (sharded)")
     from sharding import ep_fused_moe  # noqa: PLC0415 (sharding registers into jmoe, not reverse)
     return ep_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=act,
                         w13_bias=w13_bias, w2_bias=w2_bias,
@@ -122,7 +130,8 @@ def fused_moe(
                         a2a_backend=a2a_backend, parallel=parallel)
 
   pf, experts, _ = oracle.select_backend(runner_backend, a2a_backend, quant=quant_config,
-                                         parallel=None, dtype=hidden_states.dtype)
+                                         parallel=None,
+                                         problem=(hidden_states.dtype, w13.shape[1], w2.shape[1]))
   if pf.activation_format == ActivationFormat.Batched:
     check_distinct_ids(topk_ids)
   kernel = ModularKernel(pf, experts, quant_config)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from typing import Optional, Sequence
 
 from rich.console import Console
@@ -144,6 +146,74 @@ def cmd_profile(args) -> int:
   return 0
 
 
+def cmd_tune(args) -> int:
+  import jax  # noqa: PLC0415
+
+  from jmoe import tune  # noqa: PLC0415
+  from jmoe.config import get_preset  # noqa: PLC0415
+
+  cfg = get_preset(args.preset)
+  e, k, h, n = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size
+  if args.shape:
+    e, k, h, n = args.shape
+  on_gpu = jax.devices()[0].platform == "gpu"
+  if not on_gpu and not args.interpret:
+    console.print("[red]tune needs a GPU[/] (or --interpret to exercise it in the CPU "
+                  "interpreter, whose timings mean nothing)")
+    return 2
+  if not cfg.act.is_gated:
+    console.print(f"[red]tune covers gated activations; {cfg.activation} is not[/]")
+    return 2
+  from pallas_kernels import tuning  # noqa: PLC0415
+  per_t = [len(tuning.candidates(g, t * k / max(1, min(e, t * k)))) for t in args.tokens
+           for g in ("gemm1", "gemm2")]
+  total = sum(min(c, args.max_candidates or c) for c in per_t)
+  console.print(f"[bold]jmoe tune[/] {args.preset}: E={e} k={k} H={h} N={n} tokens={args.tokens} "
+                f"jax={jax.__version__} device={jax.devices()[0].device_kind}")
+  with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), console=console, transient=True) as prog:
+    task = prog.add_task("timing candidates", total=total)
+    results = tune.tune(e, k, h, n, cfg.act, args.tokens, iters=args.iters,
+                        interpret=args.interpret, max_candidates=args.max_candidates,
+                        progress=lambda: prog.advance(task))
+  table = Table(title="best configs")
+  for col in ("kernel", "key", "config", "µs", "tried", "failed"):
+    table.add_column(col)
+  for r in results:
+    short = {k_: v for k_, v in r.config.items() if k_ != "us"}
+    table.add_row(r.kernel, r.key, json.dumps(short), f"{r.us:.1f}", str(r.tried), str(r.failed))
+  console.print(table)
+  out_dir = args.out or tune.default_config_dir()
+  note = f"jmoe tune --preset {args.preset}, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}"
+  for path in tune.write_tables(results, out_dir, note):
+    console.print(f"wrote {path}")
+  return 0
+
+
+def cmd_eplb(args) -> int:
+  from sharding import eplb  # noqa: PLC0415
+
+  r = eplb.simulate(args.preset, args.ep, args.redundant, args.skew, plot=args.plot,
+                    tokens=args.tokens, gpus_per_node=args.gpus_per_node, seed=args.seed)
+  table = Table(title=f"EPLB simulation: {args.preset}, EP={args.ep}, skew={args.skew}")
+  table.add_column("")
+  table.add_column("before", justify="right")
+  table.add_column("after EPLB", justify="right")
+  table.add_row("balancedness (mean/max device load)", f"{r['balancedness_before']:.3f}",
+                f"{r['balancedness_after']:.3f}")
+  table.add_row("same, held-out routing sample", f"{r['balancedness_before_heldout']:.3f}",
+                f"{r['balancedness_after_heldout']:.3f}")
+  table.add_row("max device load (token slots)", f"{r['max_device_load_before']:.0f}",
+                f"{r['max_device_load_after']:.0f}")
+  console.print(table)
+  console.print(f"physical experts {r['physical_experts']} ({r['redundant_used']} redundant), "
+                f"max replicas of one expert {r['max_replicas']}, policy {r['policy']}, "
+                f"mean device load {r['mean_device_load']:.0f}")
+  if args.plot:
+    console.print(f"wrote {args.plot}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   from jmoe.config import PRESETS, RUNNER_BACKENDS  # noqa: PLC0415
 
@@ -173,6 +243,27 @@ def build_parser() -> argparse.ArgumentParser:
   pr.add_argument("--dtype", default="bfloat16")
   pr.add_argument("--out", default="jmoe-trace")
   pr.set_defaults(func=cmd_profile)
+  t = sub.add_parser("tune", help="autotune the Pallas grouped-GEMM configs on this GPU")
+  t.add_argument("--preset", default="mixtral-8x7b", choices=sorted(PRESETS))
+  t.add_argument("--tokens", type=_ints, default=[1, 64, 1024, 16384])
+  t.add_argument("--shape", type=_ints, default=None, help="override as E,k,H,N")
+  t.add_argument("--iters", type=int, default=5)
+  t.add_argument("--max-candidates", type=int, default=None)
+  t.add_argument("--interpret", action="store_true",
+                 help="run in the CPU interpreter (tests the command; timings are meaningless)")
+  t.add_argument("--out", default=None,
+                 help="folder for the JSON tables (default: the package's pallas_kernels/configs)")
+  t.set_defaults(func=cmd_tune)
+  ep = sub.add_parser("eplb", help="simulate expert-parallel load balancing on skewed routing")
+  ep.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+  ep.add_argument("--ep", type=int, default=64, help="expert-parallel devices")
+  ep.add_argument("--redundant", type=int, default=32, help="redundant expert replicas")
+  ep.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of expert popularity")
+  ep.add_argument("--tokens", type=int, default=8192)
+  ep.add_argument("--gpus-per-node", type=int, default=8)
+  ep.add_argument("--seed", type=int, default=0)
+  ep.add_argument("--plot", default=None, help="write per-device loads (PNG) here")
+  ep.set_defaults(func=cmd_eplb)
   return p
 
 

@@ -222,9 +222,9 @@ class Experts(abc.ABC):
   def supports_activation(self, activation: Activation) -> bool:
     return True
 
-  def supports_dtype(self, dtype) -> bool:
-    """Whether `apply` takes activations/weights of this dtype."""
-    return True
+  def problem_support(self, dtype, hidden_size: int, intermediate_size: int) -> Optional[str]:
+    """None when `apply` can run this dtype and these sizes, else the reason it cannot."""
+    return None
 
   @classmethod
   def is_available(cls) -> tuple[bool, str]:

@@ -49,15 +49,16 @@ def _resolve(name: str, arg: str, env: str, choices) -> tuple[str, str]:
 
 
 def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
-                 dtype=None) -> tuple[str, str]:
+                 problem=None) -> tuple[str, str]:
   platform, cc, kind = platform_info()
   fam = registry.RUNNERS.get("pallas_mosaic")
   if platform == "gpu" and cc is not None and cc[0] == 9 and fam:
     cls = fam.get(fmt or ActivationFormat.Standard)
     if cls is not None:
       ok, why = cls.is_available()
-      if ok and dtype is not None and not cls().supports_dtype(dtype):
-        return "xla", f"{jax.numpy.dtype(dtype).name} input: the Pallas kernels take bf16/f16"
+      unsupported = cls().problem_support(*problem) if (ok and problem) else None
+      if unsupported:
+        return "xla", f"Pallas kernels cannot run this problem ({unsupported}): XLA ragged_dot"
       if ok and cls().supports_quant(quant):
         return "pallas_mosaic", f"sm{cc[0]}{cc[1]} GPU ({kind}): Pallas Mosaic GPU grouped GEMM"
       return "xla", f"Pallas Mosaic GPU unavailable ({why}): XLA ragged_dot"
@@ -69,9 +70,11 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
 
 def select_backend(runner_backend: str = "auto", a2a_backend: str = "auto", *,
                    quant: Optional[QuantConfig] = None,
-                   parallel: Optional[ParallelConfig] = None, dtype=None
+                   parallel: Optional[ParallelConfig] = None,
+                   problem: Optional[tuple] = None
                    ) -> tuple[PrepareFinalize, Experts, str]:
-  """Choose the parts for one call (`dtype`: of the activations, if known).
+  """Choose the parts for one call; `problem` = (dtype, hidden_size, intermediate_size) when
+  known, so that "auto" skips backends that cannot run it.
 
   Returns (prepare_finalize, experts, reason)."""
   runner, runner_why = _resolve("runner_backend", runner_backend, "JMOE_RUNNER_BACKEND",
@@ -97,7 +100,7 @@ def select_backend(runner_backend: str = "auto", a2a_backend: str = "auto", *,
 
   if runner == "auto":
     fmts = list(backend.by_format)
-    runner, runner_why = _auto_runner(quant, fmts[0] if len(fmts) == 1 else None, dtype)
+    runner, runner_why = _auto_runner(quant, fmts[0] if len(fmts) == 1 else None, problem)
   family = registry.RUNNERS.get(runner)
   if not family:
     raise ValueError(f"runner_backend={runner!r} is not available here (registered: "

@@ -132,8 +132,11 @@ def _load_tuned(kernel_name: str) -> dict:
     return json.load(f)
 
 
-def _tuned_key(E, N, K, dtype, device_kind, m_bucket) -> str:
-  return f"E={E},N={N},K={K},dtype={jnp.dtype(dtype).name},device={device_kind},M<={m_bucket}"
+def _tuned_key(E, N, K, dtype, device_kind, m_bucket, jax_version=None) -> str:
+  """Key of a tuned entry; configs are tuned per jax minor version (lowering changes between)."""
+  jv = jax_version or ".".join(str(v) for v in _compat.JAX_VERSION[:2])
+  return (f"E={E},N={N},K={K},dtype={jnp.dtype(dtype).name},device={device_kind},jax={jv},"
+          f"M<={m_bucket}")
 
 
 _M_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 1 << 30)

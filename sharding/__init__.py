@@ -2,7 +2,17 @@
 
 `jmoe.fused_moe(..., parallel=ParallelConfig(mesh=...))` lands in `ep_fused_moe`; the EP
 PrepareFinalize families register into `jmoe.registry` from `sharding.register` as the
-a2a backends "allgather", "ragged_a2a" and "padded_a2a".
+a2a backends "allgather", "ragged_a2a" and "padded_a2a"::
+
+    par = sharding.make_parallel(data=2, expert=4)          # or parallel_config(any_mesh)
+    x = sharding.shard_tokens(x, par)                        # tokens over (data, expert)
+    out = jax.jit(lambda x, w13, w2, tw, ti: jmoe.fused_moe(
+        x, w13, w2, tw, ti, parallel=par, a2a_backend="ragged_a2a"))(x, w13, w2, tw, ti)
+
+w13/w2 are the global arrays (sharded over the expert axis on E and the tensor axis on N, or
+left for jit to shard); `ep_fused_moe` adds placement, capacity, shared experts overlapped with
+the dispatch, micro-batches (two-batch overlap) and a stats side output (dropped copies, expert
+load for `sharding.eplb`). `sharding.comm_model` models the bytes each backend sends.
 """
 from sharding.ep import ep_fused_moe, select_parts
 from sharding.mesh import (ExpertPlacement, as_auto_mesh, expert_map, expert_placement,

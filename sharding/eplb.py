@@ -179,7 +179,8 @@ def rebalance_experts(weight: np.ndarray, num_replicas: int, num_groups: int, nu
   log2phy = np.full((layers, num_log * maxcnt), -1, np.int64)
   np.put_along_axis(log2phy, phy2log * maxcnt + phyrank,
                     np.broadcast_to(np.arange(num_replicas), (layers, num_replicas)), axis=1)
-  return EPLBPlan(phy2log.astype(np.int32), log2phy.reshape(layers, num_log, maxcnt).astype(np.int32),
+  return EPLBPlan(phy2log.astype(np.int32),
+                  log2phy.reshape(layers, num_log, maxcnt).astype(np.int32),
                   logcnt.astype(np.int32), policy)
 
 
@@ -367,6 +368,9 @@ def simulate(preset: str, ep: int, redundant: int, skew: float, plot: Optional[s
 
   after = after_loads(ids)
   after_held = after_loads(held)
+  glob = rebalance_global(load, num_phy, ep) if plan.policy == "hierarchical" else plan
+  gphys = np.asarray(route(jnp.asarray(ids), glob.log2phy, glob.logcnt, mode="balanced"))
+  after_global = device_loads(np.bincount(gphys.reshape(-1), minlength=num_phy), ep)
   before_held = device_loads(np.concatenate([np.bincount(held.reshape(-1), minlength=e),
                                              np.zeros(pad)]), ep)
   result = dict(
@@ -376,6 +380,7 @@ def simulate(preset: str, ep: int, redundant: int, skew: float, plot: Optional[s
       balancedness_before=balancedness(before), balancedness_after=balancedness(after),
       balancedness_before_heldout=balancedness(before_held),
       balancedness_after_heldout=balancedness(after_held),
+      balancedness_after_global_policy=balancedness(after_global),
       max_device_load_before=float(before.max()), max_device_load_after=float(after.max()),
       mean_device_load=float(before.mean()), max_replicas=int(plan.logcnt.max()),
       device_loads_before=before.tolist(), device_loads_after=after.tolist())
@@ -410,15 +415,18 @@ def _plot(result: dict, path: str) -> None:
 def format_simulation(result: dict) -> str:
   """A short human-readable report of `simulate`'s result (for the CLI)."""
   r = result
+  rounded = ("" if r["redundant_used"] == r["redundant"]
+             else f", rounded up from {r['redundant']}")
   lines = [
       f"{r['preset']}: {r['experts']} experts, top-{r['top_k']}, EP={r['ep']} "
       f"({r['nodes']} node(s)), {r['physical_experts']} physical experts "
-      f"(+{r['redundant_used']} replicas{'' if r['redundant_used'] == r['redundant'] else ', rounded up from ' + str(r['redundant'])}), "
-      f"policy {r['policy']}",
+      f"(+{r['redundant_used']} replicas{rounded}), policy {r['policy']}",
       f"routing: {r['tokens']} tokens, Zipf skew {r['skew']}",
       f"balancedness (mean/max device load): before {r['balancedness_before']:.3f} -> after "
       f"{r['balancedness_after']:.3f}; held-out sample {r['balancedness_before_heldout']:.3f} "
       f"-> {r['balancedness_after_heldout']:.3f}",
+      f"global policy instead (replicas may leave their group's node): "
+      f"{r['balancedness_after_global_policy']:.3f}",
       f"max device load: {r['max_device_load_before']:.0f} -> {r['max_device_load_after']:.0f} "
       f"(mean {r['mean_device_load']:.0f}); max replicas per expert {r['max_replicas']}",
   ]

@@ -175,3 +175,4 @@ def test_simulate(tmp_path):
   assert r["redundant_used"] == 64 and r["physical_experts"] % 64 == 0  # rounded up
   assert r["policy"] == "hierarchical" and r["nodes"] == 8
   assert r["balancedness_after"] > r["balancedness_before"]
+  assert r["balancedness_after_global_policy"] >= r["balancedness_after"] - 0.05

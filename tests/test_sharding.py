@@ -24,8 +24,8 @@ import sharding  # noqa: E402
 from jmoe import registry  # noqa: E402
 from jmoe.shared import shared_expert_mlp  # noqa: E402
 from sharding import collectives  # noqa: E402
-from sharding.mesh import (ExpertPlacement, expert_placement, make_ep_mesh, make_parallel,  # noqa: E402
-                           parallel_config, place_weights)
+from sharding.mesh import (ExpertPlacement, expert_placement, make_ep_mesh,  # noqa: E402
+                           make_parallel, parallel_config, place_weights)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
                                 reason="needs 8 (simulated) devices: XLA_FLAGS set too late")
@@ -380,6 +380,10 @@ def test_errors(prob):
   with pytest.raises(ValueError, match="micro_batches=3"):
     sharding.ep_fused_moe(p["x"], p["w13"], p["w2"], p["tw"], p["ti"], parallel=parallel("e8"),
                           micro_batches=3)
+  with pytest.raises(ValueError, match="expert_map describes one device's experts"):
+    call(parallel("e8"), expert_map=jnp.arange(E, dtype=jnp.int32))
+  with pytest.raises(ValueError, match="w13/w2 hold every expert"):
+    call(parallel("e8"), global_num_experts=32)
   with pytest.raises(ValueError, match="repeats an expert"):
     call(parallel("e8"), a2a_backend="padded_a2a",
          ti=jnp.zeros_like(p["ti"]).at[:, 1].set(1))

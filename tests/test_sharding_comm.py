@@ -1,6 +1,9 @@
 """The expert-parallel communication model (BENCHMARKS.md section)."""
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 
 from sharding import comm_model as cm
@@ -52,3 +55,48 @@ def test_write_section_keeps_other_sections(tmp_path):
   new = tmp_path / "NEW.md"
   cm.write_section(str(new))
   assert new.read_text().startswith("# jmoe benchmarks")
+
+
+_COLLECTIVE = re.compile(
+    r'"stablehlo\.(all_gather|all_to_all|reduce_scatter|all_reduce)"\(.*?replica_groups = '
+    r'dense<\[\[([0-9, ]*)\]'
+    r'.*?:\s*\((tensor<[^>]*>)\)\s*->\s*tensor<[^>]*>', re.S)
+_BYTES = {"f32": 4, "i32": 4, "bf16": 2, "f16": 2}
+
+
+def wire_bytes_per_rank(stablehlo: str) -> float:
+  """Bytes one rank sends for the collectives in a lowered module (ring algorithms)."""
+  total = 0.0
+  for op, group, ttype in _COLLECTIVE.findall(stablehlo):
+    g = len(group.split(","))
+    *dims, dt = ttype[len("tensor<"):-1].split("x")
+    nbytes = math.prod(int(d) for d in dims) * _BYTES[dt]
+    total += {"all_gather": (g - 1) * nbytes, "all_to_all": (g - 1) / g * nbytes,
+              "reduce_scatter": (g - 1) / g * nbytes, "all_reduce": 2 * (g - 1) / g * nbytes}[op]
+  return total
+
+
+@pytest.mark.parametrize("a2a", ["allgather", "padded_a2a"])
+def test_model_matches_the_emitted_collectives(a2a):
+  """The model's formula equals what the lowered program actually exchanges (f32, EP=8)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jmoe
+  from sharding import make_parallel
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 (simulated) devices")
+  t, h, n, e, k, ep = 32, 8, 4, 16, 2, 8
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(t, h)), jnp.float32)
+  w13 = jnp.asarray(rng.normal(size=(e, h, 2 * n)), jnp.float32)
+  w2 = jnp.asarray(rng.normal(size=(e, n, h)), jnp.float32)
+  tw, ti = jmoe.select_experts(x, jnp.asarray(rng.normal(size=(t, e)), jnp.float32), k)
+  par = make_parallel(expert=ep)
+  text = jax.jit(lambda x, tw, ti: jmoe.fused_moe(x, w13, w2, tw, ti, a2a_backend=a2a,
+                                                  parallel=par)).lower(x, tw, ti).as_text()
+  per_token = wire_bytes_per_rank(text) / (t // ep)
+  model = cm.bytes_per_token(a2a, hidden=h, top_k=k, num_experts=e, ep=ep, act_bytes=4,
+                             tokens_per_rank=t // ep)["total"]
+  assert per_token == pytest.approx(model)

@@ -4,16 +4,23 @@ reduce themselves, so finalize has nothing left to do.
 
 Runs on sm90 GPUs; on other machines only in Pallas' GPU interpret mode (slow: tests), which
 `JMOE_PALLAS_INTERPRET=1` or `PallasExperts(interpret=True)` turns on.
+
+Differentiable: the forward runs the fused kernels; the backward (a `jax.custom_vjp`) recomputes
+the block on the differentiable Pallas path (grouped GEMM + transposed grouped GEMM, `backward=
+"pallas"`, the default) or on XLA (`backward="xla"`, or `JMOE_PALLAS_BACKWARD=xla`).
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any
+from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 
 from jmoe.experts._common import check_weights_for_activation
-from jmoe.modular import ActivationFormat, Experts, NoOp, local_expert_ids
+from jmoe.modular import (ActivationFormat, Experts, ExpertsInput, ExpertWeights, NoOp,
+                          local_expert_ids)
 from jmoe.registry import register_runner
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -23,13 +30,58 @@ def _interpret_from_env() -> bool:
   return os.environ.get("JMOE_PALLAS_INTERPRET", "0") == "1"
 
 
+BACKWARDS = ("pallas", "xla")
+
+
+def _forward(act, interpret, x, w13, w2, tw, ids, b13, b2):
+  from pallas_kernels.moe import fused_experts  # noqa: PLC0415 (kernels load lazily)
+  return fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2,
+                       interpret=interpret)
+
+
+def _differentiable(backward, act, interpret, x, w13, w2, tw, ids, b13, b2):
+  """The same block on a path jax can differentiate."""
+  if backward == "pallas":
+    from pallas_kernels.moe import fused_experts_train  # noqa: PLC0415
+    return fused_experts_train(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2,
+                               interpret=interpret)
+  from jmoe.experts.xla import XlaExperts  # noqa: PLC0415
+  inp = ExpertsInput(a=x, topk_weights=tw, topk_ids=ids)
+  return XlaExperts().apply(inp, ExpertWeights(w13, w2, b13, b2), activation=act,
+                            expert_map=None, out_dtype=x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _block(backward, act, interpret, x, w13, w2, tw, ids, b13, b2):
+  return _forward(act, interpret, x, w13, w2, tw, ids, b13, b2)
+
+
+def _block_fwd(backward, act, interpret, x, w13, w2, tw, ids, b13, b2):
+  out = _forward(act, interpret, x, w13, w2, tw, ids, b13, b2)
+  return out, (x, w13, w2, tw, ids, b13, b2)
+
+
+def _block_bwd(backward, act, interpret, res, g):
+  x, w13, w2, tw, ids, b13, b2 = res
+  f = lambda x, w13, w2, tw, b13, b2: _differentiable(backward, act, interpret, x, w13, w2, tw,
+                                                       ids, b13, b2)
+  _, vjp = jax.vjp(f, x, w13, w2, tw, b13, b2)
+  dx, dw13, dw2, dtw, db13, db2 = vjp(g)
+  return dx, dw13, dw2, dtw, None, db13, db2
+
+
+_block.defvjp(_block_fwd, _block_bwd)
+
+
 class PallasExperts(Experts):
   name = "pallas_mosaic"
   activation_formats = (ActivationFormat.Standard, ActivationFormat.Standard)
-  differentiable = False  # forward kernels only: jax.grad needs the XLA backends
 
-  def __init__(self, interpret: Any = None):
+  def __init__(self, interpret: Any = None, backward: Optional[str] = None):
     self.interpret = _interpret_from_env() if interpret is None else interpret
+    self.backward = backward or os.environ.get("JMOE_PALLAS_BACKWARD", "pallas")
+    if self.backward not in BACKWARDS:
+      raise ValueError(f"backward={self.backward!r} is not known; known: {BACKWARDS}")
 
   @classmethod
   def is_available(cls) -> tuple[bool, str]:
@@ -42,20 +94,23 @@ class PallasExperts(Experts):
       from pallas_kernels import _compat  # noqa: PLC0415
       if _compat.interpret_available():
         return True, "GPU interpret mode (JMOE_PALLAS_INTERPRET=1)"
-      return False, f"GPU interpret mode unavailable in this jax"
+      return False, "GPU interpret mode unavailable in this jax"
     where = f"{platform}" + (f" sm{cc[0]}{cc[1]}" if cc else "")
     return False, (f"needs an sm90 (Hopper) GPU, found {where}; JMOE_PALLAS_INTERPRET=1 runs "
                    "the kernels in the CPU interpreter")
 
-  def supports_dtype(self, dtype) -> bool:
-    return jnp.dtype(dtype) in _DTYPES
+  def problem_support(self, dtype, hidden_size: int, intermediate_size: int) -> Optional[str]:
+    if jnp.dtype(dtype) not in _DTYPES:
+      return f"{jnp.dtype(dtype).name} activations: the Pallas kernels take bf16/f16"
+    if hidden_size % 64 or intermediate_size % 64:
+      return (f"hidden {hidden_size} / intermediate {intermediate_size} not multiples of 64 "
+              "(pad the weights once at load time)")
+    return None
 
   def finalize_weight_and_reduce_impl(self):
     return NoOp()
 
   def apply(self, inp, weights, *, activation, expert_map, out_dtype):
-    from pallas_kernels.moe import fused_experts  # noqa: PLC0415 (kernels load lazily)
-
     check_weights_for_activation(weights, activation)
     for name, arr in (("hidden_states", inp.a), ("w13", weights.w13), ("w2", weights.w2)):
       if jnp.dtype(arr.dtype) not in _DTYPES:
@@ -64,11 +119,13 @@ class PallasExperts(Experts):
     if weights.w13.dtype != inp.a.dtype or weights.w2.dtype != inp.a.dtype:
       raise ValueError("runner_backend='pallas_mosaic' needs hidden_states, w13 and w2 in one "
                        f"dtype, got {inp.a.dtype}, {weights.w13.dtype}, {weights.w2.dtype}")
+    why = self.problem_support(inp.a.dtype, weights.hidden_size, weights.intermediate_size)
+    if why is not None:
+      raise ValueError(f"runner_backend='pallas_mosaic' cannot run this problem: {why}")
     e = weights.num_experts
     local = local_expert_ids(inp.topk_ids, e, expert_map)  # non-local / empty -> e (skipped)
-    out = fused_experts(inp.a, weights.w13, weights.w2, inp.topk_weights, local,
-                        activation=activation, w13_bias=weights.w13_bias,
-                        w2_bias=weights.w2_bias, interpret=self.interpret)
+    out = _block(self.backward, activation, self.interpret, inp.a, weights.w13, weights.w2,
+                 inp.topk_weights, local, weights.w13_bias, weights.w2_bias)
     return out.astype(out_dtype)
 
 

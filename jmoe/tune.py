@@ -1,0 +1,123 @@
+"""`python -m jmoe tune`: autotune the grouped-GEMM block configs for a preset on this GPU.
+
+For each token count, routes random tokens with the preset's top-k, then times every candidate
+config (pallas_kernels.tuning) of GEMM1 (gated, activation fused) and GEMM2 (router weight
+fused) and writes the fastest into the JSON tables the kernels read
+(`pallas_kernels/configs/<kernel>.json`, keyed by E, N, K, dtype, device kind, jax minor version
+and M bucket). Device time comes from CUPTI (`jax.experimental.mosaic.gpu.profiler`); in
+interpret mode (tests) from the wall clock, which says nothing about speed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class TuneResult:
+  kernel: str  # "grouped_gemm_gated" (GEMM1) or "grouped_gemm" (GEMM2)
+  key: str
+  config: dict
+  us: float
+  tried: int
+  failed: int
+
+
+def _device_time_us(fn: Callable, args, iters: int, interpret: bool) -> float:
+  jax.block_until_ready(fn(*args))  # compile + warm up
+  if interpret:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t0) * 1e6
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
+  times = []
+  for _ in range(iters):
+    out, t_ms = profiler.measure(fn)(*args)
+    jax.block_until_ready(out)
+    times.append(t_ms * 1e3)
+  return statistics.median(times)
+
+
+def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activation,
+         tokens: Sequence[int], *, dtype=jnp.bfloat16, iters: int = 5, interpret: bool = False,
+         max_candidates: Optional[int] = None, progress=None, seed: int = 0
+         ) -> list[TuneResult]:
+  """Time the candidates of both GEMMs at each token count; return the best per kernel."""
+  from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
+  from pallas_kernels import permute, tuning  # noqa: PLC0415
+
+  ks = jax.random.split(jax.random.key(seed), 5)
+  e, h, n = num_experts, hidden, intermediate
+  w13 = (jax.random.normal(ks[0], (e, h, 2 * n), jnp.float32) / math.sqrt(h)).astype(dtype)
+  w2 = (jax.random.normal(ks[1], (e, n, h), jnp.float32) / math.sqrt(n)).astype(dtype)
+  device = "interpret" if interpret else jax.devices()[0].device_kind
+  results = []
+  for t in tokens:
+    x = jax.random.normal(ks[2], (t, h), jnp.float32).astype(dtype)
+    logits = jax.random.normal(ks[3], (t, e), jnp.float32)
+    tw, ids = jax.lax.top_k(jax.nn.softmax(logits), top_k)
+    order, gs, _ = permute.moe_align(ids.astype(jnp.int32), e)
+    xs = permute.permute_rows(x, order, top_k)
+    hs = jax.random.normal(ks[4], (xs.shape[0], n), jnp.float32).astype(dtype)
+    scale = permute.permute_weights(tw, order)
+    m = t * top_k
+    problems = {
+        "grouped_gemm_gated": ("gemm1", n, h, (xs, gs, w13),
+                               lambda cfg: jax.jit(lambda a, g, w: gg.grouped_gemm_gated(
+                                   a, w, g, activation=activation, config=cfg,
+                                   interpret=interpret))),
+        "grouped_gemm": ("gemm2", h, n, (hs, gs, w2, scale),
+                         lambda cfg: jax.jit(lambda a, g, w, s: gg.grouped_gemm(
+                             a, w, g, row_scale=s, config=cfg, interpret=interpret))),
+    }
+    for kernel, (gemm, n_out, k_in, args, build) in problems.items():
+      cands = tuning.candidates(gemm, m / max(1, min(e, m)))
+      if max_candidates:
+        cands = cands[:max_candidates]
+      best, failed = None, 0
+      for cfg in cands:
+        try:
+          us = _device_time_us(build(cfg), args, iters, interpret)
+          if best is None or us < best[1]:
+            best = (cfg, us)
+        except Exception:  # a candidate that does not fit this problem (smem, layout)
+          failed += 1
+        if progress is not None:
+          progress()
+      if best is None:
+        raise RuntimeError(f"every candidate failed for {kernel} at T={t}")
+      key = gg._tuned_key(e, n_out, k_in, dtype, device, gg._m_bucket(m))
+      results.append(TuneResult(kernel, key, best[0].to_json(), best[1], len(cands), failed))
+  return results
+
+
+def write_tables(results: Sequence[TuneResult], out_dir: str, note: str) -> list[str]:
+  """Merge results into <out_dir>/<kernel>.json (existing entries kept unless re-tuned)."""
+  os.makedirs(out_dir, exist_ok=True)
+  written = []
+  for kernel in sorted({r.kernel for r in results}):
+    path = os.path.join(out_dir, f"{kernel}.json")
+    table = {}
+    if os.path.exists(path):
+      with open(path) as f:
+        table = json.load(f)
+    for r in results:
+      if r.kernel == kernel:
+        table[r.key] = dict(r.config, us=r.us, note=note)
+    with open(path, "w") as f:
+      json.dump(table, f, indent=1)
+    written.append(path)
+  return written
+
+
+def default_config_dir() -> str:
+  from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
+  return gg._CONFIG_DIR

@@ -1,0 +1,38 @@
+"""The autotuning search space of the grouped GEMMs (shared by `python -m jmoe tune` and
+benchmarks/bench_grouped_gemm.py). Candidates that do not fit a problem are adapted by the
+kernel wrapper (block_k / block_n shrink to divide K / N, stages fitted to shared memory)."""
+from __future__ import annotations
+
+from pallas_kernels.grouped_gemm import GroupedGemmConfig as C
+
+SWEEP_G1 = (  # gated GEMM1, large M
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=4),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
+      grid_tile_width=4),
+    C(block_m=256, block_n=64, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=8),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="n"),
+)
+SWEEP_G2 = (  # GEMM2 (row scale), large M
+    C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
+      grid_tile_width=4),
+    C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="n"),
+    C(block_m=256, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=4),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=4),
+)
+SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
+    C(block_m=64, block_n=128, block_k=128, num_stages=6, wg_split="n"),
+    C(block_m=64, block_n=64, block_k=128, num_stages=6, warp_specialized=False),
+    C(block_m=64, block_n=256, block_k=64, num_stages=4, wg_split="n"),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="n", grid_minor="n"),
+)
+
+
+def candidates(gemm: str, rows_per_expert: float) -> tuple[C, ...]:
+  """Configs worth timing for `gemm` ("gemm1" gated / "gemm2") at this expert load."""
+  if rows_per_expert <= 64:
+    return SWEEP_SMALL + ((SWEEP_G1[0],) if gemm == "gemm1" else (SWEEP_G2[1],))
+  return SWEEP_G1 if gemm == "gemm1" else SWEEP_G2

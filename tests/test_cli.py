@@ -1,0 +1,79 @@
+"""`python -m jmoe ...` commands, run in-process on tiny settings."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jmoe import cli
+
+
+def test_check_prints_matrix_and_oracle(capsys):
+  assert cli.main(["check"]) == 0
+  out = capsys.readouterr().out
+  for name in ("reference", "xla", "xla_batched", "pallas_mosaic", "none:standard",
+               "none:batched", "oracle default here"):
+    assert name in out
+
+
+def test_bench_writes_json_and_plot(tmp_path, capsys):
+  js, png = tmp_path / "b.json", tmp_path / "b.png"
+  rc = cli.main(["bench", "--preset", "qwen3-30b-a3b", "--tokens", "1,8", "--backends",
+                 "xla,xla_batched", "--repeats", "2", "--json", str(js), "--plot", str(png)])
+  assert rc == 0
+  out = capsys.readouterr().out
+  assert "scaled for CPU" in out and "roofline" in out
+  data = json.loads(js.read_text())
+  rows = data["rows"]
+  assert {(r["tokens"], r["backend"]) for r in rows} == {(1, "xla"), (1, "xla_batched"),
+                                                          (8, "xla"), (8, "xla_batched")}
+  for r in rows:
+    assert r["error"] is None and r["time_us"] > 0 and r["roofline_us"] > 0
+    if r["backend"] == "xla_batched":
+      assert r["rel_err"] < 1e-5  # checked against the first backend in the same run
+  assert png.stat().st_size > 1000
+
+
+def test_bench_reports_a_failing_backend_without_hiding_others(capsys):
+  rc = cli.main(["bench", "--preset", "mixtral-8x7b", "--tokens", "1", "--backends",
+                 "xla,pallas_mosaic", "--repeats", "1"])
+  assert rc == 1  # pallas_mosaic cannot run on CPU: reported as failed, xla still timed
+  out = capsys.readouterr().out
+  assert "failed" in out and "xla" in out
+
+
+def test_eplb_simulation(tmp_path, capsys):
+  png = tmp_path / "eplb.png"
+  assert cli.main(["eplb", "--preset", "qwen3-30b-a3b", "--ep", "8", "--redundant", "8",
+                   "--skew", "1.0", "--tokens", "2048", "--plot", str(png)]) == 0
+  assert "balancedness" in capsys.readouterr().out
+  assert png.exists()
+
+
+def test_tune_in_interpret_mode_writes_tables(tmp_path, capsys):
+  from pallas_kernels import _compat
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
+  rc = cli.main(["tune", "--preset", "mixtral-8x7b", "--shape", "4,2,64,64", "--tokens", "8",
+                 "--interpret", "--max-candidates", "1", "--iters", "1", "--out", str(tmp_path)])
+  assert rc == 0
+  for kernel in ("grouped_gemm", "grouped_gemm_gated"):
+    table = json.loads((tmp_path / f"{kernel}.json").read_text())
+    (key, entry), = table.items()
+    assert key.startswith("E=4,") and ",jax=" in key and entry["us"] > 0
+    assert {"block_m", "block_n", "block_k", "num_stages"} <= set(entry)
+
+
+def test_tune_refuses_cpu_without_interpret(capsys):
+  assert cli.main(["tune", "--preset", "qwen3-30b-a3b", "--tokens", "8"]) == 2
+  assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_module_entry_point_help():
+  r = subprocess.run([sys.executable, "-m", "jmoe", "--help"], capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0
+  for cmd in ("bench", "check", "profile", "tune", "eplb"):
+    assert cmd in r.stdout

@@ -82,14 +82,19 @@ def check_topk(topk_weights, topk_ids, num_tokens: int) -> int:
   return int(topk_ids.shape[1])
 
 
+def _outside(values, hi: int) -> list:
+  """Up to five concrete values outside [-1, hi)."""
+  v = np.asarray(values)
+  return v[(v < -1) | (v >= hi)][:5].tolist()
+
+
 def check_ids_in_range(topk_ids, num_experts: int, *, argname: str = "topk_ids") -> None:
   """Eager range check (-1 allowed as the empty slot); a debug checkify check when traced."""
   if is_concrete(topk_ids):
-    ids = np.asarray(topk_ids)
-    bad = (ids < -1) | (ids >= num_experts)
-    if bad.any():
-      raise ValueError(f"{argname} holds ids outside [-1, {num_experts}): e.g. "
-                       f"{ids[bad][:5].tolist()} (global_num_experts={num_experts})")
+    bad = _outside(topk_ids, num_experts)
+    if bad:
+      raise ValueError(f"{argname} holds ids outside [-1, {num_experts}): e.g. {bad} "
+                       f"(global_num_experts={num_experts})")
   elif checkify_enabled():
     # debug=True: dropped unless the caller functionalizes with checkify.checkify (the form
     # jax documents from 0.10 on; `checkify.debug_check` is its older spelling).
@@ -104,11 +109,10 @@ def check_expert_map(expert_map, num_local_experts: int) -> None:
   if not jnp.issubdtype(expert_map.dtype, jnp.integer):
     raise TypeError(f"expert_map must be an integer array, got {expert_map.dtype}")
   if is_concrete(expert_map):
-    m = np.asarray(expert_map)
-    bad = (m < -1) | (m >= num_local_experts)
-    if bad.any():
+    bad = _outside(expert_map, num_local_experts)
+    if bad:
       raise ValueError(f"expert_map holds local ids outside [-1, {num_local_experts}): e.g. "
-                       f"{m[bad][:5].tolist()} (w13 holds {num_local_experts} local experts)")
+                       f"{bad} (w13 holds {num_local_experts} local experts)")
 
 
 def check_distinct_ids(topk_ids) -> None:

@@ -152,3 +152,14 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
   except Exception:  # pragma: no cover
     return "unknown"
+
+
+def launch_params(interpret: Any) -> tuple[Any, int]:
+  """(interpret params or None, persistent grid size) for a kernel launch.
+
+  `interpret`: False (real GPU: one CTA per SM), True (default GPU interpret params) or an
+  InterpretGPUParams. Interpret mode simulates a single block.
+  """
+  if not interpret:
+    return None, num_sms()
+  return (interpret if not isinstance(interpret, bool) else interpret_params()), 1

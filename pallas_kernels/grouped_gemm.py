@@ -575,12 +575,7 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
     meta = tile_metadata(group_sizes, m, bm)
   meta, ntasks = meta
   t_max = meta.shape[1]
-  interp = None
-  if interpret:
-    interp = interpret if not isinstance(interpret, bool) else _compat.interpret_params()
-    nsm = 1  # interpret mode simulates a single block
-  else:
-    nsm = _compat.num_sms()
+  interp, nsm = _compat.launch_params(interpret)
   kern = _build_kernel(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, num_groups=e,
                        dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg, gated=gated, act=act,
                        has_scale=row_scale is not None, has_bias=bias is not None, t_max=t_max,

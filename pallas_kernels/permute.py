@@ -159,12 +159,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, rows_per_step: int | None = Non
   idx = jnp.clip(idx.astype(jnp.int32), 0, t - 1)
   steps = m // r
   ns = num_stages
-  interp = None
-  if interpret:
-    interp = interpret if not isinstance(interpret, bool) else _compat.interpret_params()
-    nsm = 1
-  else:
-    nsm = _compat.num_sms()
+  interp, nsm = _compat.launch_params(interpret)
 
   def body(idx_ref, x_ref, o_ref, buf, bars):
     sm = lax.axis_index("sm")

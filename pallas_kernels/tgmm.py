@@ -164,12 +164,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
   ends = jnp.minimum(jnp.cumsum(gs), m).astype(jnp.int32)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  interp = None
-  if interpret:
-    interp = interpret if not isinstance(interpret, bool) else _compat.interpret_params()
-    nsm = 1
-  else:
-    nsm = _compat.num_sms()
+  interp, nsm = _compat.launch_params(interpret)
   kern = _build_tgmm(m=lhs.shape[0], k=k, n=n, e=e, dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg,
                      num_sms=nsm, interpret=interp)
   return kern(starts, ends, lhs if cfg.transpose_in_kernel else lhs.T, dout)

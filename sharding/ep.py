@@ -8,6 +8,7 @@ shard; `prepare`/`finalize` hold the collectives.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Optional, Union
 
@@ -29,11 +30,18 @@ log = logging.getLogger("jmoe.sharding")
 def select_parts(parallel: ParallelConfig, *, runner_backend: str = "auto",
                  a2a_backend: str = "auto", quant_config: Optional[QuantConfig] = None,
                  placement: Union[str, ExpertPlacement, None] = None,
-                 capacity: Optional[int] = None):
-  """(prepare_finalize, experts, reason) for an EP call, with placement/capacity applied."""
+                 capacity: Optional[int] = None, problem: Optional[tuple] = None):
+  """(prepare_finalize, experts, reason) for an EP call, with placement/capacity applied.
+
+  `problem` = (dtype, hidden_size, intermediate size per tensor rank): what the local experts
+  see, so that "auto" skips runners that cannot run it (passed on when the oracle takes it).
+  """
   from jmoe import oracle  # noqa: PLC0415 (jmoe may still be importing when sharding loads)
+  kw = {}
+  if problem is not None and "problem" in inspect.signature(oracle.select_backend).parameters:
+    kw["problem"] = problem
   pf, experts, reason = oracle.select_backend(runner_backend, a2a_backend, quant=quant_config,
-                                              parallel=parallel)
+                                              parallel=parallel, **kw)
   if isinstance(pf, EPPrepareFinalize) and (placement is not None or capacity is not None):
     pf = type(pf)(parallel, placement=placement, capacity=capacity, ragged_impl=pf.ragged_impl)
   return pf, experts, reason
@@ -109,7 +117,8 @@ def ep_fused_moe(
 
   pf, experts, reason = select_parts(parallel, runner_backend=runner_backend,
                                      a2a_backend=a2a_backend, quant_config=quant_config,
-                                     placement=placement, capacity=capacity)
+                                     placement=placement, capacity=capacity,
+                                     problem=(hidden_states.dtype, h, n // sizes.tp))
   kernel = ModularKernel(pf, experts, quant_config)
   if pf.activation_format == ActivationFormat.Batched:
     check_distinct_ids(topk_ids)
@@ -118,6 +127,9 @@ def ep_fused_moe(
     flat = topk_ids.reshape(-1)
     expert_load = jnp.bincount(jnp.where(flat >= 0, flat, e), length=e + 1)[:e].astype(jnp.int32)
 
+  if t == 0:  # an empty batch: nothing to dispatch (collectives reject empty operands)
+    out = jnp.zeros((0, h), hidden_states.dtype)
+    return (out, {"dropped": jnp.int32(0), "expert_load": expert_load}) if return_stats else out
   if not isinstance(pf, EPPrepareFinalize):  # a2a_backend="none" on a mesh: replicated experts
     weights = ExpertWeights(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
     out = kernel(hidden_states, weights, topk_weights, topk_ids, activation=act,

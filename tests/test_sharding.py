@@ -286,6 +286,17 @@ def test_prepare_async_leaves_room_for_shared_work():
   assert not any(id(v) in dep for v in body.eqns[dots[0]].outvars)
 
 
+@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "padded_a2a"])
+def test_empty_batch(a2a):
+  p = problem(t=0, bias=False)
+  f = lambda x: jmoe.fused_moe(x, p["w13"], p["w2"], p["tw"], p["ti"],  # noqa: E731
+                               a2a_backend=a2a, parallel=parallel("e8"))
+  assert f(p["x"]).shape == (0, H)
+  assert jax.grad(lambda w: jmoe.fused_moe(p["x"], w, p["w2"], p["tw"], p["ti"], a2a_backend=a2a,
+                                           parallel=parallel("e8")).sum())(p["w13"]).shape \
+      == p["w13"].shape
+
+
 # --------------------------------------------------------------------------------------------
 # the ragged all-to-all emulation
 

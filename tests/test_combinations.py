@@ -36,10 +36,24 @@ COMPATIBLE = [p for p in PAIRS if _compatible(p[1], p[2])]
 INCOMPATIBLE = [p for p in PAIRS if not _compatible(p[1], p[2])]
 
 
-def _supports_dtype(experts, dtype) -> bool:
-  """Experts may restrict their dtypes (the Pallas kernels take bf16/f16 only)."""
-  check = getattr(experts, "supports_dtype", None)
-  return True if check is None else bool(check(dtype))
+ALIGNED = (64, 64)  # (H, N) for experts that need aligned sizes (the Pallas kernels)
+
+
+def _sizes(experts, dtype):
+  """(H, N) this experts class can run at this dtype, or None: the matrix's odd sizes first,
+  aligned ones for kernels that require them (e.g. the Pallas kernels: bf16/f16, 64-aligned)."""
+  for h, n in ((H, N), ALIGNED):
+    if experts.problem_support(dtype, h, n) is None:
+      return h, n
+  return None
+
+
+@pytest.fixture(autouse=True)
+def pallas_in_interpreter(monkeypatch):
+  """Run the Pallas experts in the matrix too, in Pallas' GPU interpret mode (off a GPU)."""
+  from pallas_kernels import _compat
+  if _compat.interpret_available():
+    monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
 
 
 def _skip_unavailable(experts_cls):
@@ -62,11 +76,11 @@ def test_registry_has_the_builtin_parts():
 T, H, N, E, K = 6, 12, 10, 5, 2
 
 
-def _problem(rng, activation, routing, dtype):
+def _problem(rng, activation, routing, dtype, h=H, n=N):
   """-> (args for ModularKernel.__call__ as a dict, expert_map or None)."""
   act = Activation(activation)
   k = 1 if routing == "weight_on_input" else K
-  w = onp.make_weights(rng, E, H, N, gated=act.is_gated, bias=(routing == "bias"))
+  w = onp.make_weights(rng, E, h, n, gated=act.is_gated, bias=(routing == "bias"))
   tw, ids = onp.random_topk(rng, T, E, k)
   emap = None
   if routing == "empty_slots":
@@ -79,7 +93,7 @@ def _problem(rng, activation, routing, dtype):
     ids[:, 0] = 3
     ids[:, 1] = np.where(ids[:, 1] == 3, 0, ids[:, 1])
   weights = ExpertWeights(**{n: jnp.asarray(v, dtype) for n, v in w.items()})
-  return dict(x=jnp.asarray(2 * rng.standard_normal((T, H)), dtype), weights=weights,
+  return dict(x=jnp.asarray(2 * rng.standard_normal((T, h)), dtype), weights=weights,
               topk_weights=jnp.asarray(tw), topk_ids=jnp.asarray(ids), activation=act,
               expert_map=emap, apply_router_weight_on_input=(routing == "weight_on_input"))
 
@@ -97,9 +111,10 @@ def test_compatible_pair_matches_reference(pair, rng):
   kernel = ModularKernel(pf_factory(), experts_cls())
   failures = []
   for activation, routing, (dtype, tol) in itertools.product(ACTIVATIONS, ROUTINGS, DTYPES):
-    if not _supports_dtype(kernel.experts, dtype):
+    sizes = _sizes(kernel.experts, dtype)
+    if sizes is None:
       continue
-    p = _problem(rng, activation, routing, dtype)
+    p = _problem(rng, activation, routing, dtype, *sizes)
     if p["expert_map"] is not None and kernel.prepare_finalize.activation_format == \
         ActivationFormat.Standard and not experts_cls.supports_expert_map:
       with pytest.raises(IncompatiblePartsError):
@@ -107,7 +122,7 @@ def test_compatible_pair_matches_reference(pair, rng):
       continue
     out = kernel(**p)
     ref = REFERENCE(**p)
-    assert out.shape == (T, H) and out.dtype == dtype
+    assert out.shape == (T, sizes[0]) and out.dtype == dtype
     err = onp.rel_err(np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
     if not err <= tol:
       failures.append(f"{activation}/{routing}/{jnp.dtype(dtype).name}: rel err {err:.2e}")
@@ -120,7 +135,10 @@ def test_compatible_pair_jit_and_odd_shapes(pair, rng):
   label, pf_factory, experts_cls = pair
   _skip_unavailable(experts_cls)
   kernel = ModularKernel(pf_factory(), experts_cls())
-  dtype, tol = next((d, t) for d, t in DTYPES if _supports_dtype(kernel.experts, d))
+  dtype, tol = next(((d, t) for d, t in DTYPES if _sizes(kernel.experts, d)), (None, None))
+  why = kernel.experts.problem_support(dtype or jnp.float32, 5, 3)
+  if why is not None:
+    pytest.skip(f"{experts_cls.__name__} takes no odd shapes: {why}")
   act = Activation("gelu_tanh")
   f = jax.jit(lambda x, w, tw, ti: kernel(x, w, tw, ti, activation=act))
   for t, h, n, e, k in ((1, 5, 3, 3, 2), (7, 9, 5, 1, 1), (4, 3, 7, 3, 3)):
@@ -168,13 +186,14 @@ def test_quantized_formats_refused_clearly(experts_cls):
 def test_workspace_shapes_match_apply(experts_cls, activation, rng):
   _skip_unavailable(experts_cls)
   experts = experts_cls()
-  dtype = jnp.bfloat16 if not _supports_dtype(experts, jnp.float32) else jnp.float32
+  dtype = jnp.float32 if _sizes(experts, jnp.float32) else jnp.bfloat16
+  h, n = _sizes(experts, dtype)
   pf = NoEP() if experts.activation_formats[0] == ActivationFormat.Standard else NoEPBatched()
   act = Activation(activation)
-  w = onp.make_weights(rng, E, H, N, gated=act.is_gated)
+  w = onp.make_weights(rng, E, h, n, gated=act.is_gated)
   weights = ExpertWeights(w13=jnp.asarray(w["w13"], dtype), w2=jnp.asarray(w["w2"], dtype))
   tw, ids = onp.random_topk(rng, T, E, K)
-  x = jnp.asarray(rng.standard_normal((T, H)), dtype)
+  x = jnp.asarray(rng.standard_normal((T, h)), dtype)
   inp = pf.prepare(x, jnp.asarray(tw), jnp.asarray(ids), num_local_experts=E, expert_map=None,
                    apply_router_weight_on_input=False, quant=None)
   out = experts.apply(inp, weights, activation=act, expert_map=None, out_dtype=dtype)

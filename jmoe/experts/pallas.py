@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.experts._common import check_weights_for_activation
-from jmoe.modular import (ActivationFormat, Experts, ExpertsInput, ExpertWeights, NoOp,
-                          local_expert_ids)
+from jmoe.modular import (ActivationFormat, Experts, ExpertsInput, ExpertWeights, NaiveBatched,
+                          NoOp, local_expert_ids)
 from jmoe.registry import register_runner
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -110,7 +110,7 @@ class PallasExperts(Experts):
   def finalize_weight_and_reduce_impl(self):
     return NoOp()
 
-  def apply(self, inp, weights, *, activation, expert_map, out_dtype):
+  def _check(self, inp, weights, activation) -> None:
     check_weights_for_activation(weights, activation)
     for name, arr in (("hidden_states", inp.a), ("w13", weights.w13), ("w2", weights.w2)):
       if jnp.dtype(arr.dtype) not in _DTYPES:
@@ -122,6 +122,9 @@ class PallasExperts(Experts):
     why = self.problem_support(inp.a.dtype, weights.hidden_size, weights.intermediate_size)
     if why is not None:
       raise ValueError(f"runner_backend='pallas_mosaic' cannot run this problem: {why}")
+
+  def apply(self, inp, weights, *, activation, expert_map, out_dtype):
+    self._check(inp, weights, activation)
     e = weights.num_experts
     local = local_expert_ids(inp.topk_ids, e, expert_map)  # non-local / empty -> e (skipped)
     out = _block(self.backward, activation, self.interpret, inp.a, weights.w13, weights.w2,
@@ -129,4 +132,66 @@ class PallasExperts(Experts):
     return out.astype(out_dtype)
 
 
+def _batched_forward(act, interpret, a, ent, w13, w2, b13, b2):
+  from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
+
+  if act.is_gated:
+    h = gg.batched_grouped_gemm_gated(a, w13, ent, activation=act, bias=b13, interpret=interpret)
+  else:
+    h = gg.batched_grouped_gemm(a, w13, ent, activation=act, bias=b13, interpret=interpret)
+  y = gg.batched_grouped_gemm(h, w2, ent, bias=b2, interpret=interpret)
+  live = jnp.arange(a.shape[1])[None, :] < ent[:, None]
+  return jnp.where(live[..., None], y, jnp.zeros((), y.dtype))  # rows past the count: unwritten
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _batched_block(act, interpret, a, ent, w13, w2, b13, b2):
+  return _batched_forward(act, interpret, a, ent, w13, w2, b13, b2)
+
+
+def _batched_block_fwd(act, interpret, a, ent, w13, w2, b13, b2):
+  return (_batched_forward(act, interpret, a, ent, w13, w2, b13, b2),
+          (a, ent, w13, w2, b13, b2))
+
+
+def _batched_block_bwd(act, interpret, res, g):
+  """Backward on XLA's batched einsums (masked rows get zero gradient)."""
+  from jmoe.experts.xla_batched import XlaBatchedExperts  # noqa: PLC0415
+
+  a, ent, w13, w2, b13, b2 = res
+
+  def f(a, w13, w2, b13, b2):
+    inp = ExpertsInput(a=a, topk_weights=jnp.zeros((0, 1)), topk_ids=jnp.zeros((0, 1), jnp.int32),
+                       expert_num_tokens=ent, format=ActivationFormat.Batched)
+    return XlaBatchedExperts().apply(inp, ExpertWeights(w13, w2, b13, b2), activation=act,
+                                     expert_map=None, out_dtype=a.dtype)
+
+  _, vjp = jax.vjp(f, a, w13, w2, b13, b2)
+  da, dw13, dw2, db13, db2 = vjp(g)
+  return da, None, dw13, dw2, db13, db2
+
+
+_batched_block.defvjp(_batched_block_fwd, _batched_block_bwd)
+
+
+class PallasBatchedExperts(PallasExperts):
+  """Batched format `[E, C, H]` on the masked grouped GEMMs: row tiles past an expert's
+  `expert_num_tokens` are never scheduled. Finalize gathers and weights the rows
+  (NaiveBatched). Backward: XLA's batched einsums."""
+
+  name = "pallas_mosaic_batched"
+  activation_formats = (ActivationFormat.Batched, ActivationFormat.Batched)
+  supports_expert_map = False  # the batched prepare maps ids to local experts itself
+
+  def finalize_weight_and_reduce_impl(self):
+    return NaiveBatched()
+
+  def apply(self, inp, weights, *, activation, expert_map, out_dtype):
+    self._check(inp, weights, activation)
+    out = _batched_block(activation, self.interpret, inp.a, inp.expert_num_tokens, weights.w13,
+                         weights.w2, weights.w13_bias, weights.w2_bias)
+    return out.astype(out_dtype)
+
+
 register_runner("pallas_mosaic", PallasExperts)
+register_runner("pallas_mosaic", PallasBatchedExperts)

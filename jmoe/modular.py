@@ -256,6 +256,17 @@ class Experts(abc.ABC):
     return f"{type(self).__name__}()"
 
 
+class BatchedExperts(Experts):
+  """Base of Batched-format experts: `[E_local, C, H]` in and out, ids already local (the
+  batched prepare applied the expert_map), finalize gathers and weights (NaiveBatched)."""
+
+  activation_formats = (ActivationFormat.Batched, ActivationFormat.Batched)
+  supports_expert_map = False
+
+  def finalize_weight_and_reduce_impl(self):
+    return NaiveBatched()
+
+
 def local_expert_ids(topk_ids: jax.Array, num_local_experts: int,
                      expert_map: Optional[jax.Array]) -> jax.Array:
   """Global ids -> local ids in [0, E_local), or E_local (a sentinel) for slots this rank does

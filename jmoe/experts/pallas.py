@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.experts._common import check_weights_for_activation
-from jmoe.modular import (ActivationFormat, Experts, ExpertsInput, ExpertWeights, NaiveBatched,
+from jmoe.modular import (ActivationFormat, BatchedExperts, Experts, ExpertsInput, ExpertWeights,
                           NoOp, local_expert_ids)
 from jmoe.registry import register_runner
 
@@ -174,17 +174,12 @@ def _batched_block_bwd(act, interpret, res, g):
 _batched_block.defvjp(_batched_block_fwd, _batched_block_bwd)
 
 
-class PallasBatchedExperts(PallasExperts):
+class PallasBatchedExperts(BatchedExperts, PallasExperts):
   """Batched format `[E, C, H]` on the masked grouped GEMMs: row tiles past an expert's
   `expert_num_tokens` are never scheduled. Finalize gathers and weights the rows
   (NaiveBatched). Backward: XLA's batched einsums."""
 
   name = "pallas_mosaic_batched"
-  activation_formats = (ActivationFormat.Batched, ActivationFormat.Batched)
-  supports_expert_map = False  # the batched prepare maps ids to local experts itself
-
-  def finalize_weight_and_reduce_impl(self):
-    return NaiveBatched()
 
   def apply(self, inp, weights, *, activation, expert_map, out_dtype):
     self._check(inp, weights, activation)

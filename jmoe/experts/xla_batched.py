@@ -4,16 +4,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jmoe.experts._common import check_weights_for_activation
-from jmoe.modular import ActivationFormat, Experts, NaiveBatched
+from jmoe.modular import BatchedExperts
 
 
-class XlaBatchedExperts(Experts):
+class XlaBatchedExperts(BatchedExperts):
   name = "xla_batched"
-  activation_formats = (ActivationFormat.Batched, ActivationFormat.Batched)
-  supports_expert_map = False  # the batched prepare maps ids to local experts itself
-
-  def finalize_weight_and_reduce_impl(self):
-    return NaiveBatched()
 
   def apply(self, inp, weights, *, activation, expert_map, out_dtype):
     check_weights_for_activation(weights, activation)

@@ -57,12 +57,14 @@ class _MoEFunction(torch.autograd.Function):
     out, vjp_fn = fwd(to_jax(x), *[to_jax(v) for v in values])
     ctx.vjp_fn, ctx.bwd = vjp_fn, bwd
     ctx.needs = ctx.needs_input_grad[3:]
-    return to_torch(out).clone()  # own the memory: JAX may reuse its buffer
+    # A copy: the VJP residuals may alias the output buffer, and an in-place torch op on the
+    # output must not change what backward sees.
+    return to_torch(out).clone()
 
   @staticmethod
   def backward(ctx, g):
     grads = ctx.bwd(ctx.vjp_fn, to_jax(g))
-    out = [to_torch(gr).clone() if need else None for gr, need in zip(grads, ctx.needs)]
+    out = [to_torch(gr) if need else None for gr, need in zip(grads, ctx.needs)]  # zero-copy
     return (None, None, None, *out)
 
 

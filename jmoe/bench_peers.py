@@ -35,7 +35,8 @@ def _torch_block(torch, x, w13t, w2t, tw, ti, cfg: MoEConfig):
   e = w13t.shape[0]
   flat = ti.reshape(-1)
   order = torch.argsort(flat, stable=True)
-  inv = torch.argsort(order)
+  inv = torch.empty_like(order)  # inverse permutation by one scatter, not a second sort
+  inv[order] = torch.arange(order.numel(), device=order.device)
   offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
   xs = x[order // k]
   h = torch._grouped_mm(xs, w13t.transpose(-2, -1), offs=offs)

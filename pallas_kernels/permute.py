@@ -23,6 +23,13 @@ from jax import lax
 _RANK_MAX_SLOTS = 2048
 
 
+def inverse_permutation(order: jax.Array) -> jax.Array:
+  """inv[order[i]] = i for a permutation `order` [n]: one O(n) scatter, not a second sort."""
+  n = order.shape[0]
+  return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32),
+                                                  unique_indices=True)
+
+
 @functools.partial(jax.jit, static_argnames=("num_experts", "method"))
 def moe_align(topk_ids: jax.Array, num_experts: int, method: str = "auto"):
   """Sort token slots by expert.
@@ -69,12 +76,11 @@ def moe_align(topk_ids: jax.Array, num_experts: int, method: str = "auto"):
     # use a single-operand (radix) sort instead of a key/value comparison sort.
     idx = jnp.arange(n, dtype=jnp.int32)
     sort_order = lax.rem(jnp.sort(key * n + idx), n).astype(jnp.int32)
-    pos = jnp.zeros((n,), jnp.int32).at[sort_order].set(idx, unique_indices=True)
+    pos = inverse_permutation(sort_order)
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)[:num_experts]
   else:
     sort_order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    pos = jnp.zeros((n,), jnp.int32).at[sort_order].set(jnp.arange(n, dtype=jnp.int32),
-                                                        unique_indices=True)
+    pos = inverse_permutation(sort_order)
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)[:num_experts]
   inv = jnp.where(valid, pos, -1).reshape(t, k)
   return sort_order, group_sizes, inv

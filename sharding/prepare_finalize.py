@@ -28,6 +28,7 @@ from jmoe.config import ParallelConfig
 from jmoe.modular import (ActivationFormat, Contiguous, Delegate, ExpertsInput, NaiveBatched,
                           PrepareFinalize, TopKWeightAndReduce, local_expert_ids)
 from jmoe.prepare_finalize.no_ep import apply_weight_on_input, batched_layout
+from pallas_kernels.permute import inverse_permutation
 from jmoe.quant import quantize_activations
 from sharding import collectives
 from sharding.mesh import ExpertPlacement, axis_sizes, expert_placement
@@ -235,7 +236,7 @@ class RaggedA2A(EPPrepareFinalize):
     # position of each slot within its (destination, local expert) group; past C: dropped
     order0 = jnp.argsort(raw_key, stable=True)
     counts0 = jnp.bincount(raw_key, length=nkeys + 1)
-    pos = jnp.argsort(order0) - (jnp.cumsum(counts0) - counts0)[raw_key]
+    pos = inverse_permutation(order0) - (jnp.cumsum(counts0) - counts0)[raw_key]
     kept = valid & (pos < self.capacity_for(t, k))
     key = jnp.where(kept, raw_key, nkeys)
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
@@ -282,7 +283,7 @@ class RaggedA2A(EPPrepareFinalize):
     back = collectives.ragged_all_to_all(
         y, jnp.zeros((t * k,) + y.shape[1:], y.dtype), out_off[:, me], cnt[:, me],
         in_off[:, me], cnt[me], axis_name=self.expert_axis, impl=self.ragged_impl)
-    inv = jnp.argsort(plan["order"]).astype(jnp.int32)
+    inv = inverse_permutation(plan["order"])
     per_slot = back[inv].reshape(t, k, -1).astype(jnp.float32)
     ids = plan["ids"]
     w = jnp.where(ids >= 0, plan["weights"].astype(jnp.float32), 0.0)

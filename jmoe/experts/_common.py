@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.modular import ExpertWeights
+from pallas_kernels.permute import inverse_permutation
 from pallas_kernels.activations import Activation
 
 
@@ -38,6 +39,6 @@ def sort_slots_by_expert(local_ids: jax.Array, num_local_experts: int):
   """
   flat = local_ids.reshape(-1)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-  inv = jnp.argsort(order).astype(jnp.int32)
+  inv = inverse_permutation(order)
   group_sizes = jnp.bincount(flat, length=num_local_experts + 1)[:num_local_experts]
   return order, inv, group_sizes.astype(jnp.int32)

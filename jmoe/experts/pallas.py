@@ -5,9 +5,10 @@ reduce themselves, so finalize has nothing left to do.
 Runs on sm90 GPUs; on other machines only in Pallas' GPU interpret mode (slow: tests), which
 `JMOE_PALLAS_INTERPRET=1` or `PallasExperts(interpret=True)` turns on.
 
-Differentiable: the forward runs the fused kernels; the backward (a `jax.custom_vjp`) recomputes
-the block on the differentiable Pallas path (grouped GEMM + transposed grouped GEMM, `backward=
-"pallas"`, the default) or on XLA (`backward="xla"`, or `JMOE_PALLAS_BACKWARD=xla`).
+Differentiable (a `jax.custom_vjp`): without differentiation the forward runs the fused
+kernels; under `jax.grad`/`vjp`, forward and backward run once on a differentiable path,
+the Pallas grouped GEMM + transposed grouped GEMM (`backward="pallas"`, the default) or XLA
+(`backward="xla"`, or `JMOE_PALLAS_BACKWARD=xla`).
 """
 from __future__ import annotations
 
@@ -57,15 +58,14 @@ def _block(backward, act, interpret, x, w13, w2, tw, ids, b13, b2):
 
 
 def _block_fwd(backward, act, interpret, x, w13, w2, tw, ids, b13, b2):
-  out = _forward(act, interpret, x, w13, w2, tw, ids, b13, b2)
-  return out, (x, w13, w2, tw, ids, b13, b2)
-
-
-def _block_bwd(backward, act, interpret, res, g):
-  x, w13, w2, tw, ids, b13, b2 = res
+  # Under differentiation the forward runs on the differentiable twin and keeps its VJP as the
+  # residual, so the backward does not recompute the forward.
   f = lambda x, w13, w2, tw, b13, b2: _differentiable(backward, act, interpret, x, w13, w2, tw,
                                                        ids, b13, b2)
-  _, vjp = jax.vjp(f, x, w13, w2, tw, b13, b2)
+  return jax.vjp(f, x, w13, w2, tw, b13, b2)
+
+
+def _block_bwd(backward, act, interpret, vjp, g):
   dx, dw13, dw2, dtw, db13, db2 = vjp(g)
   return dx, dw13, dw2, dtw, None, db13, db2
 
@@ -150,15 +150,8 @@ def _batched_block(act, interpret, a, ent, w13, w2, b13, b2):
 
 
 def _batched_block_fwd(act, interpret, a, ent, w13, w2, b13, b2):
-  return (_batched_forward(act, interpret, a, ent, w13, w2, b13, b2),
-          (a, ent, w13, w2, b13, b2))
-
-
-def _batched_block_bwd(act, interpret, res, g):
-  """Backward on XLA's batched einsums (masked rows get zero gradient)."""
+  """Under differentiation: XLA's batched einsums forward, their VJP kept as the residual."""
   from jmoe.experts.xla_batched import XlaBatchedExperts  # noqa: PLC0415
-
-  a, ent, w13, w2, b13, b2 = res
 
   def f(a, w13, w2, b13, b2):
     inp = ExpertsInput(a=a, topk_weights=jnp.zeros((0, 1)), topk_ids=jnp.zeros((0, 1), jnp.int32),
@@ -166,7 +159,10 @@ def _batched_block_bwd(act, interpret, res, g):
     return XlaBatchedExperts().apply(inp, ExpertWeights(w13, w2, b13, b2), activation=act,
                                      expert_map=None, out_dtype=a.dtype)
 
-  _, vjp = jax.vjp(f, a, w13, w2, b13, b2)
+  return jax.vjp(f, a, w13, w2, b13, b2)
+
+
+def _batched_block_bwd(act, interpret, vjp, g):
   da, dw13, dw2, db13, db2 = vjp(g)
   return da, None, dw13, dw2, db13, db2
 

@@ -10,6 +10,7 @@ from jmoe.config import QuantConfig
 from jmoe.modular import (ActivationFormat, Contiguous, ExpertsInput, NaiveBatched,
                           PrepareFinalize, local_expert_ids)
 from jmoe.quant import quantize_activations
+from pallas_kernels.permute import inverse_permutation
 
 
 def apply_weight_on_input(x: jax.Array, topk_weights: jax.Array, enabled: bool
@@ -61,7 +62,7 @@ def batched_layout(local_ids: jax.Array, num_local_experts: int, capacity: int):
   sorted_pos = starts[:, None] + rows[None, :]  # [E, C]
   row_valid = rows[None, :] < expert_num_tokens[:, None]
   src_slot = jnp.where(row_valid, order[jnp.clip(sorted_pos, 0, t * k - 1)], -1)
-  inv = jnp.argsort(order).astype(jnp.int32)  # sorted position of each slot
+  inv = inverse_permutation(order)  # sorted position of each slot
   safe_ids = jnp.clip(flat, 0, e - 1)
   pos = inv - starts[safe_ids]
   keep = (flat < e) & (pos < capacity)

@@ -11,6 +11,8 @@ Stages:
             preset x tokens: check vs a per-slot f32 XLA reference, CUPTI device time, the
             torch._grouped_mm peer (CUDA-graph replay), weight-streaming floor
   sweep     time GEMM1 / GEMM2 alone over candidate configs (--sweep-presets, --sweep-tokens)
+  train     tgmm alone; the block's jax.grad on the Pallas path vs its forward and vs XLA
+  batched   the masked batched kernels ([E, cap, H] + expert_num_tokens) at T=1, 64
 Writes $OUT/bench.json (all numbers), $OUT/errors.txt (tracebacks); prints a table last.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jmoe import timing  # noqa: E402
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from pallas_kernels import moe as pmoe  # noqa: E402
 from pallas_kernels import permute as perm  # noqa: E402
@@ -77,34 +80,11 @@ def cupti_times(f, arg_sets, iters=5):
   """Median CUPTI device time (µs) of f over rotating arg sets; also per-kernel breakdown."""
   if INTERPRET:
     return wall_times(f, arg_sets, iters=1), [], {}
-  from jax.experimental.mosaic.gpu import profiler
-  times, per_kernel = [], {}
-  for args in arg_sets:  # warm-up / compile
-    jax.block_until_ready(f(*args))
-  for _ in range(iters):
-    for args in arg_sets:
-      out, kt = profiler.measure(f, aggregate=False)(*args)
-      jax.block_until_ready(out)
-      if kt is None:
-        continue
-      times.append(sum(t for _, t in kt) * 1e3)
-      for name, t in kt:
-        per_kernel.setdefault(name, []).append(t * 1e3)
-  med = statistics.median(times) if times else float("nan")
-  pk = {k[:60]: statistics.median(v) for k, v in per_kernel.items()}
-  return med, times, pk
+  return timing.device_time(f, arg_sets, iters=iters)
 
 
 def wall_times(f, arg_sets, iters=20):
-  for args in arg_sets:
-    jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(iters):
-    for args in arg_sets:
-      t = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      ts.append((time.perf_counter() - t) * 1e6)
-  return statistics.median(ts)
+  return timing.wall_time(f, arg_sets, iters=iters)
 
 
 # ----------------------------------------------------------------------------- problems
@@ -481,6 +461,63 @@ def xla_block_fn(E, act="silu"):
   return block
 
 
+TGMM_SWEEP = [  # (block_k, block_n, block_r, num_stages)
+    (128, 128, 64, 4), (128, 256, 64, 4), (128, 128, 128, 4), (128, 256, 128, 3),
+    (64, 256, 64, 4),
+]
+
+
+def stage_tgmm_sweep(args):
+  """Weight-gradient kernel configs on the training shapes (mixtral / qwen3 at 1024 tokens);
+  the best total becomes tgmm's default for the train stage of this run."""
+  from pallas_kernels import tgmm as tg
+  shapes = [("mixtral dW13", 8, 2048, 4096, 28672), ("mixtral dW2", 8, 2048, 14336, 4096),
+            ("qwen3 dW13", 128, 8192, 2048, 1536)]
+  if INTERPRET:
+    shapes = [("tiny", 4, 100, 128, 256)]
+  totals = {}
+  for name, E, M, K, N in shapes:
+    x = jax.random.normal(jax.random.key(1), (M, K), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(2), (M, N), jnp.float32).astype(jnp.bfloat16)
+    gs = jnp.asarray(np.random.default_rng(0).multinomial(M, np.ones(E) / E), jnp.int32)
+    ref = None
+    for bk, bn, br, st in TGMM_SWEEP:
+      cfg = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st)
+      rec = dict(kind="tgmm_sweep", shape=name, config=dataclasses.asdict(cfg))
+      try:
+        f = jax.jit(lambda a, b, g, cfg=cfg: tg.tgmm(a, b, g, config=cfg, interpret=INTERPRET))
+        out = jax.block_until_ready(f(x, dy, gs))
+        if ref is None:  # the reference on the device, f32 (one einsum per expert is GiBs)
+          ref = f32 = out.astype(jnp.float32)
+          rng_e = int(np.argmax(np.asarray(gs)))
+          s0 = int(np.asarray(gs)[:rng_e].sum())
+          rows = slice(s0, s0 + int(np.asarray(gs)[rng_e]))
+          want = jnp.dot(x[rows].astype(jnp.float32).T, dy[rows].astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)
+          rec["err_vs_f32"] = rel_err(np.asarray(f32[rng_e]), np.asarray(want))
+        else:
+          rec["err_vs_first"] = rel_err(np.asarray(out, np.float32), np.asarray(ref))
+        us, _, _ = cupti_times(f, [(x, dy, gs)], iters=3)
+        rec.update(us=us, tflops=2 * M * K * N / us / 1e6)
+        totals[(bk, bn, br, st)] = totals.get((bk, bn, br, st), 0.0) + us
+        log(f"[tgmm] {name:12s} bk={bk} bn={bn} br={br} st={st}: {us:8.1f}us "
+            f"{rec['tflops']:5.0f}TF/s err={rec.get('err_vs_f32', rec.get('err_vs_first')):.1e}")
+      except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        err(f"tgmm sweep {name} {cfg}", e)
+      RESULTS.setdefault("tgmm_sweep", []).append(rec)
+      save()
+  full = {c: t for c, t in totals.items() if sum(1 for r in RESULTS["tgmm_sweep"] if
+                                                     r.get("us") and tuple(r["config"][f] for f in (
+                                                         "block_k", "block_n", "block_r",
+                                                         "num_stages")) == c) == len(shapes)}
+  if full:
+    bk, bn, br, st = min(full, key=full.get)
+    tg.DEFAULT_CONFIG = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st)
+    RESULTS["meta"]["tgmm_default"] = dataclasses.asdict(tg.DEFAULT_CONFIG)
+    log(f"[tgmm] best total: {tg.DEFAULT_CONFIG}")
+
+
 def stage_train(args):
   from pallas_kernels import tgmm as tg
   # (1) tgmm kernel alone
@@ -538,7 +575,10 @@ def stage_train(args):
       rec["grad_err_vs_xla"] = [rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32))
                                 for a, b in zip(gp, gx)]
       rec["fwd_us"], _, _ = cupti_times(fwd, [args_], iters=3)
-      rec["fwdbwd_us"], _, _ = cupti_times(g_p, [args_], iters=3)
+      rec["fwdbwd_us"], _, pk = cupti_times(g_p, [args_], iters=3)
+      rec["fwdbwd_kernels"] = pk
+      log("        fwd+bwd kernels: " + ", ".join(f"{k_}={v:.0f}" for k_, v in sorted(
+          pk.items(), key=lambda kv: -kv[1])[:8]))
       rec["xla_fwdbwd_us"], _, _ = cupti_times(g_x, [args_], iters=2)
       rec["ratio_fwdbwd_fwd"] = rec["fwdbwd_us"] / rec["fwd_us"]
       rec["speedup_vs_xla"] = rec["xla_fwdbwd_us"] / rec["fwdbwd_us"]
@@ -552,6 +592,57 @@ def stage_train(args):
       err(f"train {pname}", e)
     RESULTS.setdefault("train", []).append(rec)
     save()
+
+
+def stage_batched(args):
+  """The batched (masked) kernels on the decode-style layout [E, cap, H] + expert_num_tokens:
+  correctness on the valid rows (the rest are unwritten by contract) and device time, GEMM1
+  (gated SiLU) + GEMM2 (router weight), against the weight-streaming floor of touched experts."""
+  for pname in args.presets.split(","):
+    p = PRESETS[pname]
+    E, k, H, N = p["E"], p["k"], p["H"], p["N"]
+    if INTERPRET:
+      E, H, N = 4, 128, 64
+    w13, w2 = make_weights(dict(E=E, H=H, N=N), jax.random.key(1))
+    for T in (1, 64):
+      rec = dict(kind="batched", preset=pname, T=T)
+      try:
+        rng = np.random.default_rng(T)
+        ids = np.stack([rng.choice(E, size=min(k, E), replace=False) for _ in range(T)])
+        counts = np.bincount(ids.reshape(-1), minlength=E).astype(np.int32)
+        cap = max(8, int(counts.max()))
+        x = jax.random.normal(jax.random.key(T), (E, cap, H), jnp.float32).astype(jnp.bfloat16)
+        sc = jax.random.uniform(jax.random.key(T + 1), (E, cap), jnp.float32)
+        ent = jnp.asarray(counts)
+        f = jax.jit(lambda a, ent, s_, w13, w2: gg.batched_grouped_gemm(
+            gg.batched_grouped_gemm_gated(a, w13, ent, activation="silu", interpret=INTERPRET),
+            w2, ent, row_scale=s_, interpret=INTERPRET))
+        fargs = (x, ent, sc, w13, w2)
+        out = np.asarray(jax.block_until_ready(f(*fargs)), np.float32)
+        hp = jax.lax.Precision.HIGHEST
+
+        @jax.jit
+        def ref_fn(x, sc, w13, w2):  # f32 on the device (the weights are GiBs)
+          hh = jnp.einsum("ech,ehn->ecn", x.astype(jnp.float32), w13.astype(jnp.float32),
+                          precision=hp)
+          a_ = (jax.nn.silu(hh[..., :N]) * hh[..., N:]).astype(jnp.bfloat16).astype(jnp.float32)
+          return jnp.einsum("ecn,enh->ech", a_, w2.astype(jnp.float32), precision=hp) * sc[..., None]
+        ref = np.asarray(ref_fn(x, sc, w13, w2))
+        mask = np.arange(cap)[None, :] < counts[:, None]
+        rec["err"] = rel_err(out[mask], ref[mask])
+        touched = int((counts > 0).sum())
+        wbytes = touched * (H * 2 * N + N * H) * 2
+        us, _, pk = cupti_times(f, [fargs], iters=args.iters)
+        rec.update(us=us, touched=touched, cap=cap, floor_us=wbytes / BW * 1e6, kernels=pk)
+        rec["ratio_floor"] = us / rec["floor_us"]
+        log(f"[batched] {pname:14s} T={T:3d} cap={cap:3d} err={rec['err']:.2e} {us:.1f}us "
+            f"floor={rec['floor_us']:.1f}us x_floor={rec['ratio_floor']:.2f}")
+      except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        err(f"batched {pname} T={T}", e)
+      RESULTS.setdefault("batched", []).append(rec)
+      save()
+    del w13, w2
 
 
 def stage_ceiling(args):
@@ -634,8 +725,12 @@ def main():
   RESULTS["tuned"] = tuned_json
   if "block" in stages:
     stage_block(args)
+  if "tgmm" in stages:
+    stage_tgmm_sweep(args)
   if "train" in stages and time.time() - T0 < args.budget_s:
     stage_train(args)
+  if "batched" in stages and time.time() - T0 < args.budget_s:
+    stage_batched(args)
   save()
   print_table()
   log(f"total {time.time() - T0:.0f}s")

@@ -19,6 +19,7 @@ import numpy as np
 
 from jmoe import registry
 from jmoe.api import fused_moe
+from jmoe import timing
 from jmoe.config import PRESET_TOKENS, MoEConfig, get_preset
 from jmoe.oracle import platform_info
 from jmoe.router import select_experts
@@ -113,6 +114,8 @@ class Row:
   ratio_to_roofline: float
   rel_err: Optional[float]
   error: Optional[str] = None
+  # GPU: kernels only (jax: CUPTI sum of the call's kernels; torch: one CUDA-graph replay)
+  device_us: Optional[float] = None
 
 
 def make_problem(cfg: MoEConfig, tokens: int, dtype, seed: int):
@@ -170,20 +173,27 @@ def run_bench(preset: str, tokens: Sequence[int], backends: Sequence[str], dtype
     for b in list(backends) + list(peers):
       label = b if b in backends else f"peer:{b}"
       try:
+        dev = None
         if b in backends:
           fn = fns[b]
           outs = [fn(*p[0]) for p in problems]  # compile + correctness on fresh data
           it = iter(range(1 << 30))
           dt = _median_time(lambda: fn(*problems[next(it) % rotate][0]), repeats=repeats)
+          if machine.platform == "gpu":
+            dev = timing.device_time(fn, [p[0] for p in problems],
+                                     iters=max(1, repeats // rotate))[0] / 1e6
         else:
           from jmoe import bench_peers  # noqa: PLC0415 (torch only when asked)
-          outs, dt = bench_peers.run_peer(b, cfg, [p[0] for p in problems], repeats)
+          outs, dt, dev = bench_peers.run_peer(b, cfg, [p[0] for p in problems], repeats)
         if ref_out is None:
           ref_out, err = outs, None
         else:
           err = max(_rel_err(o, r) for o, r in zip(outs, ref_out))
-        rows.append(Row(preset, t, label, dt * 1e6, flops / dt / 1e12, nbytes / dt / 1e9,
-                        roof * 1e6, dt / roof, err))
+        # rates and the roofline ratio from the kernels-only time where there is one
+        d = dev if dev is not None and dev == dev else dt
+        rows.append(Row(preset, t, label, dt * 1e6, flops / d / 1e12, nbytes / d / 1e9,
+                        roof * 1e6, d / roof, err,
+                        device_us=None if dev is None else dev * 1e6))
       except Exception as e:  # one failing backend must not hide the others
         rows.append(Row(preset, t, label, float("nan"), float("nan"), float("nan"), roof * 1e6,
                         float("nan"), None, f"{type(e).__name__}: {str(e)[:200]}"))

@@ -37,7 +37,9 @@ def _torch_block(torch, x, w13t, w2t, tw, ti, cfg: MoEConfig):
   order = torch.argsort(flat, stable=True)
   inv = torch.empty_like(order)  # inverse permutation by one scatter, not a second sort
   inv[order] = torch.arange(order.numel(), device=order.device)
-  offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+  counts = torch.zeros(e, dtype=torch.int32, device=flat.device)  # bincount syncs the host:
+  counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # no CUDA-graph capture
+  offs = torch.cumsum(counts, 0, dtype=torch.int32)
   xs = x[order // k]
   h = torch._grouped_mm(xs, w13t.transpose(-2, -1), offs=offs)
   n = cfg.intermediate_size
@@ -54,8 +56,40 @@ def _torch_block(torch, x, w13t, w2t, tw, ti, cfg: MoEConfig):
   return (per_slot * tw.float()[..., None]).sum(1).to(x.dtype)
 
 
+def _graph_replay_time(torch, prepared, cfg: MoEConfig, repeats: int) -> float:
+  """Median seconds of one CUDA-graph replay of the block (launch gaps gone: the device-time
+  figure to set beside jmoe's CUPTI kernel sum)."""
+  stream = torch.cuda.Stream()
+  stream.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(stream):
+    for p in prepared:
+      _torch_block(torch, *p, cfg)
+  torch.cuda.current_stream().wait_stream(stream)
+  graphs = []
+  for p in prepared:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+      _torch_block(torch, *p, cfg)
+    graphs.append(g)
+  for g in graphs:
+    g.replay()
+  torch.cuda.synchronize()
+  times = []
+  for i in range(repeats):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graphs[i % len(graphs)].replay()
+    end.record()
+    end.synchronize()
+    times.append(start.elapsed_time(end) / 1e3)
+  return statistics.median(times)
+
+
 def run_peer(name: str, cfg: MoEConfig, problems: Sequence[tuple], repeats: int):
-  """Run and time the peer on each problem. Returns (outputs as numpy, median seconds)."""
+  """Run and time the peer on each problem.
+
+  Returns (outputs as numpy, median seconds eager, median seconds of a CUDA-graph replay).
+  """
   import torch  # noqa: PLC0415
 
   prepared = []
@@ -78,4 +112,8 @@ def run_peer(name: str, cfg: MoEConfig, problems: Sequence[tuple], repeats: int)
     end.record()
     end.synchronize()
     times.append(start.elapsed_time(end) / 1e3)
-  return outs, statistics.median(times)
+  try:
+    graph = _graph_replay_time(torch, prepared, cfg, repeats)
+  except RuntimeError:  # an op that cannot be captured: report eager only
+    graph = float("nan")
+  return outs, statistics.median(times), graph

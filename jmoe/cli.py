@@ -51,15 +51,18 @@ def cmd_bench(args) -> int:
                                  progress=lambda: prog.advance(task))
   console.print(f"shapes: {note}")
   table = Table(title=f"{args.preset} ({args.dtype})")
-  for col in ("tokens", "backend", "µs", "TFLOP/s", "GB/s", "roofline µs", "× roofline",
-              "rel err"):
+  has_dev = any(r.device_us is not None for r in rows)
+  cols = ["tokens", "backend", "wall µs"] + (["device µs"] if has_dev else []) + [
+      "TFLOP/s", "GB/s", "roofline µs", "× roofline", "rel err"]
+  for col in cols:
     table.add_column(col, justify="right")
   for r in rows:
+    dev = [] if not has_dev else ["" if r.device_us is None else f"{r.device_us:.1f}"]
     if r.error:
-      table.add_row(str(r.tokens), r.backend, "[red]failed[/]", "", "", f"{r.roofline_us:.1f}",
-                    "", r.error[:60])
+      table.add_row(str(r.tokens), r.backend, "[red]failed[/]", *dev, "", "",
+                    f"{r.roofline_us:.1f}", "", r.error[:60])
       continue
-    table.add_row(str(r.tokens), r.backend, f"{r.time_us:.1f}", f"{r.tflops:.3f}",
+    table.add_row(str(r.tokens), r.backend, f"{r.time_us:.1f}", *dev, f"{r.tflops:.3f}",
                   f"{r.gbps:.1f}", f"{r.roofline_us:.1f}", f"{r.ratio_to_roofline:.2f}",
                   "ref" if r.rel_err is None else f"{r.rel_err:.1e}")
   console.print(table)

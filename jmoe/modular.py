@@ -142,7 +142,8 @@ class NaiveBatched(TopKWeightAndReduce):
     flat_idx = jnp.where(valid, inp.slot_expert * c + inp.slot_pos, 0)
     rows = fused_out.reshape(e * c, h)[flat_idx].astype(jnp.float32)  # [T, k, H]
     w = jnp.where(valid, inp.topk_weights.astype(jnp.float32), 0.0)
-    return jnp.einsum("tk,tkh->th", w, rows).astype(out_dtype)
+    # a multiply-and-sum over k (as gather_sum does) rather than a batched einsum
+    return jnp.sum(rows * w[..., None], axis=1).astype(out_dtype)
 
 
 class Delegate(TopKWeightAndReduce):

@@ -281,7 +281,10 @@ def kernel_activation(act: Activation, gate, up=None):
 
 def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg: GroupedGemmConfig,
                   gated: bool, act: Activation | None, has_scale: bool, has_bias: bool,
-                  t_max: int, num_sms: int, interpret):
+                  t_max: int, num_sms: int, interpret, rhs_t: bool = False):
+  """rhs_t: rhs is stored [E, N, K] and read through transposed SMEM views (wgmma takes a
+  transposed B operand for 16-bit types), so the backward's d lhs = dout @ rhs^T needs no
+  transposed copy of the weights."""
   nwg, tile_m, tile_n = cfg.wg_tile()
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   k_iters = pl.cdiv(k, bk)
@@ -299,6 +302,25 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
   # layout_cast has no interpret rule; under interpretation layouts do not exist anyway.
   _cast = (lambda x, _l: x) if interpret else plgpu.layout_cast
   width = cfg.grid_tile_width if n_tiles % cfg.grid_tile_width == 0 else 1
+
+  def rhs_spec(**kw):
+    if rhs_t:
+      return plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=transforms, **kw)
+    return plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms, **kw)
+
+  def rhs_views(rhs_e, ni):
+    cols = [ni * bn] + ([n_out + ni * bn] if gated else [])
+    if rhs_t:
+      return [rhs_e.at[pl.ds(c, bn), :] for c in cols]
+    return [rhs_e.at[:, pl.ds(c, bn)] for c in cols]
+
+  def b_operand(b, wg_cols=None):
+    """The [bk, bn] (or [bk, tile_n] for columns wg_cols) B operand of one pipeline step."""
+    if rhs_t:
+      if wg_cols is not None:
+        b = b.at[pl.ds(wg_cols, tile_n), :]
+      return plgpu.transpose_ref(b, (1, 0))
+    return b if wg_cols is None else b.at[:, pl.ds(wg_cols, tile_n)]
 
   def item_to_task_col(lin, num_tasks):
     if cfg.grid_minor == "n":
@@ -388,10 +410,10 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
         wg = lax.axis_index("wg")
         if cfg.wg_split == "m":
           a = a_smem.at[pl.ds(wg * tile_m, tile_m)]
-          bs = [b for b in b_refs]
+          bs = [b_operand(b) for b in b_refs]
         else:
           a = a_smem
-          bs = [b.at[:, pl.ds(wg * tile_n, tile_n)] for b in b_refs]
+          bs = [b_operand(b, wg * tile_n) for b in b_refs]
         for acc, b in zip(accs, bs):
           plgpu.wgmma(acc, a, b)
         plgpu.wgmma_wait(0)
@@ -399,8 +421,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
 
       def make_pipeline(body_fn, ctx):
         specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms)]
-        specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms)
-                  for _ in range(n_rhs)]
+        specs += [rhs_spec() for _ in range(n_rhs)]
         return plgpu.emit_pipeline_warp_specialized(
             body_fn, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg",
             num_compute_wgs=2, max_concurrent_steps=cfg.num_stages, compute_context=ctx)
@@ -418,10 +439,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
           pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32)
                                  for _ in range(n_rhs)])
 
-        rhs_e = rhs_ref.at[e]
-        b_views = [rhs_e.at[:, pl.ds(ni * bn, bn)]]
-        if gated:
-          b_views.append(rhs_e.at[:, pl.ds(n_out + ni * bn, bn)])
+        b_views = rhs_views(rhs_ref.at[e], ni)
         make_pipeline(mma_body, compute_context)(
             lhs_ref.at[pl.ds(blk * bm, bm), :], *b_views, allocations=pipeline_allocs)
 
@@ -430,20 +448,16 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       def _loop(info):
         (lin,) = info.index
         e, blk, lo, hi, ni = task_info(lin)
-        rhs_e = rhs_ref.at[e]
-        b_views = [rhs_e.at[:, pl.ds(ni * bn, bn)]]
-        if gated:
-          b_views.append(rhs_e.at[:, pl.ds(n_out + ni * bn, bn)])
+        b_views = rhs_views(rhs_ref.at[e], ni)
 
         def scope(*acc_refs):
           def step(_, a_smem, *b_smems):
             for acc, b in zip(acc_refs, b_smems):
-              plgpu.wgmma(acc, a_smem, b)
+              plgpu.wgmma(acc, a_smem, b_operand(b))
             plgpu.wgmma_wait(n_rhs)
           specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms,
                                    delay_release=1)]
-          specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms,
-                                    delay_release=1) for _ in range(n_rhs)]
+          specs += [rhs_spec(delay_release=1) for _ in range(n_rhs)]
           plgpu.emit_pipeline(step, grid=(k_iters,), in_specs=specs,
                               max_concurrent_steps=cfg.num_stages)(
                                   lhs_ref.at[pl.ds(blk * bm, bm), :], *b_views)
@@ -461,13 +475,12 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
   if cfg.warp_specialized:
     ignore = lambda *_, **__: None
     specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms)]
-    specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms)
-              for _ in range(n_rhs)]
+    specs += [rhs_spec() for _ in range(n_rhs)]
     pipe = plgpu.emit_pipeline_warp_specialized(
         ignore, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg",
         num_compute_wgs=2, max_concurrent_steps=cfg.num_stages, compute_context=ignore)
     lhs_aval = jax.ShapeDtypeStruct((bm, k), dtype)
-    rhs_aval = jax.ShapeDtypeStruct((k, bn), dtype)
+    rhs_aval = jax.ShapeDtypeStruct((bn, k) if rhs_t else (k, bn), dtype)
     scratch.append(pipe.get_allocations(lhs_aval, *([rhs_aval] * n_rhs)))
 
   extra = {}
@@ -481,7 +494,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True),
       interpret=interpret,
-      name=("jmoe_gg_gated" if gated else "jmoe_gg") + ("_ws" if cfg.warp_specialized else ""),
+      name=(("jmoe_gg_gated" if gated else "jmoe_gg") + ("_ws" if cfg.warp_specialized else "")
+            + ("_rt" if rhs_t else "")),
       **extra,
   )
 
@@ -550,11 +564,15 @@ def _validate(lhs, rhs, group_sizes, row_scale, bias, rhs_cols, gated=False):
 
 
 def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, gated, act,
-         kernel_name, meta=None, keep_rows=False):
+         kernel_name, meta=None, keep_rows=False, rhs_t=False):
   """meta: precomputed tile_metadata(group_sizes, M, block_m) (shared by GEMM1 and GEMM2).
-  keep_rows: return all kernel rows (max(M, block_m)) instead of slicing back to M."""
+  keep_rows: return all kernel rows (max(M, block_m)) instead of slicing back to M.
+  rhs_t: rhs is [E, N, K] (used transposed)."""
   m, k = lhs.shape
-  e, _, n_total = rhs.shape
+  if rhs_t and interpret:  # the interpreter cannot simulate transposed SMEM views
+    rhs, rhs_t = jnp.swapaxes(rhs, 1, 2), False
+  e = rhs.shape[0]
+  n_total = rhs.shape[1] if rhs_t else rhs.shape[2]
   n_out = n_total // 2 if gated else n_total
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   if config is None:
@@ -579,7 +597,7 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
   kern = _build_kernel(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, num_groups=e,
                        dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg, gated=gated, act=act,
                        has_scale=row_scale is not None, has_bias=bias is not None, t_max=t_max,
-                       num_sms=nsm, interpret=interp)
+                       num_sms=nsm, interpret=interp, rhs_t=rhs_t)
   args = [meta, ntasks, lhs, rhs]
   if row_scale is not None:
     args.append(row_scale)
@@ -591,11 +609,13 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "activation"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "activation",
+                                             "transpose_rhs"))
 def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                  row_scale: jax.Array | None = None, bias: jax.Array | None = None,
                  activation: Activation | str | None = None, out_dtype=None,
-                 config: GroupedGemmConfig | None = None, interpret: Any = False) -> jax.Array:
+                 config: GroupedGemmConfig | None = None, interpret: Any = False,
+                 transpose_rhs: bool = False) -> jax.Array:
   """out[r] = act((lhs[r] @ rhs[g(r)] + bias[g(r)])) * row_scale[r] for r < sum(group_sizes).
 
   lhs [M, K] bf16/f16 (rows sorted by group), rhs [E, K, N] same dtype, group_sizes [E] int.
@@ -606,15 +626,23 @@ def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   config.block_k / block_n are shrunk to divide K / N. float32 inputs raise NotImplementedError
   (callers fall back to XLA). interpret: False, True (GPU interpret mode on CPU, race detection
   on) or an InterpretGPUParams.
+  transpose_rhs: rhs is given as [E, N, K] and multiplied transposed (no copy: the kernel reads
+  transposed tiles; the backward's d lhs = dout @ w^T).
   """
   act = None
   if activation is not None:
     act = as_activation(activation)
     if act.is_gated:
       raise ValueError(f"activation={act.name!r} is gated: use grouped_gemm_gated")
-  _validate(lhs, rhs, group_sizes, row_scale, bias, rhs.shape[2])
+  if transpose_rhs:
+    if rhs.ndim != 3:
+      raise ValueError(f"rhs must be [E, N, K] with transpose_rhs, got shape {rhs.shape}")
+    _validate(lhs, jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype),
+              group_sizes, row_scale, bias, rhs.shape[1])
+  else:
+    _validate(lhs, rhs, group_sizes, row_scale, bias, rhs.shape[2])
   return _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, False, act,
-              "grouped_gemm")
+              "grouped_gemm", rhs_t=transpose_rhs)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))

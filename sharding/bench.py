@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmoe
+from jmoe import timing
 from jmoe.config import get_preset
 from jmoe.experts._common import sort_slots_by_expert
 from jmoe.experts.xla import expert_mlp_sorted
@@ -38,9 +39,34 @@ def _time(fn: Callable, *args, iters: int = 20, warmup: int = 3) -> float:
   return float(np.median(ts) * 1e3)
 
 
+def device_profile(fn: Callable, *args, iters: int = 5, top: int = 8) -> dict:
+  """GPU only: median CUPTI device time (ms) of fn(*args) and its `top` costliest kernels (µs),
+  which attributes a path's overhead to the kernels that make it."""
+  us, _, per = timing.device_time(fn, [args], iters=iters)
+  ranked = sorted(per.items(), key=lambda kv: -kv[1])
+  out = {"device_ms": us / 1e3, "kernels": len(per),
+         "top": [(k_, round(v, 1)) for k_, v in ranked[:top]]}
+  # what the costliest XLA fusions are: their defining lines in the optimized HLO
+  hlo = fn.lower(*args).compile().as_text()
+  lines = {}
+  for name, _ in ranked[:3]:
+    hit = [ln.strip()[:400] for ln in hlo.splitlines() if ln.strip().startswith(f"%{name} =")
+           or ln.strip().startswith(f"ROOT %{name} =")]
+    if hit:
+      lines[name] = hit[0]
+  out["hlo"] = lines
+  return out
+
+
 def local_cost(preset="deepseek-v3", tokens: int = 4096, dtype=jnp.bfloat16,
-               capacity_factor: float = 1.25, iters: int = 20, seed: int = 0) -> dict:
-  """Times (ms) of the pieces for a preset name or a MoEConfig."""
+               capacity_factor: float = 1.25, iters: int = 20, seed: int = 0,
+               runners: tuple = ("xla",), profile: bool = False) -> dict:
+  """Times (ms) of the pieces for a preset name or a MoEConfig.
+
+  runners: expert backends to put behind each path ("xla", "pallas_mosaic"); the padded path
+  uses the batched class of the same runner ("xla" -> xla_batched).
+  profile: also record CUPTI device time and the costliest kernels of each path (GPU only).
+  """
   cfg = get_preset(preset) if isinstance(preset, str) else preset
   preset = preset if isinstance(preset, str) else "custom"
   e, k, h, n = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size
@@ -54,14 +80,20 @@ def local_cost(preset="deepseek-v3", tokens: int = 4096, dtype=jnp.bfloat16,
   par = parallel_config(make_ep_mesh(expert=1, devices=[dev], keep_unit_axes=False))
   act = cfg.act
   cap = max(1, int(np.ceil(capacity_factor * tokens * k / e)))
+  import sharding  # noqa: PLC0415
 
-  def fused(a2a, runner, **kw):
-    return jax.jit(lambda x, tw, ti: jmoe.fused_moe(x, w13, w2, tw, ti, activation=act,
+  def path(a2a, runner):
+    if a2a == "padded_a2a":
+      r = "xla_batched" if runner == "xla" else runner
+      return jax.jit(lambda x, tw, ti, w13, w2: sharding.ep_fused_moe(
+          x, w13, w2, tw, ti, activation=act, a2a_backend="padded_a2a", runner_backend=r,
+          parallel=par, capacity=cap, return_stats=True))
+    # weights are arguments: closed over, they would be embedded as constants (GiBs)
+    return jax.jit(lambda x, tw, ti, w13, w2: jmoe.fused_moe(x, w13, w2, tw, ti, activation=act,
                                                      runner_backend=runner, a2a_backend=a2a,
-                                                     parallel=par if a2a != "none" else None,
-                                                     **kw))
+                                                     parallel=par if a2a != "none" else None))
 
-  def gemm_only(xs, gs):
+  def gemm_only(xs, gs, w13, w2):
     return expert_mlp_sorted(xs, ExpertWeights(w13=w13, w2=w2), gs,
                              jnp.zeros((xs.shape[0],), jnp.int32), act, dtype)
 
@@ -69,19 +101,31 @@ def local_cost(preset="deepseek-v3", tokens: int = 4096, dtype=jnp.bfloat16,
   xs = x[order // k]
   out = {"preset": preset, "tokens": tokens, "dtype": jnp.dtype(dtype).name,
          "device": str(dev.device_kind), "jax": jax.__version__, "capacity": cap}
-  out["grouped_gemm_ms"] = _time(jax.jit(gemm_only), xs, gs, iters=iters)
-  out["no_ep_xla_ms"] = _time(fused("none", "xla"), x, tw, ti, iters=iters)
-  out["ragged_a2a_xla_ms"] = _time(fused("ragged_a2a", "xla"), x, tw, ti, iters=iters)
-  out["allgather_xla_ms"] = _time(fused("allgather", "xla"), x, tw, ti, iters=iters)
-  import sharding  # noqa: PLC0415
-  padded = jax.jit(lambda x, tw, ti: sharding.ep_fused_moe(
-      x, w13, w2, tw, ti, activation=act, a2a_backend="padded_a2a", runner_backend="xla_batched",
-      parallel=par, capacity=cap, return_stats=True))
-  out["padded_a2a_batched_ms"] = _time(padded, x, tw, ti, iters=iters)
-  out["padded_dropped"] = int(padded(x, tw, ti)[1]["dropped"])
-  out["ragged_overhead_ms"] = out["ragged_a2a_xla_ms"] - out["no_ep_xla_ms"]
+  out["grouped_gemm_ms"] = _time(jax.jit(gemm_only), xs, gs, w13, w2, iters=iters)
   flops = 2 * tokens * k * h * w13.shape[2] + 2 * tokens * k * n * h
   out["gemm_tflops"] = flops / out["grouped_gemm_ms"] / 1e9
+  ref = None
+  for runner in runners:
+    for a2a in ("none", "allgather", "ragged_a2a", "padded_a2a"):
+      key = f"{a2a}+{runner}"
+      try:
+        fn = path(a2a, runner)
+        res = fn(x, tw, ti, w13, w2)
+        y = res[0] if a2a == "padded_a2a" else res
+        if a2a == "padded_a2a":
+          out[f"{key}:dropped"] = int(res[1]["dropped"])
+        y = np.asarray(y, np.float32)
+        if ref is None:
+          ref = y
+        elif a2a != "padded_a2a" or out[f"{key}:dropped"] == 0:
+          out[f"{key}:rel_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+        out[f"{key}:ms"] = _time(fn, x, tw, ti, w13, w2, iters=iters)
+        if profile:
+          out[f"{key}:profile"] = device_profile(fn, x, tw, ti, w13, w2)
+      except Exception as e:  # noqa: BLE001 (one failing path must not hide the others)
+        out[f"{key}:error"] = f"{type(e).__name__}: {str(e)[:300]}"
+  if "none+xla:ms" in out and "ragged_a2a+xla:ms" in out:
+    out["ragged_overhead_ms"] = out["ragged_a2a+xla:ms"] - out["none+xla:ms"]
   return out
 
 
@@ -91,6 +135,9 @@ if __name__ == "__main__":
   ap.add_argument("--preset", default="deepseek-v3")
   ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
   ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--runners", default="xla", help="comma-separated expert backends")
+  ap.add_argument("--profile", action="store_true", help="CUPTI per-kernel breakdown (GPU)")
   a = ap.parse_args()
   for t in a.tokens:
-    print(json.dumps(local_cost(a.preset, t, iters=a.iters)), flush=True)
+    print(json.dumps(local_cost(a.preset, t, iters=a.iters, runners=tuple(a.runners.split(",")),
+                                profile=a.profile)), flush=True)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call: the GPU paths not yet run on the H200 (training, batched kernels, EP with
+# Pallas experts + attribution of the EP paths' local cost, the scheduled-HLO overlap check on a
+# mock 8-GPU topology, `python -m jmoe bench`'s GPU path). Each step has its own time limit so
+# one failure does not hide the rest. Usage (device tool): bash benchmarks/gpu_validate.sh
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/gpu_validate}; mkdir -p $OUT/k $OUT/ep $OUT/ovl
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+step() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout $lim "$@" 2>&1 | grep -v "^W0000\|^I0000"; return ${PIPESTATUS[0]}; }
+step ${T_KERN:-200} env OUT=$OUT/k python3 benchmarks/bench_grouped_gemm.py --stages train,batched \
+  --train-presets ${TRAIN_PRESETS:-mixtral-8x7b,qwen3-30b-a3b} --presets mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 \
+  --budget-s 180 --iters 3
+step ${T_EP:-150} python3 -m sharding.bench --preset qwen3-30b-a3b --tokens 1024 --iters 5 \
+  --runners xla,pallas_mosaic --profile | tee $OUT/ep/local_cost.jsonl
+step ${T_OVL:-60} python3 benchmarks/ep_overlap_hlo.py --mock 1x1x8 --out $OUT/ovl --hlo-dir /tmp/hlo || step 60 python3 benchmarks/ep_overlap_hlo.py --mock 1x8x1 --out $OUT/ovl --hlo-dir /tmp/hlo
+step ${T_BENCH:-120} python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,1024 --repeats 9 --json $OUT/jmoe_bench.json
+ls -R $OUT | head -30

@@ -1,0 +1,58 @@
+"""Device-time measurement shared by `python -m jmoe bench`, `sharding.bench` and the GPU
+benchmark scripts.
+
+`device_time` sums the CUPTI-recorded durations of every kernel one call launches (jax's Mosaic
+GPU profiler): the figure kernel papers and vLLM's kernel benchmarks report, free of host
+dispatch and launch gaps. GPU only; wall-clock timing (`wall_time`) is for every platform.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+
+
+def wall_time(fn: Callable, arg_sets: Sequence[tuple], iters: int = 10, warmup: int = 1) -> float:
+  """Median wall-clock µs of fn(*args) (blocked on), rotating over arg_sets."""
+  for _ in range(warmup):
+    for args in arg_sets:
+      jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(iters):
+    for args in arg_sets:
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      ts.append((time.perf_counter() - t0) * 1e6)
+  return statistics.median(ts)
+
+
+def device_time(fn: Callable, arg_sets: Sequence[tuple], iters: int = 5
+                ) -> tuple[float, list[float], dict[str, float]]:
+  """(median µs, all samples µs, {kernel name: median µs per call}) of the kernels fn launches.
+
+  Rotates over arg_sets (distinct inputs, so caches do not flatter the figure); the first pass
+  over them is the warm-up (compilation, module load).
+  """
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
+  for args in arg_sets:
+    jax.block_until_ready(fn(*args))
+  totals: list[float] = []
+  per_kernel: dict[str, list[float]] = {}
+  calls = 0
+  for _ in range(iters):
+    for args in arg_sets:
+      out, kt = profiler.measure(fn, aggregate=False)(*args)
+      jax.block_until_ready(out)
+      if kt is None:
+        continue
+      calls += 1
+      totals.append(sum(t for _, t in kt) * 1e3)
+      for name, t in kt:
+        per_kernel.setdefault(name[:70], []).append(t * 1e3)
+  if not totals:
+    return float("nan"), [], {}
+  # a kernel launched n times per call: its median duration x n
+  pk = {k: statistics.median(v) * len(v) / calls for k, v in per_kernel.items()}
+  return statistics.median(totals), totals, pk

@@ -8,7 +8,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_validate}; mkdir -p $OUT/k $OUT/ep $OUT/ovl
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 step() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout $lim "$@" 2>&1 | grep -v "^W0000\|^I0000"; return ${PIPESTATUS[0]}; }
-step ${T_KERN:-200} env OUT=$OUT/k python3 benchmarks/bench_grouped_gemm.py --stages train,batched \
+step ${T_KERN:-200} env OUT=$OUT/k python3 benchmarks/bench_grouped_gemm.py --stages ${KSTAGES:-train,batched} \
   --train-presets ${TRAIN_PRESETS:-mixtral-8x7b,qwen3-30b-a3b} --presets mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 \
   --budget-s 180 --iters 3
 step ${T_EP:-150} python3 -m sharding.bench --preset qwen3-30b-a3b --tokens 1024 --iters 5 \

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from jmoe.config import ParallelConfig
 from jmoe.modular import (ActivationFormat, Contiguous, Delegate, ExpertsInput, NaiveBatched,
-                          PrepareFinalize, TopKWeightAndReduce, local_expert_ids)
+                          PrepareFinalize, TopKWeightAndReduce, local_expert_ids,
+                          weighted_row_sum)
 from jmoe.prepare_finalize.no_ep import apply_weight_on_input, batched_layout
 from pallas_kernels.permute import inverse_permutation
 from jmoe.quant import quantize_activations
@@ -283,11 +284,9 @@ class RaggedA2A(EPPrepareFinalize):
     back = collectives.ragged_all_to_all(
         y, jnp.zeros((t * k,) + y.shape[1:], y.dtype), out_off[:, me], cnt[:, me],
         in_off[:, me], cnt[me], axis_name=self.expert_axis, impl=self.ragged_impl)
-    inv = inverse_permutation(plan["order"])
-    per_slot = back[inv].reshape(t, k, -1).astype(jnp.float32)
+    inv = inverse_permutation(plan["order"]).reshape(t, k)
     ids = plan["ids"]
-    w = jnp.where(ids >= 0, plan["weights"].astype(jnp.float32), 0.0)
-    out = jnp.einsum("tk,tkh->th", w, per_slot)
+    out = weighted_row_sum(back, jnp.where(ids >= 0, inv, -1), plan["weights"], jnp.float32)
     return self._tensor_psum(out).astype(out_dtype)
 
 

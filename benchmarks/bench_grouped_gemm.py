@@ -46,7 +46,7 @@ PRESETS = {
     "tiny": dict(E=4, k=2, H=256, N=128),  # CPU smoke test of this script (--interpret)
 }
 INTERPRET = False
-PERMUTE_IMPL = "xla"
+PERMUTE_IMPL = "auto"  # the library's choice unless the permute stage or --permute-impl decides
 TUNED: dict = {}  # (preset, T) -> {"gemm1": (cfg, us), "gemm2": (cfg, us)} from the sweep stage
 BW = 4.30e12  # copy bandwidth measured on this H200 (read + write), peers-h200.md
 OUT = os.environ.get("OUT", "/tmp/bench_out")
@@ -187,9 +187,8 @@ def stage_variants(args):
 
 def stage_permute(args):
   for T, k, E, method in [(1, 8, 256, "auto"), (1, 2, 8, "auto"), (64, 8, 256, "auto"),
-                          (1024, 8, 128, "auto"), (1024, 8, 128, "sort"),
-                          (1024, 8, 256, "auto"), (1024, 8, 256, "sort"),
-                          (16384, 8, 256, "auto"), (16384, 8, 256, "sort")]:
+                          (1024, 8, 128, "auto"), (1024, 8, 128, "argsort"),
+                          (16384, 8, 256, "auto"), (16384, 8, 256, "argsort")]:
     try:
       keys = jax.random.split(jax.random.key(T), 3)
       sets = []
@@ -462,9 +461,8 @@ def xla_block_fn(E, act="silu"):
   return block
 
 
-TGMM_SWEEP = [  # (block_k, block_n, block_r, num_stages, warp_specialized)
-    (128, 128, 64, 4, False), (128, 128, 64, 4, True), (64, 256, 64, 4, True),
-    (128, 256, 64, 3, True),
+TGMM_SWEEP = [  # (block_k, block_n, block_r, num_stages); H200 2026-11-29: the first won
+    (128, 128, 64, 4), (128, 128, 128, 4), (64, 256, 64, 4),
 ]
 
 
@@ -482,8 +480,8 @@ def stage_tgmm_sweep(args):
     dy = jax.random.normal(jax.random.key(2), (M, N), jnp.float32).astype(jnp.bfloat16)
     gs = jnp.asarray(np.random.default_rng(0).multinomial(M, np.ones(E) / E), jnp.int32)
     ref = None
-    for bk, bn, br, st, ws in TGMM_SWEEP:
-      cfg = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st, warp_specialized=ws)
+    for bk, bn, br, st in TGMM_SWEEP:
+      cfg = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st)
       rec = dict(kind="tgmm_sweep", shape=name, config=dataclasses.asdict(cfg))
       try:
         f = jax.jit(lambda a, b, g, cfg=cfg: tg.tgmm(a, b, g, config=cfg, interpret=INTERPRET))
@@ -500,22 +498,21 @@ def stage_tgmm_sweep(args):
           rec["err_vs_first"] = rel_err(np.asarray(out, np.float32), np.asarray(ref))
         us, _, _ = cupti_times(f, [(x, dy, gs)], iters=3)
         rec.update(us=us, tflops=2 * M * K * N / us / 1e6)
-        totals[(bk, bn, br, st, ws)] = totals.get((bk, bn, br, st, ws), 0.0) + us
-        log(f"[tgmm] {name:12s} bk={bk} bn={bn} br={br} st={st} ws={ws}: {us:8.1f}us "
+        totals[(bk, bn, br, st)] = totals.get((bk, bn, br, st), 0.0) + us
+        log(f"[tgmm] {name:12s} bk={bk} bn={bn} br={br} st={st}: {us:8.1f}us "
             f"{rec['tflops']:5.0f}TF/s err={rec.get('err_vs_f32', rec.get('err_vs_first')):.1e}")
       except Exception as e:  # noqa: BLE001
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         err(f"tgmm sweep {name} {cfg}", e)
       RESULTS.setdefault("tgmm_sweep", []).append(rec)
       save()
-  fields = ("block_k", "block_n", "block_r", "num_stages", "warp_specialized")
-  full = {c: t for c, t in totals.items() if sum(
-      1 for r in RESULTS["tgmm_sweep"]
-      if r.get("us") and tuple(r["config"][f] for f in fields) == c) == len(shapes)}
+  full = {c: t for c, t in totals.items() if sum(1 for r in RESULTS["tgmm_sweep"] if
+                                                     r.get("us") and tuple(r["config"][f] for f in (
+                                                         "block_k", "block_n", "block_r",
+                                                         "num_stages")) == c) == len(shapes)}
   if full:
-    bk, bn, br, st, ws = min(full, key=full.get)
-    tg.DEFAULT_CONFIG = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st,
-                                      warp_specialized=ws)
+    bk, bn, br, st = min(full, key=full.get)
+    tg.DEFAULT_CONFIG = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st)
     RESULTS["meta"]["tgmm_default"] = dataclasses.asdict(tg.DEFAULT_CONFIG)
     log(f"[tgmm] best total: {tg.DEFAULT_CONFIG}")
 

@@ -15,6 +15,9 @@ from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.grouped_gemm import GroupedGemmConfig
 
 
+_PALLAS_GATHER_MIN_SLOTS = 1024
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "config1", "config2", "interpret",
                                              "permute_impl"))
 def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
@@ -22,12 +25,14 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
                   w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
                   config1: GroupedGemmConfig | None = None,
                   config2: GroupedGemmConfig | None = None, interpret: Any = False,
-                  permute_impl: str = "xla") -> jax.Array:
+                  permute_impl: str = "auto") -> jax.Array:
   """out[t] = sum_j topk_weights[t, j] * (act(x[t] @ w13[e] + b13[e]) @ w2[e] + b2[e]), e = ids[t, j].
 
   x [T, H] bf16/f16; w13 [E, H, 2N] (gated) or [E, H, N] (``*_no_mul``); w2 [E, N, H];
   topk_weights [T, k] (f32), topk_ids [T, k] int (-1 = empty slot, contributes 0).
-  permute_impl: "xla" (jnp.take) or "pallas" (permute.gather_rows) for the token gather.
+  permute_impl: "xla" (jnp.take), "pallas" (permute.gather_rows, a TMA row-copy kernel) or
+    "auto": pallas from 1024 slots (H200: 8192 rows x 2048 11.6 vs 21.0 µs; 131072 x 7168
+    926 vs 1263 µs), xla below (1 token: 2.1 vs 2.6 µs).
   """
   act = as_activation(activation)
   t, k = topk_ids.shape
@@ -44,6 +49,9 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   # extra rows (and rows past sum(group_sizes)) are garbage that gather_sum never reads.
   m_alloc = max(m, config1.block_m, config2.block_m)
   order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
+  if permute_impl == "auto":
+    permute_impl = "pallas" if m >= _PALLAS_GATHER_MIN_SLOTS and _perm.gather_rows_supports(
+        hdim) else "xla"
   xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret)
   scale = _perm.permute_weights(topk_weights, order)
   meta1 = gg.tile_metadata(group_sizes, m_alloc, config1.block_m)

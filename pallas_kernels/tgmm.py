@@ -41,10 +41,6 @@ class TgmmConfig:
   # one extra pass over lhs) and the kernel reads K-major tiles. None: True on the GPU, False
   # in interpret mode (H200, mixtral-sized tgmm: 155 vs 169 µs).
   transpose_in_kernel: bool | None = None
-  # Two consumer warpgroups (plus one TMA warpgroup), each computing block_k output rows of a
-  # [2 * block_k, block_n] tile: twice the arithmetic per byte loaded. Needs the in-kernel
-  # transpose (GPU only; interpret mode runs the single-warpgroup kernel).
-  warp_specialized: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -60,9 +56,8 @@ class TgmmConfig:
 _SMEM_LIMIT = 227 * 1024  # Hopper: shared memory one block may use
 
 
-def _smem_bytes(bk, bn, br, stages, itemsize, out_itemsize, ws=False):
-  rows = 2 * bk if ws else bk
-  return stages * (br * rows + br * bn) * itemsize + rows * bn * out_itemsize
+def _smem_bytes(bk, bn, br, stages, itemsize, out_itemsize):
+  return stages * (br * bk + br * bn) * itemsize + bk * bn * out_itemsize
 
 
 # The default when tgmm is called without a config (benchmarks may swap it for a sweep's best).
@@ -161,97 +156,6 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, inter
   )
 
 
-def _build_tgmm_ws(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms):
-  """Warp-specialized tgmm (GPU): one TMA warpgroup feeds two wgmma warpgroups; a work item is
-  a [2 * block_k, block_n] tile of one expert's gradient, warpgroup w owning rows
-  [w * block_k, (w + 1) * block_k). Each warpgroup zeroes the foreign rows of its own lhs slice
-  in the expert's first/last row block. Rows past M are never masked: TMA fills them with zeros.
-  """
-  bk, bn, br = cfg.block_k, cfg.block_n, cfg.block_r
-  bk2 = 2 * bk
-  k_tiles, n_tiles = k // bk2, n // bn
-  itemsize = jnp.dtype(dtype).itemsize
-
-  def tf(minor, isz=itemsize):
-    sw = plgpu.find_swizzle(minor * isz * 8)
-    return (plgpu.TilingTransform((8, sw // isz)), plgpu.SwizzleTransform(sw))
-
-  def specs(first=0):
-    return [plgpu.BlockSpec((br, bk2), lambda j: (first + j, 0), transforms=tf(bk2)),
-            plgpu.BlockSpec((br, bn), lambda j: (first + j, 0), transforms=tf(bn))]
-
-  def body(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, o_smem, pipeline_allocs):
-    @plgpu.nd_loop((e * k_tiles * n_tiles,), collective_axes="sm")
-    def _loop(info):
-      (lin,) = info.index
-      g = lax.div(lin, jnp.int32(k_tiles * n_tiles))
-      rem = lax.rem(lin, jnp.int32(k_tiles * n_tiles))
-      ki = lax.div(rem, jnp.int32(n_tiles))
-      ni = lax.rem(rem, jnp.int32(n_tiles))
-      start = starts_ref[g]
-      end = ends_ref[g]
-      first_blk = lax.div(start, jnp.int32(br))
-      nblk = jnp.where(end > start, lax.div(end - 1, jnp.int32(br)) - first_blk + 1, 0)
-
-      def mma_body(idx, x_smem, dy_smem, acc):
-        (j,) = idx
-        wg = lax.axis_index("wg")
-        r0 = (first_blk + j) * br
-        xs = x_smem.at[:, pl.ds(wg * bk, bk)]
-
-        @pl.when((r0 < start) | (r0 + br > end))
-        def _mask():
-          rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (br, bk), 0),
-                                   plgpu.Layout.WGMMA)
-          ok = (rows + r0 >= start) & (rows + r0 < end)
-          xs[...] = jnp.where(ok, xs[...], jnp.zeros_like(xs[...]))
-          plgpu.commit_smem()
-
-        plgpu.wgmma(acc, plgpu.transpose_ref(xs, (1, 0)), dy_smem)
-        plgpu.wgmma_wait(0)
-        return acc
-
-      def compute_context(eval_pipeline):
-        def scope(acc_ref):
-          acc = eval_pipeline(acc_ref)
-          wg = lax.axis_index("wg")
-          o = o_smem.at[wg]
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          o[...] = acc[...].astype(out_dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              o, out_ref.at[g, pl.ds(ki * bk2 + wg * bk, bk), pl.ds(ni * bn, bn)])
-        pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
-
-      plgpu.emit_pipeline_warp_specialized(
-          mma_body, grid=(nblk,), memory_registers=40, in_specs=specs(first_blk), wg_axis="wg",
-          num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
-          compute_context=compute_context,
-      )(lhs_ref.at[:, pl.ds(ki * bk2, bk2)], dout_ref.at[:, pl.ds(ni * bn, bn)],
-        allocations=pipeline_allocs)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-  ignore = lambda *_, **__: None  # noqa: E731
-  pipe = plgpu.emit_pipeline_warp_specialized(
-      ignore, grid=(1,), memory_registers=40, in_specs=specs(), wg_axis="wg", num_compute_wgs=2,
-      max_concurrent_steps=cfg.num_stages, compute_context=ignore)
-  allocs = pipe.get_allocations(jax.ShapeDtypeStruct((m, bk2), dtype),
-                                jax.ShapeDtypeStruct((m, bn), dtype))
-  return _compat.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
-      scratch_types=[plgpu.SMEM((2, bk, bn), out_dtype,
-                                transforms=tf(bn, jnp.dtype(out_dtype).itemsize)), allocs],
-      grid=(num_sms,),
-      grid_names=("sm",),
-      compiler_params=_compat.compiler_params(),
-      name="jmoe_tgmm_ws",
-      num_threads=3,
-      thread_name="wg",
-  )
-
-
 @functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "config", "interpret"))
 def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups: int | None = None,
          out_dtype=None, config: TgmmConfig | None = None, interpret: Any = False) -> jax.Array:
@@ -280,15 +184,14 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   tik = cfg.transpose_in_kernel
   if tik is None:
     tik = not interpret
-  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  ws = bool(cfg.warp_specialized and tik and not interpret and k % (2 * bk) == 0)
-  bn = max(bn, 64)
+  out_dtype_ = jnp.dtype(out_dtype or lhs.dtype)
   stages = cfg.num_stages
-  while stages > 2 and _smem_bytes(bk, bn, cfg.block_r, stages, lhs.dtype.itemsize,
-                                   out_dtype.itemsize, ws) > _SMEM_LIMIT:
+  while stages > 2 and _smem_bytes(cfg.block_k, bn, cfg.block_r, stages, lhs.dtype.itemsize,
+                                   out_dtype_.itemsize) > _SMEM_LIMIT:
     stages -= 1
-  cfg = dataclasses.replace(cfg, block_k=bk, block_n=bn, num_stages=stages,
-                            transpose_in_kernel=tik, warp_specialized=ws)
+  cfg = dataclasses.replace(cfg, num_stages=stages)
+  cfg = dataclasses.replace(cfg, block_k=bk, block_n=max(bn, 64), transpose_in_kernel=tik)
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   if m < cfg.block_r:  # tiny M: pad rows so that one row block fits in the arrays
     lhs = jnp.pad(lhs, ((0, cfg.block_r - m), (0, 0)))
     dout = jnp.pad(dout, ((0, cfg.block_r - m), (0, 0)))
@@ -296,10 +199,6 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   ends = jnp.minimum(jnp.cumsum(gs), m).astype(jnp.int32)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
   interp, nsm = _compat.launch_params(interpret)
-  if ws:
-    kern = _build_tgmm_ws(m=lhs.shape[0], k=k, n=n, e=e, dtype=lhs.dtype, out_dtype=out_dtype,
-                          cfg=cfg, num_sms=nsm)
-    return kern(starts, ends, lhs, dout)
   kern = _build_tgmm(m=lhs.shape[0], k=k, n=n, e=e, dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg,
                      num_sms=nsm, interpret=interp)
   return kern(starts, ends, lhs if cfg.transpose_in_kernel else lhs.T, dout)

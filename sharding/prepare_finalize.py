@@ -240,7 +240,14 @@ class RaggedA2A(EPPrepareFinalize):
     pos = inverse_permutation(order0) - (jnp.cumsum(counts0) - counts0)[raw_key]
     kept = valid & (pos < self.capacity_for(t, k))
     key = jnp.where(kept, raw_key, nkeys)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    # the send order: order0 with the dropped copies moved to the end (a stable partition in
+    # O(n), not a second sort; only the kept prefix is ever sent)
+    kept_sorted = kept[order0].astype(jnp.int32)
+    kept_before = jnp.cumsum(kept_sorted) - kept_sorted
+    slot = jnp.arange(t * k, dtype=jnp.int32)
+    dest = jnp.where(kept_sorted > 0, kept_before, jnp.sum(kept_sorted) + slot - kept_before)
+    order = jnp.zeros((t * k,), jnp.int32).at[dest].set(order0.astype(jnp.int32),
+                                                         unique_indices=True)
     counts = jnp.bincount(key, length=nkeys + 1)[:nkeys].reshape(ep, el).astype(jnp.int32)
     x_send = a1q[order // k]  # [T*k, H], grouped by destination then local expert
     counts_all = jax.lax.all_gather(counts, self.expert_axis)  # [src, dst, el]

@@ -18,7 +18,7 @@ from pallas_kernels.activations import ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_L
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 RUNNER_BACKENDS = ("auto", "reference", "xla", "xla_batched", "pallas_mosaic")
-A2A_BACKENDS = ("auto", "none", "allgather", "ragged_a2a", "padded_a2a")
+A2A_BACKENDS = ("auto", "none", "allgather", "ragged_a2a", "ragged_dedup", "padded_a2a")
 EXPERT_PLACEMENTS = ("linear", "round_robin")
 QUANT_FORMATS = (None, "fp8_tensor", "fp8_channel", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "int8")
 

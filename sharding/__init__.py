@@ -19,11 +19,11 @@ from sharding.mesh import (ExpertPlacement, as_auto_mesh, expert_map, expert_pla
                            make_ep_mesh, make_parallel, parallel_config, place_weights,
                            shard_expert_weights, shard_tokens, token_sharding, validate)
 from sharding.prepare_finalize import (AllGather, AllGatherBatched, EPPrepareFinalize, PaddedA2A,
-                                       RaggedA2A)
+                                       RaggedA2A, RaggedDedupA2A)
 
 __all__ = [
     "AllGather", "AllGatherBatched", "EPPrepareFinalize", "ExpertPlacement", "PaddedA2A",
-    "RaggedA2A", "as_auto_mesh", "ep_fused_moe", "expert_map", "expert_placement",
+    "RaggedA2A", "RaggedDedupA2A", "as_auto_mesh", "ep_fused_moe", "expert_map", "expert_placement",
     "make_ep_mesh", "make_parallel", "parallel_config", "place_weights", "select_parts",
     "shard_expert_weights", "shard_tokens", "token_sharding", "validate",
 ]

@@ -12,8 +12,9 @@ What each backend sends, per token (H hidden, k top-k, E experts, b activation b
   (ep - 1) H 4. Linear in ep: the price of replicating every token on every rank.
 * ragged_a2a: each routed copy goes to its expert's rank and comes back,
   2 k (ep - 1)/ep H b, plus the count exchange (E int32 to every other rank, per rank).
-  `ragged_dedup` is the same with one copy per distinct destination rank (DeepEP's normal
-  mode sends a token once per rank; jmoe's ragged_a2a sends one copy per slot).
+  `ragged_dedup` (a2a_backend="ragged_dedup") sends one copy per distinct destination rank,
+  as DeepEP's normal mode does, plus the token's k local ids and weights (8 k bytes); the
+  combine returns one partial sum per (token, rank).
 * padded_a2a: the whole [E, C, H] buffer travels each way, 2 E C H b (ep - 1)/ep per rank.
   Dropless C = tokens per rank, i.e. E H b per token per direction; with a capacity factor
   cf, C = ceil(cf T k / E) and the cost approaches 2 cf k H b (ep - 1)/ep.
@@ -52,7 +53,8 @@ def bytes_per_token(backend: str, *, hidden: int, top_k: int, num_experts: int, 
     # expected distinct ranks hit by a token's k distinct experts
     miss = math.comb(e - el, k) / math.comb(e, k) if e - el >= k else 0.0
     ranks = ep * (1 - miss)
-    dispatch = ranks * remote * h * disp_b
+    counts = ep * 4 * (ep - 1) / tokens_per_rank  # the all-gathered per-rank counts
+    dispatch = ranks * remote * (h * disp_b + 8 * k) + counts  # + the k local ids and weights
     combine = ranks * remote * h * act_bytes
   elif backend == "padded_a2a":
     t = tokens_per_rank
@@ -170,8 +172,9 @@ def markdown(tokens_per_rank: int = 128) -> str:
       "KiB sent per token per MoE layer, dispatch + combine, summed over the ranks of one "
       f"expert-parallel group; bf16 activations, f32 combine for allgather (jmoe reduces in "
       f"f32), uniform routing, {tokens_per_rank} tokens per rank (enters only the count "
-      "exchange and the padded capacity). `ragged (1 copy/rank)` is the deduplicated variant "
-      "DeepEP's normal mode uses (jmoe's ragged_a2a sends one copy per top-k slot); `padded` "
+      "exchange and the padded capacity). `ragged (1 copy/rank)` is `ragged_dedup`, the "
+      "deduplicated variant DeepEP's normal mode uses (one copy per destination rank with its "
+      "k ids and weights; ragged_a2a sends one copy per top-k slot); `padded` "
       "sends its whole fixed-capacity buffer (dense all_to_all), dropless = capacity of all "
       "tokens per rank, cf=1.25 = ceil(1.25 T k / E) rows per (rank, expert), which drops "
       "under skew (counted). fp8 dispatch (`bytes_per_token(..., fp8_dispatch=True)`) halves the "
@@ -189,7 +192,9 @@ def markdown(tokens_per_rank: int = 128) -> str:
             "with its f32 combine it beats ragged_a2a only when EP < 2k/3, i.e. small EP x TP "
             "groups inside a node, where it also saves the count exchange and the sorts); "
             "ragged_a2a stays near 2 k H b whatever the EP size, and sending one copy per "
-            "destination rank saves most when EP is small relative to E; the padded path pays "
+            "destination rank (ragged_dedup) saves most when EP is small relative to E (a third "
+            "at deepseek-v3 EP=8) and costs its 8 k bytes of ids and weights per copy, about "
+            "0.5 %, when each rank holds one expert; the padded path pays "
             "for its static shapes with padding, so it needs a capacity (or few tokens per "
             "rank, i.e. decode) to be competitive.", "", measured_markdown()]
   return "\n".join(lines)

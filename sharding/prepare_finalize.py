@@ -297,6 +297,84 @@ class RaggedA2A(EPPrepareFinalize):
     return self._tensor_psum(out).astype(out_dtype)
 
 
+class RaggedDedupA2A(EPPrepareFinalize):
+  """Ragged all-to-all with one copy of a token per destination rank (DeepEP normal mode).
+
+  A token whose k experts sit on r distinct ranks is sent r times, not k: with its row go its
+  k local expert ids on that rank (-1 for slots owned elsewhere) and its k router weights. The
+  receiver's experts weight and sum the slots they own into one row per received token, which
+  travels back; the sender adds its r partial rows (f32) and psums over the tensor axis.
+  Dropless, with a receive buffer of ep * T rows (a token visits a rank at most once); the
+  `capacity` setting bounds nothing here.
+  """
+
+  name = "ragged_dedup"
+  activation_format = ActivationFormat.Standard
+  default_weight_and_reduce = Contiguous()
+
+  def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
+                    apply_router_weight_on_input, quant):
+    x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
+    a1q, a1_scale = quantize_activations(x, quant)
+    t, k = topk_ids.shape
+    el, ep = num_local_experts, self.ep
+    e = el * ep
+    n = ep * t
+    pl = self.placement(el)
+    ids = topk_ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < e)
+    safe = jnp.clip(ids, 0, e - 1)
+    dest = jnp.where(valid, jnp.asarray(pl.owner)[safe], ep)  # [t, k]
+    lidx = jnp.where(valid, jnp.asarray(pl.local_index)[safe], -1)  # [t, k]
+    hit = jnp.any(dest[:, None, :] == jnp.arange(ep, dtype=jnp.int32)[None, :, None], axis=-1)
+    # (rank, token) pairs in rank-major order; the send buffer packs the hit ones in that order
+    hit_rt = hit.T.reshape(-1).astype(jnp.int32)  # [ep * t]
+    pos = jnp.cumsum(hit_rt) - hit_rt  # send row of each hit pair
+    pair = jnp.zeros((n,), jnp.int32).at[jnp.where(hit_rt > 0, pos, n)].set(
+        jnp.arange(n, dtype=jnp.int32), mode="drop")  # send row -> pair (rows past the total: 0)
+    tok = pair % t
+    rank_of_row = pair // t
+    x_send = a1q[tok]
+    ids_send = jnp.where(dest[tok] == rank_of_row[:, None], lidx[tok], -1)  # [n, k] local ids
+    w_send = topk_weights.astype(jnp.float32)[tok]
+    cnt = jax.lax.all_gather(jnp.sum(hit, axis=0).astype(jnp.int32), self.expert_axis)
+    in_off = collectives.exclusive_cumsum(cnt, axis=1)  # [src, dst]: offset in the sender
+    out_off = collectives.exclusive_cumsum(cnt, axis=0)  # offset in the receiver
+    me = self.rank()
+
+    def send(v, fill):
+      return collectives.ragged_all_to_all(
+          v, jnp.full((n,) + v.shape[1:], fill, v.dtype), in_off[me], cnt[me], out_off[me],
+          cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
+
+    recv = send(x_send, 0)
+    recv_ids = send(ids_send, -1)  # rows nobody sent keep -1: no expert computes them
+    recv_w = send(w_send, 0)
+    scale = None if a1_scale is None else send(a1_scale[tok], 0)
+    self.last_dropped = self._count_dropped(jnp.int32(0))
+    dropped = self.last_dropped
+
+    def receive():
+      plan = dict(cnt=cnt, in_off=in_off, out_off=out_off, hit=hit, pos=pos)
+      return ExpertsInput(a=recv, a_scale=scale, topk_weights=recv_w, topk_ids=recv_ids,
+                          dropped=dropped, extra=plan, format=ActivationFormat.Standard)
+    return receive
+
+  def finalize(self, fused_out, inp, weight_and_reduce, out_dtype):
+    wr = _resolve(weight_and_reduce, self.default_weight_and_reduce)
+    y = wr.apply(fused_out, inp, out_dtype)  # [ep*T, H]: one weighted partial row per token
+    plan = inp.extra
+    hit, pos, cnt = plan["hit"], plan["pos"], plan["cnt"]
+    t, ep = hit.shape
+    me = self.rank()
+    back = collectives.ragged_all_to_all(
+        y, jnp.zeros((ep * t,) + y.shape[1:], y.dtype), plan["out_off"][:, me], cnt[:, me],
+        plan["in_off"][:, me], cnt[me], axis_name=self.expert_axis, impl=self.ragged_impl)
+    idx = jnp.where(hit, pos.reshape(ep, t).T, -1)  # [t, ep]: send row of (token, rank)
+    out = weighted_row_sum(back, idx, jnp.ones(idx.shape, jnp.float32), jnp.float32)
+    return self._tensor_psum(out).astype(out_dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # padded all-to-all (low latency, batched, static shapes)
 

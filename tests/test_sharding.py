@@ -41,9 +41,12 @@ MESHES = {
     "d2e2t2": dict(data=2, expert=2, tensor=2),
 }
 ALL_PAIRS = [("allgather", "xla"), ("allgather", "reference"), ("allgather", "xla_batched"),
-             ("ragged_a2a", "xla"), ("ragged_a2a", "reference"), ("padded_a2a", "xla_batched")]
-CORE = [("allgather", "xla"), ("ragged_a2a", "xla"), ("padded_a2a", "xla_batched")]
-CHEAP = [("allgather", "reference"), ("ragged_a2a", "reference"), ("padded_a2a", "xla_batched")]
+             ("ragged_a2a", "xla"), ("ragged_a2a", "reference"), ("ragged_dedup", "xla"),
+             ("ragged_dedup", "reference"), ("padded_a2a", "xla_batched")]
+CORE = [("allgather", "xla"), ("ragged_a2a", "xla"), ("ragged_dedup", "xla"),
+        ("padded_a2a", "xla_batched")]
+CHEAP = [("allgather", "reference"), ("ragged_a2a", "reference"), ("ragged_dedup", "reference"),
+         ("padded_a2a", "xla_batched")]
 CASES = ([("e8",) + p for p in ALL_PAIRS] + [("e4t2",) + p for p in ALL_PAIRS]
          + [("d2e4",) + p for p in CORE] + [("d2e2t2",) + p for p in CORE]
          + [("e2t4", "allgather", "xla_batched"), ("e2t4", "ragged_a2a", "reference"),
@@ -173,7 +176,7 @@ def test_skewed_routing(a2a, runner, kind):
   assert_same(ep(p, parallel("d2e4"), a2a, runner), reference(p))
 
 
-@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "padded_a2a"])
+@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "ragged_dedup", "padded_a2a"])
 def test_round_robin_placement(prob, a2a):
   p, ref = prob
   par = parallel("e4t2", expert_placement="round_robin")
@@ -247,7 +250,7 @@ def test_capacity_counts_drops(a2a):
   assert want > 0
 
 
-@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "padded_a2a"])
+@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "ragged_dedup", "padded_a2a"])
 def test_shared_experts_and_two_batch_overlap(prob, a2a):
   p, ref = prob
   rng = np.random.default_rng(11)
@@ -286,7 +289,7 @@ def test_prepare_async_leaves_room_for_shared_work():
   assert not any(id(v) in dep for v in body.eqns[dots[0]].outvars)
 
 
-@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "padded_a2a"])
+@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "ragged_dedup", "padded_a2a"])
 def test_empty_batch(a2a):
   p = problem(t=0, bias=False)
   f = lambda x: jmoe.fused_moe(x, p["w13"], p["w2"], p["tw"], p["ti"],  # noqa: E731
@@ -340,7 +343,7 @@ def test_ragged_impl_choice(monkeypatch):
 
 
 def test_backends_registered():
-  for name in ("allgather", "ragged_a2a", "padded_a2a"):
+  for name in ("allgather", "ragged_a2a", "ragged_dedup", "padded_a2a"):
     assert registry.A2A_BACKENDS[name].needs_mesh
 
 
@@ -463,3 +466,25 @@ def test_placement_maps(kind):
     expert_placement(10, 4, kind)
   with pytest.raises(ValueError, match="not known"):
     expert_placement(8, 4, "random")
+
+
+def test_ragged_dedup_sends_one_copy_per_rank():
+  """A token goes once to each rank owning one of its experts, with its ids and weights."""
+  p = problem(seed=3, k=4, bias=False)
+  par = parallel("e8")
+  pf = sharding.RaggedDedupA2A(par)
+  el = E // 8
+
+  def body(x, tw, ti):
+    inp = pf.prepare(x, tw, ti, num_local_experts=el, expert_map=None,
+                     apply_router_weight_on_input=False, quant=None)
+    me = jax.lax.axis_index("expert")
+    sent = jnp.sum(inp.extra["cnt"][me])  # rows this rank sent
+    return jax.lax.psum(sent, "expert")[None]
+
+  spec = P("expert", None)
+  fn = jax.shard_map(body, mesh=par.mesh, in_specs=(spec, spec, spec), out_specs=P("expert"))
+  sent = int(jax.jit(fn)(p["x"], p["tw"], p["ti"])[0])
+  owners = np.asarray(p["ti"]) // el  # linear placement
+  want = sum(len(set(row.tolist())) for row in owners)
+  assert sent == want < T * 4

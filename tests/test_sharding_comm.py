@@ -17,9 +17,10 @@ def test_hand_computed_values():
                           tokens_per_rank=128)
   assert ra["combine"] == pytest.approx(k * 7 / 8 * h * 2)
   assert ra["dispatch"] == pytest.approx(k * 7 / 8 * h * 2 + e * 4 * 7 / 128)
-  # one expert per rank: deduplication changes nothing
+  # one expert per rank: deduplication sends the same rows (plus the k ids and weights)
   dd = cm.bytes_per_token("ragged_dedup", hidden=h, top_k=k, num_experts=e, ep=ep)
   assert dd["combine"] == pytest.approx(ra["combine"])
+  assert dd["dispatch"] == pytest.approx(k * 7 / 8 * (h * 2 + 8 * k) + 8 * 4 * 7 / 128)
   pd = cm.bytes_per_token("padded_a2a", hidden=h, top_k=k, num_experts=e, ep=ep,
                           tokens_per_rank=128)
   assert pd["combine"] == pytest.approx(e * h * 2 * 7 / 8)  # dropless: E rows per token
@@ -38,7 +39,13 @@ def test_trends():
   ds = [r for r in rows if r["preset"] == "deepseek-v3"]
   assert [r["ep"] for r in ds] == [8, 16, 32, 64, 128, 256]
   assert all(a["allgather"] < b["allgather"] for a, b in zip(ds, ds[1:]))
-  assert all(r["ragged (1 copy/rank)"] <= r["ragged_a2a"] + 1e-9 for r in rows)
+  presets = cm.PRESETS
+  for r in rows:
+    el = presets[r["preset"]].num_experts // r["ep"]
+    if el >= 2:  # several experts per rank: one copy per rank sends less
+      assert r["ragged (1 copy/rank)"] < r["ragged_a2a"]
+    else:  # one expert per rank: nothing to deduplicate, the ids and weights cost a little
+      assert r["ragged_a2a"] <= r["ragged (1 copy/rank)"] <= r["ragged_a2a"] * 1.01
   assert [r["ep"] for r in rows if r["preset"] == "mixtral-8x7b"] == [8]
   tk = cm.topk_table()
   assert all(a["ragged_a2a"] < b["ragged_a2a"] for a, b in zip(tk, tk[1:]))

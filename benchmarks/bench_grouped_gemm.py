@@ -337,7 +337,7 @@ def stage_block(args):
       if time.time() - T0 > args.budget_s:
         log(f"[block] budget reached, skipping {pname} T={T}")
         break
-      rec = dict(preset=pname, T=T, permute_impl=PERMUTE_IMPL, **p)
+      rec = dict(preset=pname, T=T, permute_impl=PERMUTE_IMPL, layout=args.layout, **p)
       c1_, c2_ = block_configs(args, p, T)
       rec["configs"] = [c.to_json() if c else None for c in (c1_, c2_)]
       try:
@@ -352,7 +352,7 @@ def stage_block(args):
         c1, c2 = block_configs(args, p, T)
         f0 = jax.jit(lambda x, tw, ti, w13, w2, c1=c1, c2=c2: pmoe.fused_experts(
             x, w13, w2, tw, ti, activation="silu", config1=c1, config2=c2,
-            interpret=INTERPRET, permute_impl=PERMUTE_IMPL))
+            interpret=INTERPRET, permute_impl=PERMUTE_IMPL, layout=args.layout))
         sets = [s_ + (w13, w2) for s_ in sets]
         f = f0
         t = time.time()
@@ -689,6 +689,8 @@ def main():
   ap.add_argument("--budget-s", type=float, default=480.0)
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--force-nows", action="store_true")
+  ap.add_argument("--layout", default="sorted", choices=["sorted", "per_slot"],
+                  help="fused_experts layout for the block stage (per_slot: decode, no sort)")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test (GPU interpret mode)")
   args = ap.parse_args()
   global INTERPRET, PERMUTE_IMPL

@@ -19,13 +19,13 @@ _PALLAS_GATHER_MIN_SLOTS = 1024
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "config1", "config2", "interpret",
-                                             "permute_impl"))
+                                             "permute_impl", "layout"))
 def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
                   topk_ids: jax.Array, *, activation: Activation | str = "silu",
                   w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
                   config1: GroupedGemmConfig | None = None,
                   config2: GroupedGemmConfig | None = None, interpret: Any = False,
-                  permute_impl: str = "auto") -> jax.Array:
+                  permute_impl: str = "auto", layout: str = "sorted") -> jax.Array:
   """out[t] = sum_j topk_weights[t, j] * (act(x[t] @ w13[e] + b13[e]) @ w2[e] + b2[e]), e = ids[t, j].
 
   x [T, H] bf16/f16; w13 [E, H, 2N] (gated) or [E, H, N] (``*_no_mul``); w2 [E, N, H];
@@ -33,18 +33,29 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   permute_impl: "xla" (jnp.take), "pallas" (permute.gather_rows, a TMA row-copy kernel) or
     "auto": pallas from 1024 slots (H200: 8192 rows x 2048 11.6 vs 21.0 µs; 131072 x 7168
     926 vs 1263 µs), xla below (1 token: 2.1 vs 2.6 µs).
+  layout: "sorted" (moe_align + grouped tiles: each expert's weights stream once) or
+    "per_slot" (decode: no sort; one task per (slot, column tile) reading slot s's row of
+    x[s // k] and its expert's weights, then a sum over k: about 5 kernels instead of ~15).
+    per_slot streams an expert once per slot routed to it, so it suits batches whose slots
+    rarely share an expert (one token always qualifies). Not yet timed on the GPU: the
+    default stays "sorted".
   """
   act = as_activation(activation)
   t, k = topk_ids.shape
   e, hdim, n13 = w13.shape
   n = n13 // 2 if act.is_gated else n13
-  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
   m = t * k
   if config1 is None:
     config1 = gg.get_config("grouped_gemm_gated" if act.is_gated else "grouped_gemm", m, n, hdim,
                             e, x.dtype, gated=act.is_gated)
   if config2 is None:
     config2 = gg.get_config("grouped_gemm", m, hdim, n, e, x.dtype)
+  if layout == "per_slot":
+    return _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config1,
+                     config2, interpret)
+  if layout != "sorted":
+    raise ValueError(f"layout={layout!r} must be 'sorted' or 'per_slot'")
+  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
   # Allocate at least one row tile so the kernels never need padding or slicing copies; the
   # extra rows (and rows past sum(group_sizes)) are garbage that gather_sum never reads.
   m_alloc = max(m, config1.block_m, config2.block_m)
@@ -64,6 +75,41 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   y = gg._run(h, w2, group_sizes, scale, w2_bias, None, config2, interpret, False, None, "",
               meta=meta2)
   return _perm.gather_sum(y, inv, out_dtype=x.dtype)
+
+
+def _slot_metadata(ids, valid, block_m):
+  """One grouped-GEMM task per slot s: (expert, row block s // block_m, rows [s, s + 1)); an
+  empty slot stores no row ([s, s))."""
+  s = jnp.arange(ids.shape[0], dtype=jnp.int32)
+  meta = jnp.stack([jnp.where(valid, ids, 0), s // block_m, s, jnp.where(valid, s + 1, s)])
+  return meta.astype(jnp.int32), jnp.full((1,), ids.shape[0], jnp.int32)
+
+
+def _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config1, config2,
+              interpret):
+  """fused_experts without the sort: row s of the slot-major [T*k, ...] arrays is slot s."""
+  t, k = topk_ids.shape
+  e = w13.shape[0]
+  m = t * k
+  ids = topk_ids.reshape(m).astype(jnp.int32)
+  valid = (ids >= 0) & (ids < e)
+  m_alloc = max(m, config1.block_m, config2.block_m)
+  tok = jnp.minimum(jnp.arange(m_alloc, dtype=jnp.int32) // k, t - 1)
+  xs = jnp.take(x, tok, axis=0)
+  scale = jnp.where(valid, topk_weights.reshape(m).astype(jnp.float32), 0.0)
+  scale = jnp.pad(scale, (0, m_alloc - m))
+  no_groups = jnp.zeros((e,), jnp.int32)  # the tasks come from the metadata alone
+  meta1 = _slot_metadata(ids, valid, config1.block_m)
+  meta2 = meta1 if config2.block_m == config1.block_m else _slot_metadata(ids, valid,
+                                                                           config2.block_m)
+  gg._validate(xs, w13, no_groups, None, w13_bias, w13.shape[2], gated=act.is_gated)
+  h = gg._run(xs, w13, no_groups, None, w13_bias, None, config1, interpret, act.is_gated, act,
+              "", meta=meta1)
+  gg._validate(h, w2, no_groups, scale, w2_bias, w2.shape[2])
+  y = gg._run(h, w2, no_groups, scale, w2_bias, None, config2, interpret, False, None, "",
+              meta=meta2)
+  y = jnp.where(valid[:, None], y[:m].astype(jnp.float32), 0.0)  # empty slots: rows unwritten
+  return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
 
 
 def fused_experts_reference(x, w13, w2, topk_weights, topk_ids, *, activation="silu",

@@ -345,6 +345,34 @@ def test_fused_experts_end_to_end(rng):
   assert _rel(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_fused_experts_per_slot_layout(rng, t):
+  # the decode layout: no sort, one task per slot (shared experts across slots included)
+  k, e, h, n = 2, 4, 64, 64
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((e, n, h)) / 8, jnp.bfloat16)
+  b13 = jnp.asarray(rng.standard_normal((e, 2 * n)), jnp.float32)
+  b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.float32)
+  tw = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+  ti = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+  if t > 1:
+    ti = ti.at[1, 0].set(-1).at[2, 0].set(ti[2, 1])  # an empty slot; one expert twice
+  try:
+    out = pmoe.fused_experts(x, w13, w2, tw, ti, activation="silu", w13_bias=b13,
+                             w2_bias=b2, interpret=_interpret(), layout="per_slot")
+    out = np.asarray(jax.block_until_ready(out), np.float32)
+  except Exception:
+    _compat.reset_interpret_state()
+    raise
+  assert not _compat.races_found()
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2))
+  assert np.isfinite(out).all()
+  assert _rel(out, ref) < 2e-2
+  with pytest.raises(ValueError, match="layout"):
+    pmoe.fused_experts(x, w13, w2, tw, ti, layout="scattered")
+
+
 # ----------------------------------------------------------------------------- training path
 
 

@@ -11,7 +11,8 @@ Stages:
             preset x tokens: check vs a per-slot f32 XLA reference, CUPTI device time, the
             torch._grouped_mm peer (CUDA-graph replay), weight-streaming floor
   sweep     time GEMM1 / GEMM2 alone over candidate configs (--sweep-presets, --sweep-tokens)
-  train     tgmm alone; the block's jax.grad on the Pallas path vs its forward and vs XLA
+  tgmm      the weight-gradient kernel alone over configs (the best becomes this run's default)
+  train     the block's jax.grad on the Pallas path vs its forward and vs XLA
   batched   the masked batched kernels ([E, cap, H] + expert_num_tokens) at T=1, 64
 Writes $OUT/bench.json (all numbers), $OUT/errors.txt (tracebacks); prints a table last.
 """
@@ -22,7 +23,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -67,6 +67,12 @@ def err(where, e):
   if INTERPRET:
     from pallas_kernels import _compat
     _compat.reset_interpret_state()
+
+
+def fail(rec, where, e):
+  """Record a failed step in its result and in errors.txt; the run goes on."""
+  rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+  err(where, e)
 
 
 def save():
@@ -232,8 +238,7 @@ def stage_permute(args):
       wins.append(ok and up < ux)
       log(f"[gather] T={T:6d} k={k} H={H}: xla {ux:.1f}us pallas {up:.1f}us ok={ok}")
     except Exception as e:  # noqa: BLE001
-      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      err(f"gather T={T}", e)
+      fail(rec, f"gather T={T}", e)
       wins.append(False)
     RESULTS["permute"].append(rec)
   if args.permute_impl == "auto":
@@ -268,33 +273,10 @@ def torch_block_fn(p):
 
 
 def time_torch(block, arg_sets, iters=10):
-  import torch
-  graphs, outs = [], []
-  s = torch.cuda.Stream()
-  s.wait_stream(torch.cuda.current_stream())
-  with torch.cuda.stream(s):
-    for a in arg_sets:
-      block(*a)
-  torch.cuda.current_stream().wait_stream(s)
-  for a in arg_sets:
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-      o = block(*a)
-    graphs.append(g)
-    outs.append(o)
-  for g in graphs:
-    g.replay()
-  torch.cuda.synchronize()
-  ts = []
-  for _ in range(iters):
-    for g in graphs:
-      st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      st.record()
-      g.replay()
-      en.record()
-      en.synchronize()
-      ts.append(st.elapsed_time(en) * 1e3)
-  return statistics.median(ts), outs
+  """(median µs of a CUDA-graph replay, outputs) of the torch block."""
+  from jmoe.bench_peers import cuda_graph_replay
+  t, outs = cuda_graph_replay(block, arg_sets, iters * len(arg_sets))
+  return t * 1e6, outs
 
 
 def block_configs(args, p, T):
@@ -386,8 +368,7 @@ def stage_block(args):
         log("        kernels: " + ", ".join(f"{k_}={v:.1f}" for k_, v in sorted(
             pk.items(), key=lambda kv: -kv[1])[:4]))
       except Exception as e:  # noqa: BLE001
-        rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        err(f"block {pname} T={T}", e)
+        fail(rec, f"block {pname} T={T}", e)
       RESULTS["block"].append(rec)
       save()
     del w13, w2, tw13, tw2
@@ -438,8 +419,7 @@ def stage_sweep(args):
                 f"split={cfg.wg_split} minor={cfg.grid_minor}/{cfg.grid_tile_width} "
                 f"-> {us:.1f}us {flops / us / 1e6:.0f}TF/s")
           except Exception as e:  # noqa: BLE001
-            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            err(f"sweep {pname} T={T} {which} {cfg}", e)
+            fail(rec, f"sweep {pname} T={T} {which} {cfg}", e)
           RESULTS["sweep"].append(rec)
           save()
     del w13, w2
@@ -461,8 +441,10 @@ def xla_block_fn(E, act="silu"):
   return block
 
 
-TGMM_SWEEP = [  # (block_k, block_n, block_r, num_stages); H200 2026-11-29: the first won
-    (128, 128, 64, 4), (128, 128, 128, 4), (64, 256, 64, 4),
+TGMM_SWEEP = [  # (block_k, block_n, block_r, num_stages, transpose_in_kernel);
+    # H200 2026-11-29: the first won; the last = lhs transposed by XLA first (the old default)
+    (128, 128, 64, 4, None), (128, 128, 128, 4, None), (64, 256, 64, 4, None),
+    (128, 128, 64, 4, False),
 ]
 
 
@@ -480,8 +462,9 @@ def stage_tgmm_sweep(args):
     dy = jax.random.normal(jax.random.key(2), (M, N), jnp.float32).astype(jnp.bfloat16)
     gs = jnp.asarray(np.random.default_rng(0).multinomial(M, np.ones(E) / E), jnp.int32)
     ref = None
-    for bk, bn, br, st in TGMM_SWEEP:
-      cfg = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st)
+    for bk, bn, br, st, tik in TGMM_SWEEP:
+      cfg = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st,
+                          transpose_in_kernel=tik)
       rec = dict(kind="tgmm_sweep", shape=name, config=dataclasses.asdict(cfg))
       try:
         f = jax.jit(lambda a, b, g, cfg=cfg: tg.tgmm(a, b, g, config=cfg, interpret=INTERPRET))
@@ -498,54 +481,24 @@ def stage_tgmm_sweep(args):
           rec["err_vs_first"] = rel_err(np.asarray(out, np.float32), np.asarray(ref))
         us, _, _ = cupti_times(f, [(x, dy, gs)], iters=3)
         rec.update(us=us, tflops=2 * M * K * N / us / 1e6)
-        totals[(bk, bn, br, st)] = totals.get((bk, bn, br, st), 0.0) + us
-        log(f"[tgmm] {name:12s} bk={bk} bn={bn} br={br} st={st}: {us:8.1f}us "
+        totals[cfg] = totals.get(cfg, 0.0) + us
+        log(f"[tgmm] {name:12s} bk={bk} bn={bn} br={br} st={st} tik={tik}: {us:8.1f}us "
             f"{rec['tflops']:5.0f}TF/s err={rec.get('err_vs_f32', rec.get('err_vs_first')):.1e}")
       except Exception as e:  # noqa: BLE001
-        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        err(f"tgmm sweep {name} {cfg}", e)
+        fail(rec, f"tgmm sweep {name} {cfg}", e)
       RESULTS.setdefault("tgmm_sweep", []).append(rec)
       save()
-  full = {c: t for c, t in totals.items() if sum(1 for r in RESULTS["tgmm_sweep"] if
-                                                     r.get("us") and tuple(r["config"][f] for f in (
-                                                         "block_k", "block_n", "block_r",
-                                                         "num_stages")) == c) == len(shapes)}
+  ok = [r for r in RESULTS["tgmm_sweep"] if r.get("us")]
+  full = {c: t for c, t in totals.items()
+          if sum(r["config"] == dataclasses.asdict(c) for r in ok) == len(shapes)}
   if full:
-    bk, bn, br, st = min(full, key=full.get)
-    tg.DEFAULT_CONFIG = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st)
+    tg.DEFAULT_CONFIG = min(full, key=full.get)
     RESULTS["meta"]["tgmm_default"] = dataclasses.asdict(tg.DEFAULT_CONFIG)
     log(f"[tgmm] best total: {tg.DEFAULT_CONFIG}")
 
 
 def stage_train(args):
-  from pallas_kernels import tgmm as tg
-  # (1) tgmm kernel alone
-  M, K, N, E = (8192, 2048, 1536, 8) if not INTERPRET else (100, 64, 64, 8)
-  ks = jax.random.split(jax.random.key(5), 3)
-  x = jax.random.normal(ks[0], (M, K), jnp.float32).astype(jnp.bfloat16)
-  dy = jax.random.normal(ks[1], (M, N), jnp.float32).astype(jnp.bfloat16)
-  gs = jnp.array([1000, 0, 2000, 777, 1500, 3, 1700, 1212], jnp.int32)
-  if INTERPRET:
-    gs = jnp.array([10, 0, 20, 7, 15, 3, 17, 12], jnp.int32)
-  ref = tg.tgmm_reference(x, dy, gs)
-  for tik in (False, True):
-    rec = dict(kind="tgmm", M=M, K=K, N=N, E=E, transpose_in_kernel=tik)
-    try:
-      cfg = tg.TgmmConfig(transpose_in_kernel=tik)
-      f = jax.jit(lambda a, b, g, cfg=cfg: tg.tgmm(a, b, g, config=cfg, out_dtype=jnp.float32,
-                                                   interpret=INTERPRET))
-      out = jax.block_until_ready(f(x, dy, gs))
-      rec["err"] = rel_err(out, ref)
-      us, _, _ = cupti_times(f, [(x, dy, gs)], iters=3)
-      rec.update(us=us, tflops=2 * M * K * N / us / 1e6)
-      log(f"[train] tgmm transpose_in_kernel={tik} err={rec['err']:.2e} {us:.1f}us "
-          f"{rec['tflops']:.0f}TF/s")
-    except Exception as e:  # noqa: BLE001
-      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      err(f"tgmm tik={tik}", e)
-    RESULTS.setdefault("train", []).append(rec)
-    save()
-  # (2) whole block fwd+bwd vs forward, and vs the XLA (ragged_dot) path
+  # the whole block's fwd+bwd vs its forward, and vs the XLA (ragged_dot) path
   for pname in [p_ for p_ in args.train_presets.split(",") if p_]:
     p = PRESETS[pname]
     T = args.train_tokens
@@ -587,8 +540,7 @@ def stage_train(args):
           f"(speedup {rec['speedup_vs_xla']:.2f})")
       del w13, w2
     except Exception as e:  # noqa: BLE001
-      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      err(f"train {pname}", e)
+      fail(rec, f"train {pname}", e)
     RESULTS.setdefault("train", []).append(rec)
     save()
 
@@ -637,8 +589,7 @@ def stage_batched(args):
         log(f"[batched] {pname:14s} T={T:3d} cap={cap:3d} err={rec['err']:.2e} {us:.1f}us "
             f"floor={rec['floor_us']:.1f}us x_floor={rec['ratio_floor']:.2f}")
       except Exception as e:  # noqa: BLE001
-        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        err(f"batched {pname} T={T}", e)
+        fail(rec, f"batched {pname} T={T}", e)
       RESULTS.setdefault("batched", []).append(rec)
       save()
     del w13, w2

@@ -7,7 +7,7 @@ expert, GEMM1, activation, GEMM2, weighted gather-sum. Timed with CUDA events.
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -56,20 +56,22 @@ def _torch_block(torch, x, w13t, w2t, tw, ti, cfg: MoEConfig):
   return (per_slot * tw.float()[..., None]).sum(1).to(x.dtype)
 
 
-def _graph_replay_time(torch, prepared, cfg: MoEConfig, repeats: int) -> float:
-  """Median seconds of one CUDA-graph replay of the block (launch gaps gone: the device-time
-  figure to set beside jmoe's CUPTI kernel sum)."""
+def cuda_graph_replay(fn: Callable, arg_sets: Sequence[tuple], repeats: int
+                      ) -> tuple[float, list]:
+  """(median seconds of one CUDA-graph replay of fn(*args), the captured outputs), rotating
+  over arg_sets: the device-time figure of a torch block, launch gaps gone."""
+  import torch  # noqa: PLC0415
   stream = torch.cuda.Stream()
   stream.wait_stream(torch.cuda.current_stream())
-  with torch.cuda.stream(stream):
-    for p in prepared:
-      _torch_block(torch, *p, cfg)
+  with torch.cuda.stream(stream):  # warm-up outside the capture (allocator, handles)
+    for a in arg_sets:
+      fn(*a)
   torch.cuda.current_stream().wait_stream(stream)
-  graphs = []
-  for p in prepared:
+  graphs, outs = [], []
+  for a in arg_sets:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-      _torch_block(torch, *p, cfg)
+      outs.append(fn(*a))
     graphs.append(g)
   for g in graphs:
     g.replay()
@@ -82,7 +84,7 @@ def _graph_replay_time(torch, prepared, cfg: MoEConfig, repeats: int) -> float:
     end.record()
     end.synchronize()
     times.append(start.elapsed_time(end) / 1e3)
-  return statistics.median(times)
+  return statistics.median(times), outs
 
 
 def run_peer(name: str, cfg: MoEConfig, problems: Sequence[tuple], repeats: int):
@@ -113,7 +115,7 @@ def run_peer(name: str, cfg: MoEConfig, problems: Sequence[tuple], repeats: int)
     end.synchronize()
     times.append(start.elapsed_time(end) / 1e3)
   try:
-    graph = _graph_replay_time(torch, prepared, cfg, repeats)
+    graph = cuda_graph_replay(lambda *p: _torch_block(torch, *p, cfg), prepared, repeats)[0]
   except RuntimeError:  # an op that cannot be captured: report eager only
     graph = float("nan")
   return outs, statistics.median(times), graph

@@ -94,6 +94,22 @@ class EPPrepareFinalize(PrepareFinalize):
   def prepare(self, *args, **kwargs) -> ExpertsInput:
     return self.prepare_async(*args, **kwargs)()
 
+  def _routed_slots(self, x, topk_weights, topk_ids, num_local_experts,
+                    apply_router_weight_on_input, quant):
+    """The dispatch's common start: the router-weight hook, activation quantization, and the
+    [T, k] slots' validity, destination rank and index among that rank's experts (ep for
+    destination and -1 for local index where the slot is empty)."""
+    x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
+    a1q, a1_scale = quantize_activations(x, quant)
+    e = num_local_experts * self.ep
+    pl = self.placement(num_local_experts)
+    ids = topk_ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < e)
+    safe = jnp.clip(ids, 0, e - 1)
+    dest = jnp.where(valid, jnp.asarray(pl.owner)[safe], self.ep)
+    lidx = jnp.where(valid, jnp.asarray(pl.local_index)[safe], -1)
+    return a1q, a1_scale, topk_weights, valid, dest, lidx
+
 
 def _resolve(wr: TopKWeightAndReduce, default: TopKWeightAndReduce) -> TopKWeightAndReduce:
   return default if isinstance(wr, Delegate) else wr
@@ -221,19 +237,13 @@ class RaggedA2A(EPPrepareFinalize):
 
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
                     apply_router_weight_on_input, quant):
-    x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
-    a1q, a1_scale = quantize_activations(x, quant)
     t, k = topk_ids.shape
     el, ep = num_local_experts, self.ep
-    e = el * ep
     nkeys = ep * el
-    pl = self.placement(el)
-    ids = topk_ids.astype(jnp.int32).reshape(-1)
-    valid = (ids >= 0) & (ids < e)
-    safe = jnp.clip(ids, 0, e - 1)
-    dest = jnp.where(valid, jnp.asarray(pl.owner)[safe], ep)
-    le = jnp.where(valid, jnp.asarray(pl.local_index)[safe], 0)
-    raw_key = dest * el + le  # nkeys for slots that go nowhere
+    a1q, a1_scale, topk_weights, valid, dest, lidx = self._routed_slots(
+        x, topk_weights, topk_ids, el, apply_router_weight_on_input, quant)
+    valid, dest = valid.reshape(-1), dest.reshape(-1)
+    raw_key = dest * el + jnp.maximum(lidx.reshape(-1), 0)  # nkeys for slots that go nowhere
     # position of each slot within its (destination, local expert) group; past C: dropped
     order0 = jnp.argsort(raw_key, stable=True)
     counts0 = jnp.bincount(raw_key, length=nkeys + 1)
@@ -314,18 +324,11 @@ class RaggedDedupA2A(EPPrepareFinalize):
 
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
                     apply_router_weight_on_input, quant):
-    x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
-    a1q, a1_scale = quantize_activations(x, quant)
-    t, k = topk_ids.shape
-    el, ep = num_local_experts, self.ep
-    e = el * ep
+    t = topk_ids.shape[0]
+    ep = self.ep
     n = ep * t
-    pl = self.placement(el)
-    ids = topk_ids.astype(jnp.int32)
-    valid = (ids >= 0) & (ids < e)
-    safe = jnp.clip(ids, 0, e - 1)
-    dest = jnp.where(valid, jnp.asarray(pl.owner)[safe], ep)  # [t, k]
-    lidx = jnp.where(valid, jnp.asarray(pl.local_index)[safe], -1)  # [t, k]
+    a1q, a1_scale, topk_weights, _, dest, lidx = self._routed_slots(
+        x, topk_weights, topk_ids, num_local_experts, apply_router_weight_on_input, quant)
     hit = jnp.any(dest[:, None, :] == jnp.arange(ep, dtype=jnp.int32)[None, :, None], axis=-1)
     # (rank, token) pairs in rank-major order; the send buffer packs the hit ones in that order
     hit_rt = hit.T.reshape(-1).astype(jnp.int32)  # [ep * t]

@@ -325,24 +325,24 @@ def test_gather_rows_kernel(rng):
 def test_fused_experts_end_to_end(rng):
   t, k, e, h, n = 9, 2, 4, 64, 64
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  w13, w2, b13, b2 = _moe_weights(rng, e, h, n)
+  logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
+  tw, ti = jax.lax.top_k(jax.nn.softmax(logits), k)
+  ti = ti.at[3, 1].set(-1)  # an empty slot contributes nothing
+  out = _call(pmoe.fused_experts, x, w13, w2, tw, ti, activation="swigluoai", w13_bias=b13,
+              w2_bias=b2, permute_impl="pallas")
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, activation="swigluoai",
+                                                w13_bias=b13, w2_bias=b2))
+  assert _rel(out, ref) < 2e-2
+
+
+def _moe_weights(rng, e, h, n):
+  """bf16 w13 [E, H, 2N], w2 [E, N, H] and f32 biases."""
   w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
   w2 = jnp.asarray(rng.standard_normal((e, n, h)) / 8, jnp.bfloat16)
   b13 = jnp.asarray(rng.standard_normal((e, 2 * n)), jnp.float32)
   b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.float32)
-  logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
-  tw, ti = jax.lax.top_k(jax.nn.softmax(logits), k)
-  ti = ti.at[3, 1].set(-1)  # an empty slot contributes nothing
-  try:
-    out = pmoe.fused_experts(x, w13, w2, tw, ti, activation="swigluoai", w13_bias=b13,
-                             w2_bias=b2, interpret=_interpret(), permute_impl="pallas")
-    out = np.asarray(jax.block_until_ready(out), np.float32)
-  except Exception:
-    _compat.reset_interpret_state()
-    raise
-  assert not _compat.races_found()
-  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, activation="swigluoai",
-                                                w13_bias=b13, w2_bias=b2))
-  assert _rel(out, ref) < 2e-2
+  return w13, w2, b13, b2
 
 
 @pytest.mark.parametrize("t", [1, 3])
@@ -350,22 +350,13 @@ def test_fused_experts_per_slot_layout(rng, t):
   # the decode layout: no sort, one task per slot (shared experts across slots included)
   k, e, h, n = 2, 4, 64, 64
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-  w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
-  w2 = jnp.asarray(rng.standard_normal((e, n, h)) / 8, jnp.bfloat16)
-  b13 = jnp.asarray(rng.standard_normal((e, 2 * n)), jnp.float32)
-  b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.float32)
+  w13, w2, b13, b2 = _moe_weights(rng, e, h, n)
   tw = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
   ti = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
   if t > 1:
     ti = ti.at[1, 0].set(-1).at[2, 0].set(ti[2, 1])  # an empty slot; one expert twice
-  try:
-    out = pmoe.fused_experts(x, w13, w2, tw, ti, activation="silu", w13_bias=b13,
-                             w2_bias=b2, interpret=_interpret(), layout="per_slot")
-    out = np.asarray(jax.block_until_ready(out), np.float32)
-  except Exception:
-    _compat.reset_interpret_state()
-    raise
-  assert not _compat.races_found()
+  out = _call(pmoe.fused_experts, x, w13, w2, tw, ti, activation="silu", w13_bias=b13,
+              w2_bias=b2, layout="per_slot")
   ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2))
   assert np.isfinite(out).all()
   assert _rel(out, ref) < 2e-2

@@ -106,7 +106,7 @@ def local_cost(preset="deepseek-v3", tokens: int = 4096, dtype=jnp.bfloat16,
   out["gemm_tflops"] = flops / out["grouped_gemm_ms"] / 1e9
   ref = None
   for runner in runners:
-    for a2a in ("none", "allgather", "ragged_a2a", "padded_a2a"):
+    for a2a in ("none", "allgather", "ragged_a2a", "ragged_dedup", "padded_a2a"):
       key = f"{a2a}+{runner}"
       try:
         fn = path(a2a, runner)

@@ -95,7 +95,7 @@ def test_unsupported_problems_are_refused_clearly():
     PallasExperts(backward="cuda")
 
 
-@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "padded_a2a"])
+@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "ragged_dedup", "padded_a2a"])
 def test_expert_parallel_dispatch_with_pallas_experts(a2a):
   """The EP prepare/finalize compose with the Pallas runners inside shard_map (padded_a2a is
   Batched-format: the oracle picks PallasBatchedExperts there).

@@ -1,0 +1,314 @@
+"""Multi-GPU expert parallelism on one host (issue 5): dispatch/combine bandwidth against the
+same-run all-to-all peak, EP layer scaling over 1, 2, 4, 8 GPUs, overlap options, correctness.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_ep_multigpu.py --out $OUT          # all GPUs
+    PYTHONPATH=$PWD python3 benchmarks/bench_ep_multigpu.py --small             # CPU smoke test
+        (XLA_FLAGS=--xla_force_host_platform_device_count=8; tiny shapes, wall-clock timing)
+
+Stages (--stages, comma-separated):
+  peak      all-to-all of the dispatch's bytes through jax.lax.all_to_all (and, with --torch,
+            PyTorch's NCCL all_to_all_single in one process per GPU): the same-run ceiling
+  comm      per a2a backend: dispatch alone (prepare) and dispatch + combine with identity
+            experts, on all GPUs; bytes from sharding.comm_model -> achieved GB/s, ratio to peak
+  layer     the whole EP MoE layer at EP = 1, 2, 4, ... GPUs (weak scaling: fixed tokens per
+            GPU): tokens/s per GPU, efficiency vs EP=1, and with the overlap options (shared
+            expert, two micro-batches); the EP output checked against the 1-GPU layer
+Device times are CUPTI kernel sums (jmoe.timing) on GPUs, wall-clock medians on CPU.
+Writes $OUT/ep_multigpu.json; prints one line per measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmoe
+import sharding
+from jmoe import timing
+from jmoe.config import get_preset
+from jmoe.modular import NaiveBatched, NoOp
+from sharding import comm_model
+
+RESULTS: dict = {"meta": {}, "peak": [], "comm": [], "layer": []}
+BACKENDS = ("allgather", "ragged_a2a", "ragged_dedup", "padded_a2a")
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+def measure(fn, args, iters):
+  """Median µs: CUPTI kernel sum on GPUs, wall clock elsewhere."""
+  if jax.devices()[0].platform == "gpu":
+    return timing.device_time(fn, [args], iters=iters)[0]
+  return timing.wall_time(fn, [args], iters=iters)
+
+
+def weights(cfg, seed=0, dtype=jnp.bfloat16):
+  """Routed experts w13 [E, H, 2N], w2 [E, N, H] and one shared expert (always made, so the
+  overlap option can be timed on every preset)."""
+  e, h, n = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+  ns = cfg.shared_intermediate_size or n
+  ks = jax.random.split(jax.random.key(seed), 4)
+  nrm = lambda k_, shape, fan: (jax.random.normal(k_, shape, jnp.float32)  # noqa: E731
+                                * fan ** -0.5).astype(dtype)
+  return dict(w13=nrm(ks[0], (e, h, 2 * n), h), w2=nrm(ks[1], (e, n, h), n),
+              s13=nrm(ks[2], (h, 2 * ns), h), s2=nrm(ks[3], (ns, h), ns))
+
+
+def tokens(cfg, t, seed=1, dtype=jnp.bfloat16):
+  """x [t, H] and softmax top-k routing of random logits."""
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(k1, (t, cfg.hidden_size), jnp.float32).astype(dtype)
+  tw, ti = jmoe.select_experts(x, jax.random.normal(k2, (t, cfg.num_experts)), cfg.top_k)
+  return x, tw, ti
+
+
+# ----------------------------------------------------------------------------- peak
+
+
+def stage_peak(args, cfg, devs):
+  """All-to-all of the bytes ragged_a2a's dispatch moves per rank (T k H b)."""
+  ep = len(devs)
+  par = sharding.make_parallel(expert=ep, devices=devs)
+  for t in args.tokens:
+    rows = t * cfg.top_k
+    rec = dict(ep=ep, tokens_per_gpu=t, bytes_per_gpu=rows * cfg.hidden_size * 2)
+    try:
+      buf = jnp.zeros((ep * rows, cfg.hidden_size), jnp.bfloat16)
+      buf = jax.device_put(buf, sharding.token_sharding(par))
+      f = jax.jit(jax.shard_map(lambda v: jax.lax.all_to_all(v, par.expert_axis, 0, 0,
+                                                             tiled=True),
+                                mesh=par.mesh, in_specs=sharding.token_sharding(par).spec,
+                                out_specs=sharding.token_sharding(par).spec))
+      us = measure(f, (buf,), args.iters)
+      rec.update(jax_all_to_all_us=us, jax_all_to_all_gbps=rec["bytes_per_gpu"] / us / 1e3)
+      if args.torch:
+        rec["torch_nccl_us"] = torch_all_to_all_us(ep, rec["bytes_per_gpu"], args.iters)
+        rec["torch_nccl_gbps"] = rec["bytes_per_gpu"] / rec["torch_nccl_us"] / 1e3
+      log(f"[peak] ep={ep} T/gpu={t}: jax all_to_all {us:.1f}us "
+          f"{rec['jax_all_to_all_gbps']:.1f} GB/s per GPU"
+          + (f", torch NCCL {rec['torch_nccl_us']:.1f}us" if "torch_nccl_us" in rec else ""))
+    except Exception as e:  # noqa: BLE001
+      rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+      log(f"[peak] ERROR {rec['error']}")
+    RESULTS["peak"].append(rec)
+
+
+def _torch_worker(rank, world, nbytes, iters, port, q):
+  import torch  # noqa: PLC0415
+  import torch.distributed as dist  # noqa: PLC0415
+  torch.cuda.set_device(rank)
+  dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                          world_size=world)
+  n = nbytes // 2 // world * world
+  src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+  dst = torch.empty_like(src)
+  for _ in range(3):
+    dist.all_to_all_single(dst, src)
+  torch.cuda.synchronize()
+  ts = []
+  for _ in range(iters):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    dist.all_to_all_single(dst, src)
+    b.record()
+    b.synchronize()
+    ts.append(a.elapsed_time(b) * 1e3)
+  if rank == 0:
+    q.put(float(np.median(ts)))
+  dist.destroy_process_group()
+
+
+def torch_all_to_all_us(world, nbytes, iters):
+  """PyTorch NCCL all_to_all_single of nbytes per GPU, one process per GPU (median µs)."""
+  import torch.multiprocessing as mp  # noqa: PLC0415
+  ctx = mp.get_context("spawn")
+  q = ctx.Queue()
+  port = 29500 + os.getpid() % 1000
+  procs = [ctx.Process(target=_torch_worker, args=(r, world, nbytes, iters, port, q))
+           for r in range(world)]
+  for p in procs:
+    p.start()
+  for p in procs:
+    p.join(timeout=300)
+  return q.get(timeout=5)
+
+
+# ----------------------------------------------------------------------------- comm
+
+
+def _dispatch_combine(par, a2a, cfg, combine: bool):
+  """shard_map'd prepare (+ finalize with identity experts: each received row is its own
+  result), so the time is the dispatch (and combine) alone."""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  from sharding.ep import select_parts  # noqa: PLC0415
+  batched = a2a == "padded_a2a"
+  pf, _, _ = select_parts(par, runner_backend="xla_batched" if batched else "xla",
+                          a2a_backend=a2a, problem=(jnp.bfloat16, cfg.hidden_size,
+                                                    cfg.intermediate_size))
+  el = cfg.num_experts // pf.ep
+  tok = sharding.token_sharding(par).spec
+
+  def body(x, tw, ti):
+    inp = pf.prepare(x, tw, ti, num_local_experts=el, expert_map=pf.kernel_expert_map(el),
+                     apply_router_weight_on_input=False, quant=None)
+    if not combine:  # something small that depends on every received row
+      return jnp.sum(inp.a.astype(jnp.float32), axis=tuple(range(inp.a.ndim - 1)))[None]
+    return pf.finalize(inp.a, inp, NaiveBatched() if batched else NoOp(), x.dtype)
+
+  out_spec = tok if combine else P(par.expert_axis, None)
+  return jax.jit(jax.shard_map(body, mesh=par.mesh, in_specs=(tok, tok, tok),
+                               out_specs=out_spec, check_vma=False))
+
+
+def stage_comm(args, cfg, devs):
+  ep = len(devs)
+  par = sharding.make_parallel(expert=ep, devices=devs)
+  for t in args.tokens:
+    xs = [sharding.shard_tokens(v, par) for v in tokens(cfg, t * ep)]
+    peak = next((r.get("jax_all_to_all_gbps") for r in RESULTS["peak"]
+                 if r.get("tokens_per_gpu") == t and r.get("ep") == ep), None)
+    for a2a in BACKENDS:
+      rec = dict(a2a=a2a, ep=ep, tokens_per_gpu=t)
+      try:
+        model = comm_model.bytes_per_token(a2a, hidden=cfg.hidden_size, top_k=cfg.top_k,
+                                           num_experts=cfg.num_experts, ep=ep,
+                                           tokens_per_rank=t)
+        d_us = measure(_dispatch_combine(par, a2a, cfg, False), tuple(xs), args.iters)
+        dc_us = measure(_dispatch_combine(par, a2a, cfg, True), tuple(xs), args.iters)
+        # bytes per GPU (the model counts per token, summed over the group's ranks / ep)
+        d_bytes = model["dispatch"] * t
+        c_bytes = model["combine"] * t
+        rec.update(dispatch_us=d_us, combine_us=dc_us - d_us, dispatch_gbps=d_bytes / d_us / 1e3)
+        # combine = (dispatch + combine) - dispatch: meaningful only above the timing noise
+        rec["combine_gbps"] = c_bytes / rec["combine_us"] / 1e3 if rec["combine_us"] > 0 else None
+        if peak:
+          rec["dispatch_vs_peak"] = rec["dispatch_gbps"] / peak
+        log(f"[comm] {a2a:12s} ep={ep} T/gpu={t}: dispatch {d_us:.1f}us "
+            f"({rec['dispatch_gbps']:.1f} GB/s), combine {rec['combine_us']:.1f}us "
+            f"({rec['combine_gbps'] or float('nan'):.1f} GB/s)"
+            + (f", dispatch/peak {rec['dispatch_vs_peak']:.2f}" if peak else ""))
+      except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        log(f"[comm] {a2a} ERROR {rec['error']}")
+        traceback.print_exc()
+      RESULTS["comm"].append(rec)
+
+
+# ----------------------------------------------------------------------------- layer
+
+
+def stage_layer(args, cfg, devs, name):
+  """Weak scaling: t tokens per GPU at EP = 1, 2, 4, ...; every EP output is checked against
+  the no-EP layer on one GPU with the same tokens."""
+  from jmoe.shared import shared_expert_mlp  # noqa: PLC0415
+  act = cfg.act
+  w = weights(cfg)
+  t = args.layer_tokens
+  base = {}  # shared -> tokens/s per GPU at EP=1
+
+  def no_ep(x, w13, w2, tw, ti, s13, s2, shared):
+    out = jmoe.fused_moe(x, w13, w2, tw, ti, activation=act)
+    if shared:
+      out = (out.astype(jnp.float32) + shared_expert_mlp(x, s13, s2, act)).astype(x.dtype)
+    return out
+
+  for ep in [s_ for s_ in (1, 2, 4, 8, 16) if s_ <= len(devs)]:
+    par = sharding.make_parallel(expert=ep, devices=devs[:ep])
+    x, tw, ti = tokens(cfg, t * ep)
+    ref = {}
+    for a2a in (("none",) if ep == 1 else BACKENDS):
+      for shared, mb in ((False, 1), (True, 1), (True, 2)):
+        if a2a == "none" and mb > 1:
+          continue
+        rec = dict(preset=name, ep=ep, a2a=a2a, shared=shared, micro_batches=mb,
+                   tokens_per_gpu=t)
+        try:
+          if a2a == "none":
+            f = jax.jit(lambda *a, shared=shared: no_ep(*a, shared))
+            args_ = (x, w["w13"], w["w2"], tw, ti, w["s13"], w["s2"])
+          else:
+            kw = dict(shared_w13=w["s13"], shared_w2=w["s2"]) if shared else {}
+            f = jax.jit(lambda x, w13, w2, tw, ti, a2a=a2a, kw=kw, mb=mb: sharding.ep_fused_moe(
+                x, w13, w2, tw, ti, activation=act, parallel=par, a2a_backend=a2a,
+                micro_batches=mb, **kw))
+            args_ = (sharding.shard_tokens(x, par), sharding.shard_expert_weights(w["w13"], par),
+                     sharding.shard_expert_weights(w["w2"], par), sharding.shard_tokens(tw, par),
+                     sharding.shard_tokens(ti, par))
+            if shared not in ref:
+              ref[shared] = np.asarray(jax.jit(lambda *a, shared=shared: no_ep(*a, shared))(
+                  x, w["w13"], w["w2"], tw, ti, w["s13"], w["s2"]), np.float32)
+            out = np.asarray(f(*args_), np.float32)
+            rec["rel_err_vs_1gpu"] = float(np.linalg.norm(out - ref[shared])
+                                           / np.linalg.norm(ref[shared]))
+          us = measure(f, args_, args.iters)
+          rec.update(us=us, tokens_per_s_per_gpu=t / us * 1e6)
+          if ep == 1:
+            base[shared] = rec["tokens_per_s_per_gpu"]
+          if shared in base:
+            rec["efficiency_vs_ep1"] = rec["tokens_per_s_per_gpu"] / base[shared]
+          log(f"[layer] {name} ep={ep} {a2a:12s} shared={shared} mb={mb}: {us:.1f}us "
+              f"{rec['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
+              f"eff={rec.get('efficiency_vs_ep1', float('nan')):.2f} "
+              f"err={rec.get('rel_err_vs_1gpu', float('nan')):.1e}")
+        except Exception as e:  # noqa: BLE001
+          rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+          log(f"[layer] {name} ep={ep} {a2a} ERROR {rec['error']}")
+        RESULTS["layer"].append(rec)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--preset", default="deepseek-v3")
+  ap.add_argument("--layer-presets", default="deepseek-v3,qwen3-30b-a3b")
+  ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096],
+                  help="tokens per GPU for the peak/comm stages")
+  ap.add_argument("--layer-tokens", type=int, default=4096, help="tokens per GPU (layer)")
+  ap.add_argument("--stages", default="peak,comm,layer")
+  ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--torch", action="store_true", help="also PyTorch NCCL all_to_all_single")
+  ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ep_multigpu"))
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  devs = jax.devices()
+  RESULTS["meta"] = dict(jax=jax.__version__, devices=len(devs), kind=devs[0].device_kind,
+                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), argv=sys.argv)
+  log(f"{len(devs)} x {devs[0].device_kind}, jax {jax.__version__}")
+
+  def shaped(name):
+    cfg = get_preset(name)
+    if args.small:
+      cfg = cfg.replace(hidden_size=128, intermediate_size=64,
+                        num_experts=max(16, min(cfg.num_experts, 32)),
+                        num_expert_group=None, topk_group=None,
+                        shared_intermediate_size=64 if cfg.shared_intermediate_size else None)
+    return cfg
+
+  if args.small:
+    args.tokens = [16]
+    args.layer_tokens = 16
+  stages = args.stages.split(",")
+  cfg = shaped(args.preset)
+  if "peak" in stages:
+    stage_peak(args, cfg, devs)
+  if "comm" in stages:
+    stage_comm(args, cfg, devs)
+  if "layer" in stages:
+    for name in args.layer_presets.split(","):
+      stage_layer(args, shaped(name), devs, name)
+  with open(os.path.join(args.out, "ep_multigpu.json"), "w") as f:
+    json.dump(RESULTS, f, indent=1, default=str)
+  log(f"wrote {os.path.join(args.out, 'ep_multigpu.json')}")
+
+
+if __name__ == "__main__":
+  main()

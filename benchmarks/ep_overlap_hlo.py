@@ -5,13 +5,13 @@ HLO: for every asynchronous collective (`*-start` ... `*-done`) it lists the com
 GEMM custom calls) that the scheduler placed between start and done, i.e. what runs while the
 collective is in flight.
 
-On a one-GPU machine it uses jax's mock GPU topology (`jax_mock_gpu_topology`, mock NCCL): the
-GPU compiler and its latency-hiding scheduler see 8 devices, nothing is executed. Elsewhere it
-uses whatever devices exist (8 simulated CPU devices under
-XLA_FLAGS=--xla_force_host_platform_device_count=8, where XLA:CPU runs collectives synchronously
-and so shows no overlap: a negative control).
+Run it on a machine with several GPUs (the GPU compiler's latency-hiding scheduler decides the
+overlap). On 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) it is
+a negative control: XLA:CPU runs collectives synchronously, so no async pairs appear. jax's mock
+GPU topology (--mock) did not work on one H200 with jax 0.11.2 (2026-11-29): "1x1x8" is
+refused (devices per host must equal the local topology) and "1x8x1" hung while compiling.
 
-    PYTHONPATH=$PWD python3 benchmarks/ep_overlap_hlo.py --mock 1x8x1 --out $OUT
+    PYTHONPATH=$PWD python3 benchmarks/ep_overlap_hlo.py --out $OUT
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU paths not yet run on the H200 (training, batched kernels, EP with
 # Pallas experts + attribution of the EP paths' local cost, the scheduled-HLO overlap check on a
-# mock 8-GPU topology, `python -m jmoe bench`'s GPU path). Each step has its own time limit so
+`python -m jmoe bench`'s GPU path). Each step has its own time limit so
 # one failure does not hide the rest. Usage (device tool): bash benchmarks/gpu_validate.sh
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -13,6 +13,5 @@ step ${T_KERN:-200} env OUT=$OUT/k python3 benchmarks/bench_grouped_gemm.py --st
   --budget-s 180 --iters 3
 step ${T_EP:-150} python3 -m sharding.bench --preset qwen3-30b-a3b --tokens 1024 --iters 5 \
   --runners xla,pallas_mosaic --profile | tee $OUT/ep/local_cost.jsonl
-step ${T_OVL:-60} python3 benchmarks/ep_overlap_hlo.py --mock 1x1x8 --out $OUT/ovl --hlo-dir /tmp/hlo || step 60 python3 benchmarks/ep_overlap_hlo.py --mock 1x8x1 --out $OUT/ovl --hlo-dir /tmp/hlo
 step ${T_BENCH:-120} python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,1024 --repeats 9 --json $OUT/jmoe_bench.json
 ls -R $OUT | head -30

@@ -264,19 +264,26 @@ def test_shared_experts_and_two_batch_overlap(prob, a2a):
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), **TOL)
 
 
-def test_prepare_async_leaves_room_for_shared_work():
-  """The shared-expert matmul does not depend on the dispatch collective (it can overlap)."""
+@pytest.mark.parametrize("a2a", ["allgather", "ragged_a2a", "ragged_dedup", "padded_a2a"])
+def test_prepare_async_leaves_room_for_shared_work(a2a):
+  """The shared-expert matmul does not depend on the dispatch collective (it can overlap).
+
+  On CPU the ragged paths' collective is the all_gather emulation of ragged_all_to_all."""
   p = problem(bias=False)
   rng = np.random.default_rng(1)
   s13 = jnp.asarray(rng.normal(size=(H, 2 * N)), jnp.float32)
   s2 = jnp.asarray(rng.normal(size=(N, H)), jnp.float32)
   f = lambda x: sharding.ep_fused_moe(x, p["w13"], p["w2"], p["tw"], p["ti"],  # noqa: E731
-                                      a2a_backend="padded_a2a", parallel=parallel("e8"),
+                                      a2a_backend=a2a, parallel=parallel("e8"),
                                       shared_w13=s13, shared_w2=s2)
   jaxpr = jax.make_jaxpr(f)(p["x"]).jaxpr
   body = next(e for e in jaxpr.eqns if e.primitive.name == "shard_map").params["jaxpr"]
   names = [e.primitive.name for e in body.eqns]
-  first_a2a = names.index("all_to_all")
+  # the token dispatch: the first collective whose operand carries the hidden dimension
+  first_a2a = next(i for i, e in enumerate(body.eqns)
+                   if e.primitive.name in ("all_to_all", "all_gather", "ragged_all_to_all")
+                   and any(getattr(v.aval, "shape", ())[-1:] == (H,) for v in e.invars
+                           if not isinstance(v, Literal)))
   # the shared MLP's dots come after the dispatch was issued and before the experts' einsums
   dots = [i for i, n in enumerate(names) if n == "dot_general"]
   assert dots and dots[0] > first_a2a

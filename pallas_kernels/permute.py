@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 # Up to this many slots the sort is a pairwise rank (one fused O(n^2) compare kernel, fast for
-# decode); above it a stable argsort.
+# decode); above it a sort of one int32 key (moe_align's method="auto").
 _RANK_MAX_SLOTS = 2048
 
 

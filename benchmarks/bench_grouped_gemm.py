@@ -374,7 +374,7 @@ def stage_block(args):
     del w13, w2, tw13, tw2
 
 
-from pallas_kernels.tuning import SWEEP_G1, SWEEP_G2, SWEEP_SMALL  # noqa: E402
+from pallas_kernels.tuning import SWEEP_G1, SWEEP_G2, SWEEP_SMALL, SWEEP_TGMM  # noqa: E402
 
 
 def stage_sweep(args):
@@ -441,13 +441,6 @@ def xla_block_fn(E, act="silu"):
   return block
 
 
-TGMM_SWEEP = [  # (block_k, block_n, block_r, num_stages, transpose_in_kernel);
-    # H200 2026-11-29: the first won; the last = lhs transposed by XLA first (the old default)
-    (128, 128, 64, 4, None), (128, 128, 128, 4, None), (64, 256, 64, 4, None),
-    (128, 128, 64, 4, False),
-]
-
-
 def stage_tgmm_sweep(args):
   """Weight-gradient kernel configs on the training shapes (mixtral / qwen3 at 1024 tokens);
   the best total becomes tgmm's default for the train stage of this run."""
@@ -462,9 +455,9 @@ def stage_tgmm_sweep(args):
     dy = jax.random.normal(jax.random.key(2), (M, N), jnp.float32).astype(jnp.bfloat16)
     gs = jnp.asarray(np.random.default_rng(0).multinomial(M, np.ones(E) / E), jnp.int32)
     ref = None
-    for bk, bn, br, st, tik in TGMM_SWEEP:
-      cfg = tg.TgmmConfig(block_k=bk, block_n=bn, block_r=br, num_stages=st,
-                          transpose_in_kernel=tik)
+    for cfg in SWEEP_TGMM:
+      bk, bn, br, st, tik = (cfg.block_k, cfg.block_n, cfg.block_r, cfg.num_stages,
+                             cfg.transpose_in_kernel)
       rec = dict(kind="tgmm_sweep", shape=name, config=dataclasses.asdict(cfg))
       try:
         f = jax.jit(lambda a, b, g, cfg=cfg: tg.tgmm(a, b, g, config=cfg, interpret=INTERPRET))

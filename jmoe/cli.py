@@ -169,7 +169,7 @@ def cmd_tune(args) -> int:
     return 2
   from pallas_kernels import tuning  # noqa: PLC0415
   per_t = [len(tuning.candidates(g, t * k / max(1, min(e, t * k)))) for t in args.tokens
-           for g in ("gemm1", "gemm2")]
+           for g in ("gemm1", "gemm2", "tgmm", "tgmm")]
   total = sum(min(c, args.max_candidates or c) for c in per_t)
   console.print(f"[bold]jmoe tune[/] {args.preset}: E={e} k={k} H={h} N={n} tokens={args.tokens} "
                 f"jax={jax.__version__} device={jax.devices()[0].device_kind}")

@@ -1,8 +1,9 @@
-"""`python -m jmoe tune`: autotune the grouped-GEMM block configs for a preset on this GPU.
+"""`python -m jmoe tune`: autotune the Pallas kernels' block configs for a preset on this GPU.
 
 For each token count, routes random tokens with the preset's top-k, then times every candidate
-config (pallas_kernels.tuning) of GEMM1 (gated, activation fused) and GEMM2 (router weight
-fused) and writes the fastest into the JSON tables the kernels read
+config (pallas_kernels.tuning) of GEMM1 (gated, activation fused), GEMM2 (router weight
+fused) and the weight-gradient tgmm of both, and writes the fastest into the JSON tables the
+kernels read
 (`pallas_kernels/configs/<kernel>.json`, keyed by E, N, K, dtype, device kind, jax minor version
 and M bucket). Device time comes from CUPTI (`jax.experimental.mosaic.gpu.profiler`); in
 interpret mode (tests) from the wall clock, which says nothing about speed.
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass
 class TuneResult:
-  kernel: str  # "grouped_gemm_gated" (GEMM1) or "grouped_gemm" (GEMM2)
+  kernel: str  # "grouped_gemm_gated" (GEMM1), "grouped_gemm" (GEMM2) or "tgmm" (weight grads)
   key: str
   config: dict
   us: float
@@ -53,6 +54,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   """Time the candidates of both GEMMs at each token count; return the best per kernel."""
   from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
   from pallas_kernels import permute, tuning  # noqa: PLC0415
+  from pallas_kernels.tgmm import tgmm  # noqa: PLC0415
 
   ks = jax.random.split(jax.random.key(seed), 5)
   e, h, n = num_experts, hidden, intermediate
@@ -69,16 +71,21 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
     hs = jax.random.normal(ks[4], (xs.shape[0], n), jnp.float32).astype(dtype)
     scale = permute.permute_weights(tw, order)
     m = t * top_k
-    problems = {
-        "grouped_gemm_gated": ("gemm1", n, h, (xs, gs, w13),
-                               lambda cfg: jax.jit(lambda a, g, w: gg.grouped_gemm_gated(
-                                   a, w, g, activation=activation, config=cfg,
-                                   interpret=interpret))),
-        "grouped_gemm": ("gemm2", h, n, (hs, gs, w2, scale),
-                         lambda cfg: jax.jit(lambda a, g, w, s: gg.grouped_gemm(
-                             a, w, g, row_scale=s, config=cfg, interpret=interpret))),
-    }
-    for kernel, (gemm, n_out, k_in, args, build) in problems.items():
+    def build_tgmm(cfg):
+      return jax.jit(lambda a, b, g: tgmm(a, b, g, config=cfg, interpret=interpret))
+    d13 = jax.random.normal(ks[4], (xs.shape[0], 2 * n), jnp.float32).astype(dtype)
+    problems = [  # (table, candidate set, output N, contraction K, args, build)
+        ("grouped_gemm_gated", "gemm1", n, h, (xs, gs, w13),
+         lambda cfg: jax.jit(lambda a, g, w: gg.grouped_gemm_gated(
+             a, w, g, activation=activation, config=cfg, interpret=interpret))),
+        ("grouped_gemm", "gemm2", h, n, (hs, gs, w2, scale),
+         lambda cfg: jax.jit(lambda a, g, w, s: gg.grouped_gemm(
+             a, w, g, row_scale=s, config=cfg, interpret=interpret))),
+        # weight gradients: dW13 = xs^T d(h13) [H, 2N], dW2 = a^T dy [N, H] (keyed K, N)
+        ("tgmm", "tgmm", 2 * n, h, (xs, d13, gs), build_tgmm),
+        ("tgmm", "tgmm", h, n, (hs, xs, gs), build_tgmm),
+    ]
+    for kernel, gemm, n_out, k_in, args, build in problems:
       cands = tuning.candidates(gemm, m / max(1, min(e, m)))
       if max_candidates:
         cands = cands[:max_candidates]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -26,6 +27,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
 from pallas_kernels import grouped_gemm as gg
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,9 @@ class TgmmConfig:
     if self.num_stages < 2:
       raise ValueError("num_stages must be >= 2")
 
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
 
 _SMEM_LIMIT = 227 * 1024  # Hopper: shared memory one block may use
 
@@ -60,8 +66,22 @@ def _smem_bytes(bk, bn, br, stages, itemsize, out_itemsize):
   return stages * (br * bk + br * bn) * itemsize + bk * bn * out_itemsize
 
 
-# The default when tgmm is called without a config (benchmarks may swap it for a sweep's best).
+# The default when no tuned entry matches (benchmarks may swap it for a sweep's best).
 DEFAULT_CONFIG = TgmmConfig()
+
+
+def get_tgmm_config(m: int, k: int, n: int, num_groups: int, dtype) -> TgmmConfig:
+  """Tuned config from pallas_kernels/configs/tgmm.json (keyed like the grouped GEMMs': E, N,
+  K, dtype, device kind, jax minor version, M bucket; `python -m jmoe tune` writes it), else
+  DEFAULT_CONFIG."""
+  key = gg._tuned_key(num_groups, n, k, dtype, _compat.device_kind(), gg._m_bucket(m))
+  entry = gg._load_tuned("tgmm").get(key)
+  if entry is None:
+    log.debug("tgmm: no tuned config for %s; default %s", key, DEFAULT_CONFIG)
+    return DEFAULT_CONFIG
+  fields = {f.name for f in dataclasses.fields(TgmmConfig)}
+  log.debug("tgmm: tuned config for %s: %s", key, entry)
+  return TgmmConfig(**{f: v for f, v in entry.items() if f in fields})
 
 
 def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, interpret):
@@ -176,7 +196,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
     raise ValueError(f"group_sizes must have shape ({e},), got {group_sizes.shape}")
   if k % 64 or n % 64:
     raise ValueError(f"K={k} and N={n} must be multiples of 64")
-  cfg = config or DEFAULT_CONFIG
+  cfg = config or get_tgmm_config(m, k, n, e, lhs.dtype)
   bk = cfg.block_k if k % cfg.block_k == 0 else 64
   bn = cfg.block_n
   while n % bn:

@@ -4,6 +4,7 @@ kernel wrapper (block_k / block_n shrink to divide K / N, stages fitted to share
 from __future__ import annotations
 
 from pallas_kernels.grouped_gemm import GroupedGemmConfig as C
+from pallas_kernels.tgmm import TgmmConfig as TC
 
 SWEEP_G1 = (  # gated GEMM1, large M
     C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
@@ -31,8 +32,18 @@ SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
 )
 
 
-def candidates(gemm: str, rows_per_expert: float) -> tuple[C, ...]:
-  """Configs worth timing for `gemm` ("gemm1" gated / "gemm2") at this expert load."""
+SWEEP_TGMM = (  # weight gradient; H200 2026-11-29 (mixtral / qwen3 at 1024 tokens): the first
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4),  # won, bn=256 was 3x slower
+    TC(block_k=128, block_n=128, block_r=128, num_stages=4),
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, transpose_in_kernel=False),
+)
+
+
+def candidates(gemm: str, rows_per_expert: float) -> tuple:
+  """Configs worth timing for `gemm` ("gemm1" gated / "gemm2" / "tgmm") at this expert load."""
+  if gemm == "tgmm":
+    return SWEEP_TGMM
   if rows_per_expert <= 64:
     return SWEEP_SMALL + ((SWEEP_G1[0],) if gemm == "gemm1" else (SWEEP_G2[1],))
   return SWEEP_G1 if gemm == "gemm1" else SWEEP_G2

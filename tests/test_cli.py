@@ -64,6 +64,9 @@ def test_tune_in_interpret_mode_writes_tables(tmp_path, capsys):
     (key, entry), = table.items()
     assert key.startswith("E=4,") and ",jax=" in key and entry["us"] > 0
     assert {"block_m", "block_n", "block_k", "num_stages"} <= set(entry)
+  tg = json.loads((tmp_path / "tgmm.json").read_text())  # dW13 and dW2 shapes
+  assert sorted(k_.split(",")[1:3] for k_ in tg) == [["N=128", "K=64"], ["N=64", "K=64"]]
+  assert all({"block_k", "block_n", "block_r", "num_stages"} <= set(v) for v in tg.values())
 
 
 def test_tune_refuses_cpu_without_interpret(capsys):

@@ -383,6 +383,16 @@ def test_tgmm(rng, sizes):
   assert (out[1] == 0).all() and (out[4] == 0).all()
 
 
+def test_tgmm_config_lookup(monkeypatch):
+  from pallas_kernels import tgmm as tg
+  key = gg._tuned_key(8, 1536, 2048, jnp.bfloat16, _compat.device_kind(), gg._m_bucket(8192))
+  tuned = {key: dict(block_k=64, block_n=256, block_r=64, num_stages=3, us=1.0, note="x")}
+  monkeypatch.setattr(gg, "_load_tuned", lambda name: tuned if name == "tgmm" else {})
+  assert tg.get_tgmm_config(8192, 2048, 1536, 8, jnp.bfloat16) == tg.TgmmConfig(
+      block_k=64, block_n=256, block_r=64, num_stages=3)
+  assert tg.get_tgmm_config(8192, 2048, 1536, 16, jnp.bfloat16) == tg.DEFAULT_CONFIG
+
+
 def test_gmm_grad_matches_ragged_dot(rng):
   from pallas_kernels import tgmm as tg
   m, k, n, e = 130, 64, 128, 3

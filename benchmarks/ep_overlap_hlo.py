@@ -54,7 +54,6 @@ IGNORED = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "co
 def overlap_report(hlo: str) -> list[dict]:
   """For each async collective start, the compute ops scheduled before its done."""
   sched = parse_schedule(hlo)
-  pos = {name: i for i, (name, _, _) in enumerate(sched)}
   report = []
   for i, (name, op, line) in enumerate(sched):
     if not op.endswith("-start") or op == "copy-start":
@@ -72,14 +71,12 @@ def overlap_report(hlo: str) -> list[dict]:
     report.append({"collective": coll, "start": name, "done": sched[done][0],
                    "ops_between": done - i - 1, "compute_between": len(between),
                    "compute_kinds": sorted(set(between))})
-  del pos
   return report
 
 
 def build(args):
   import jax
   import jax.numpy as jnp
-  import numpy as np
   import sharding
   from jmoe.config import get_preset
 
@@ -130,7 +127,6 @@ def build(args):
     except Exception as ex:  # noqa: BLE001
       results[name] = {"error": f"{type(ex).__name__}: {str(ex)[:400]}"}
       print(f"== {name}: ERROR {type(ex).__name__}: {str(ex)[:400]}", flush=True)
-  del np
   return results
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
 import time
 from typing import Callable, Optional, Sequence
 
@@ -20,7 +19,7 @@ import numpy as np
 from jmoe import registry
 from jmoe.api import fused_moe
 from jmoe import timing
-from jmoe.config import PRESET_TOKENS, MoEConfig, get_preset
+from jmoe.config import MoEConfig, get_preset
 from jmoe.oracle import platform_info
 from jmoe.router import select_experts
 
@@ -65,17 +64,6 @@ def _best_time(fn: Callable[[], jax.Array], repeats: int) -> float:
     jax.block_until_ready(fn())
     best = min(best, time.perf_counter() - t0)
   return best
-
-
-def _median_time(fn: Callable[[], jax.Array], repeats: int = 10, warmup: int = 2) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def scaled_for_cpu(cfg: MoEConfig, target_flops: float = 2e8) -> tuple[MoEConfig, str]:
@@ -177,11 +165,11 @@ def run_bench(preset: str, tokens: Sequence[int], backends: Sequence[str], dtype
         if b in backends:
           fn = fns[b]
           outs = [fn(*p[0]) for p in problems]  # compile + correctness on fresh data
-          it = iter(range(1 << 30))
-          dt = _median_time(lambda: fn(*problems[next(it) % rotate][0]), repeats=repeats)
+          arg_sets = [p[0] for p in problems]
+          iters = max(1, repeats // rotate)
+          dt = timing.wall_time(fn, arg_sets, iters=iters) / 1e6
           if machine.platform == "gpu":
-            dev = timing.device_time(fn, [p[0] for p in problems],
-                                     iters=max(1, repeats // rotate))[0] / 1e6
+            dev = timing.device_time(fn, arg_sets, iters=iters)[0] / 1e6
         else:
           from jmoe import bench_peers  # noqa: PLC0415 (torch only when asked)
           outs, dt, dev = bench_peers.run_peer(b, cfg, [p[0] for p in problems], repeats)

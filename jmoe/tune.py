@@ -13,12 +13,12 @@ import dataclasses
 import json
 import math
 import os
-import statistics
-import time
 from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from jmoe import timing
 
 
 @dataclasses.dataclass
@@ -32,18 +32,9 @@ class TuneResult:
 
 
 def _device_time_us(fn: Callable, args, iters: int, interpret: bool) -> float:
-  jax.block_until_ready(fn(*args))  # compile + warm up
-  if interpret:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return (time.perf_counter() - t0) * 1e6
-  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
-  times = []
-  for _ in range(iters):
-    out, t_ms = profiler.measure(fn)(*args)
-    jax.block_until_ready(out)
-    times.append(t_ms * 1e3)
-  return statistics.median(times)
+  if interpret:  # one interpreted run: a smoke test, not a timing
+    return timing.wall_time(fn, [args], iters=1)
+  return timing.device_time(fn, [args], iters=iters)[0]
 
 
 def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activation,

@@ -201,17 +201,15 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   bn = cfg.block_n
   while n % bn:
     bn //= 2
-  tik = cfg.transpose_in_kernel
-  if tik is None:
-    tik = not interpret
-  out_dtype_ = jnp.dtype(out_dtype or lhs.dtype)
-  stages = cfg.num_stages
-  while stages > 2 and _smem_bytes(cfg.block_k, bn, cfg.block_r, stages, lhs.dtype.itemsize,
-                                   out_dtype_.itemsize) > _SMEM_LIMIT:
-    stages -= 1
-  cfg = dataclasses.replace(cfg, num_stages=stages)
-  cfg = dataclasses.replace(cfg, block_k=bk, block_n=max(bn, 64), transpose_in_kernel=tik)
+  bn = max(bn, 64)
+  tik = (not interpret) if cfg.transpose_in_kernel is None else cfg.transpose_in_kernel
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  stages = cfg.num_stages  # fitted to shared memory
+  while stages > 2 and _smem_bytes(bk, bn, cfg.block_r, stages, lhs.dtype.itemsize,
+                                   out_dtype.itemsize) > _SMEM_LIMIT:
+    stages -= 1
+  cfg = dataclasses.replace(cfg, block_k=bk, block_n=bn, num_stages=stages,
+                            transpose_in_kernel=tik)
   if m < cfg.block_r:  # tiny M: pad rows so that one row block fits in the arrays
     lhs = jnp.pad(lhs, ((0, cfg.block_r - m), (0, 0)))
     dout = jnp.pad(dout, ((0, cfg.block_r - m), (0, 0)))

@@ -11,7 +11,6 @@ same tokens per rank and balanced routing (T k rows), so the GEMM time is compar
 from __future__ import annotations
 
 import json
-import time
 from typing import Callable
 
 import jax
@@ -27,16 +26,9 @@ from jmoe.modular import ExpertWeights
 from sharding.mesh import make_ep_mesh, parallel_config
 
 
-def _time(fn: Callable, *args, iters: int = 20, warmup: int = 3) -> float:
+def _time(fn: Callable, *args, iters: int = 20) -> float:
   """Median wall time of fn(*args) in milliseconds (results blocked on)."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts) * 1e3)
+  return timing.wall_time(fn, [args], iters=iters) / 1e3
 
 
 def device_profile(fn: Callable, *args, iters: int = 5, top: int = 8) -> dict:

@@ -8,7 +8,6 @@ shard; `prepare`/`finalize` hold the collectives.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, Optional, Union
 
@@ -34,14 +33,11 @@ def select_parts(parallel: ParallelConfig, *, runner_backend: str = "auto",
   """(prepare_finalize, experts, reason) for an EP call, with placement/capacity applied.
 
   `problem` = (dtype, hidden_size, intermediate size per tensor rank): what the local experts
-  see, so that "auto" skips runners that cannot run it (passed on when the oracle takes it).
+  see, so that "auto" skips runners that cannot run it.
   """
   from jmoe import oracle  # noqa: PLC0415 (jmoe may still be importing when sharding loads)
-  kw = {}
-  if problem is not None and "problem" in inspect.signature(oracle.select_backend).parameters:
-    kw["problem"] = problem
   pf, experts, reason = oracle.select_backend(runner_backend, a2a_backend, quant=quant_config,
-                                              parallel=parallel, **kw)
+                                              parallel=parallel, problem=problem)
   if isinstance(pf, EPPrepareFinalize) and (placement is not None or capacity is not None):
     pf = type(pf)(parallel, placement=placement, capacity=capacity, ragged_impl=pf.ragged_impl)
   return pf, experts, reason

@@ -248,17 +248,19 @@ class RaggedA2A(EPPrepareFinalize):
     order0 = jnp.argsort(raw_key, stable=True)
     counts0 = jnp.bincount(raw_key, length=nkeys + 1)
     pos = inverse_permutation(order0) - (jnp.cumsum(counts0) - counts0)[raw_key]
-    kept = valid & (pos < self.capacity_for(t, k))
-    key = jnp.where(kept, raw_key, nkeys)
+    cap = self.capacity_for(t, k)
+    kept = valid & (pos < cap)
     # the send order: order0 with the dropped copies moved to the end (a stable partition in
     # O(n), not a second sort; only the kept prefix is ever sent)
     kept_sorted = kept[order0].astype(jnp.int32)
     kept_before = jnp.cumsum(kept_sorted) - kept_sorted
     slot = jnp.arange(t * k, dtype=jnp.int32)
-    dest = jnp.where(kept_sorted > 0, kept_before, jnp.sum(kept_sorted) + slot - kept_before)
-    order = jnp.zeros((t * k,), jnp.int32).at[dest].set(order0.astype(jnp.int32),
-                                                         unique_indices=True)
-    counts = jnp.bincount(key, length=nkeys + 1)[:nkeys].reshape(ep, el).astype(jnp.int32)
+    send_pos = jnp.where(kept_sorted > 0, kept_before,
+                         jnp.sum(kept_sorted) + slot - kept_before)
+    order = jnp.zeros((t * k,), jnp.int32).at[send_pos].set(order0.astype(jnp.int32),
+                                                             unique_indices=True)
+    # a group keeps its first C slots: its kept count is min(count, C)
+    counts = jnp.minimum(counts0[:nkeys], cap).reshape(ep, el).astype(jnp.int32)
     x_send = a1q[order // k]  # [T*k, H], grouped by destination then local expert
     counts_all = jax.lax.all_gather(counts, self.expert_axis)  # [src, dst, el]
     cnt = counts_all.sum(-1)  # [src, dst]

@@ -475,7 +475,8 @@ def stage_tgmm_sweep(args):
         us, _, _ = cupti_times(f, [(x, dy, gs)], iters=3)
         rec.update(us=us, tflops=2 * M * K * N / us / 1e6)
         totals[cfg] = totals.get(cfg, 0.0) + us
-        log(f"[tgmm] {name:12s} bk={bk} bn={bn} br={br} st={st} tik={tik}: {us:8.1f}us "
+        log(f"[tgmm] {name:12s} bk={bk} bn={bn} br={br} st={st} tik={tik} "
+            f"cps={cfg.ctas_per_sm}: {us:8.1f}us "
             f"{rec['tflops']:5.0f}TF/s err={rec.get('err_vs_f32', rec.get('err_vs_first')):.1e}")
       except Exception as e:  # noqa: BLE001
         fail(rec, f"tgmm sweep {name} {cfg}", e)

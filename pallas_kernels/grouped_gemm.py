@@ -13,12 +13,12 @@ bias is part of the expert output and the router weight multiplies the whole exp
 Rows ``r >= sum(group_sizes)`` (and every row when the sum is 0) are NOT written: their content is
 unspecified. If ``sum(group_sizes) > M`` only the first M rows are computed.
 
-Schedule: the (row-tile, group) work list is built on device with jnp (no host sync). A row tile
-that straddles a group boundary becomes one task per group it touches; each task multiplies the
-whole tile but stores only its group's rows (power-of-two TMA stores, so a neighbour group's rows
-are never overwritten). Groups with zero rows produce no task, so their weights are never read:
-at decode only touched experts' weights are streamed. A persistent grid (one CTA per SM) walks the
-dynamic number of (task, column-tile) work items.
+Schedule: the (group, row tile) work list is built on device with jnp (no host sync). Row tiles
+are aligned to their group's first row, so a group of s rows is exactly cdiv(s, block_m) tasks
+and no tile straddles a group boundary; each task stores only its own rows (power-of-two TMA
+stores, so a neighbour group's rows are never overwritten). Groups with zero rows produce no
+task, so their weights are never read: at decode only touched experts' weights are streamed. A
+persistent grid (one CTA per SM) walks the dynamic number of (task, column-tile) work items.
 """
 from __future__ import annotations
 
@@ -202,11 +202,12 @@ def get_config(kernel_name: str, m: int, n: int, k: int, num_groups: int, dtype,
 
 
 def tile_metadata(group_sizes: jax.Array, m: int, block_m: int):
-  """Work list of (group, row block, row range) computed on device.
+  """Work list of (group, row tile) tasks computed on device.
 
-  Returns (meta int32[4, T], num_tasks int32[1]) with T = cdiv(m, block_m) + G - 1 (static upper
-  bound); row t < num_tasks of meta is (group, block index, first row, end row) of task t. Groups
-  with zero rows produce no task. Rows past m are dropped (group sizes are clipped to m in total).
+  Returns (meta int32[4, T], num_tasks int32[1]) with T = cdiv(m, block_m) + G - 1 (a static
+  upper bound); column t < num_tasks of meta is (group, first row of the tile, first row, end
+  row) of task t. Groups with zero rows produce no task. Rows past m are dropped (group sizes
+  are clipped to m in total). See :func:`tile_metadata_from_bounds` for the tiling.
   """
   gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
   g = gs.shape[0]
@@ -217,28 +218,31 @@ def tile_metadata(group_sizes: jax.Array, m: int, block_m: int):
 
 def tile_metadata_from_bounds(starts: jax.Array, ends: jax.Array, block_m: int, t_max: int):
   """Like tile_metadata for groups at arbitrary row ranges [starts[g], ends[g]) (increasing,
-  non-overlapping); t_max must bound the number of tasks."""
-  g = starts.shape[0]
+  non-overlapping); t_max must bound the number of tasks.
+
+  Tiles are aligned to their group, not to a global block_m grid: group g's tasks cover rows
+  [starts[g] + j*block_m, min(ends[g], starts[g] + (j+1)*block_m)), so a group of s rows costs
+  exactly cdiv(s, block_m) tasks and streams its weights that many times per column tile (a
+  global grid would add a task, and a weight pass, for every group boundary inside a tile: at
+  64 rows per expert that doubles the weight traffic). A task's tile may reach past the array
+  end; the kernel shifts such a tile back (its rows stay inside) and stores only [lo, hi).
+  """
   starts = starts.astype(jnp.int32)
   ends = jnp.maximum(ends.astype(jnp.int32), starts)
-  sizes = ends - starts
-  first = starts // block_m
-  last = (ends - 1) // block_m
-  ntiles = jnp.where(sizes > 0, last - first + 1, 0)
+  g = starts.shape[0]
+  ntiles = (ends - starts + block_m - 1) // block_m
   tile_end = jnp.cumsum(ntiles)
   tile_start = tile_end - ntiles
   t = jnp.arange(t_max, dtype=jnp.int32)
-  # expert of task t = number of experts whose tiles all end at or before t (compare-sum: fuses)
+  # group of task t = number of groups whose tasks all end at or before t (compare-sum: fuses)
   e = jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1)
   e = jnp.minimum(e, g - 1)
-  block = first[e] + (t - tile_start[e])
-  lo = jnp.maximum(starts[e], block * block_m)
-  hi = jnp.minimum(ends[e], block * block_m + block_m)
+  lo = starts[e] + (t - tile_start[e]) * block_m
+  hi = jnp.minimum(ends[e], lo + block_m)
   valid = t < tile_end[-1]
   lo = jnp.where(valid, lo, 0)
   hi = jnp.where(valid, hi, 0)
-  block = jnp.where(valid, block, 0)
-  meta = jnp.stack([e, block, lo, hi]).astype(jnp.int32)
+  meta = jnp.stack([e, lo, lo, hi]).astype(jnp.int32)
   return meta, tile_end[-1:].astype(jnp.int32)
 
 
@@ -343,16 +347,16 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
     num_tasks = ntask_ref[0]
     num_items = num_tasks * n_tiles
 
-    def epilogue(accs, wg, e, blk, lo, hi, ni):
+    def epilogue(accs, wg, e, row, lo, hi, ni):
       """accs: f32 values (tile_m, tile_n); stores rows [lo, hi) of this warpgroup's tile."""
       if cfg.warp_specialized and cfg.wg_split == "m":
-        r0 = blk * bm + wg * tile_m
+        r0 = row + wg * tile_m
         c0 = ni * bn
       elif cfg.warp_specialized:
-        r0 = blk * bm
+        r0 = row
         c0 = ni * bn + wg * tile_n
       else:
-        r0 = blk * bm
+        r0 = row
         c0 = ni * bn
       # bias / row-scale vectors: TMA into SMEM, then into registers.
       if has_bias:
@@ -399,10 +403,11 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
     def task_info(lin):
       task, ni = item_to_task_col(lin, num_tasks)
       e = meta_ref[0, task]
-      blk = meta_ref[1, task]
+      # the tile's first row; a tile reaching past the array is shifted back inside it
+      row = jnp.minimum(meta_ref[1, task], m_pad - bm)
       lo = meta_ref[2, task]
       hi = meta_ref[3, task]
-      return e, blk, lo, hi, ni
+      return e, row, lo, hi, ni
 
     if cfg.warp_specialized:
       def mma_body(_, a_smem, *refs):
@@ -429,25 +434,25 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       @plgpu.nd_loop((num_items,), collective_axes="sm")
       def _loop(info):
         (lin,) = info.index
-        e, blk, lo, hi, ni = task_info(lin)
+        e, row, lo, hi, ni = task_info(lin)
 
         def compute_context(eval_pipeline):
           def scope(*acc_refs):
             accs = eval_pipeline(tuple(acc_refs))
             wg = lax.axis_index("wg")
-            epilogue([a[...] for a in accs], wg, e, blk, lo, hi, ni)
+            epilogue([a[...] for a in accs], wg, e, row, lo, hi, ni)
           pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32)
                                  for _ in range(n_rhs)])
 
         b_views = rhs_views(rhs_ref.at[e], ni)
         make_pipeline(mma_body, compute_context)(
-            lhs_ref.at[pl.ds(blk * bm, bm), :], *b_views, allocations=pipeline_allocs)
+            lhs_ref.at[pl.ds(row, bm), :], *b_views, allocations=pipeline_allocs)
 
     else:
       @plgpu.nd_loop((num_items,), collective_axes="sm")
       def _loop(info):
         (lin,) = info.index
-        e, blk, lo, hi, ni = task_info(lin)
+        e, row, lo, hi, ni = task_info(lin)
         b_views = rhs_views(rhs_ref.at[e], ni)
 
         def scope(*acc_refs):
@@ -460,9 +465,9 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
           specs += [rhs_spec(delay_release=1) for _ in range(n_rhs)]
           plgpu.emit_pipeline(step, grid=(k_iters,), in_specs=specs,
                               max_concurrent_steps=cfg.num_stages)(
-                                  lhs_ref.at[pl.ds(blk * bm, bm), :], *b_views)
+                                  lhs_ref.at[pl.ds(row, bm), :], *b_views)
           plgpu.wgmma_wait(0)
-          epilogue([a[...] for a in acc_refs], 0, e, blk, lo, hi, ni)
+          epilogue([a[...] for a in acc_refs], 0, e, row, lo, hi, ni)
         pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
@@ -729,8 +734,7 @@ def _batched(lhs, rhs, expert_num_tokens, row_scale, bias, out_dtype, config, in
   bm = config.block_m
   counts = jnp.clip(expert_num_tokens.astype(jnp.int32), 0, cap)
   starts = jnp.arange(e, dtype=jnp.int32) * cap
-  # tiles of one expert: at most cdiv(cap, bm) + 1 (its rows may start mid-tile)
-  t_max = e * (pl.cdiv(cap, bm) + (1 if cap % bm else 0))
+  t_max = e * pl.cdiv(cap, bm)  # tiles are aligned to each expert's first row
   meta = tile_metadata_from_bounds(starts, starts + counts, bm, t_max)
   out = _run(lhs2, rhs, expert_num_tokens, scale2, bias, out_dtype, config, interpret, gated, act,
              kernel_name, meta=meta)

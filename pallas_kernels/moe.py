@@ -77,11 +77,11 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   return _perm.gather_sum(y, inv, out_dtype=x.dtype)
 
 
-def _slot_metadata(ids, valid, block_m):
-  """One grouped-GEMM task per slot s: (expert, row block s // block_m, rows [s, s + 1)); an
-  empty slot stores no row ([s, s))."""
+def _slot_metadata(ids, valid):
+  """One grouped-GEMM task per slot s: (expert, tile from row s, rows [s, s + 1)); an empty slot
+  stores no row ([s, s)). Tiles start at their slot's row, so one list serves any block_m."""
   s = jnp.arange(ids.shape[0], dtype=jnp.int32)
-  meta = jnp.stack([jnp.where(valid, ids, 0), s // block_m, s, jnp.where(valid, s + 1, s)])
+  meta = jnp.stack([jnp.where(valid, ids, 0), s, s, jnp.where(valid, s + 1, s)])
   return meta.astype(jnp.int32), jnp.full((1,), ids.shape[0], jnp.int32)
 
 
@@ -99,15 +99,13 @@ def _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config
   scale = jnp.where(valid, topk_weights.reshape(m).astype(jnp.float32), 0.0)
   scale = jnp.pad(scale, (0, m_alloc - m))
   no_groups = jnp.zeros((e,), jnp.int32)  # the tasks come from the metadata alone
-  meta1 = _slot_metadata(ids, valid, config1.block_m)
-  meta2 = meta1 if config2.block_m == config1.block_m else _slot_metadata(ids, valid,
-                                                                           config2.block_m)
+  meta = _slot_metadata(ids, valid)
   gg._validate(xs, w13, no_groups, None, w13_bias, w13.shape[2], gated=act.is_gated)
   h = gg._run(xs, w13, no_groups, None, w13_bias, None, config1, interpret, act.is_gated, act,
-              "", meta=meta1)
+              "", meta=meta)
   gg._validate(h, w2, no_groups, scale, w2_bias, w2.shape[2])
   y = gg._run(h, w2, no_groups, scale, w2_bias, None, config2, interpret, False, None, "",
-              meta=meta2)
+              meta=meta)
   y = jnp.where(valid[:, None], y[:m].astype(jnp.float32), 0.0)  # empty slots: rows unwritten
   return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
 
@@ -154,12 +152,14 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   from pallas_kernels import tgmm as _tg
   act = as_activation(activation)
   t, k = topk_ids.shape
-  e = w13.shape[0]
+  e, hdim = w13.shape[:2]
   sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
   m = t * k
   m_alloc = max(m, 128)
   order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
-  xs = _perm.permute_rows(x, order, k)
+  impl = "pallas" if m >= _PALLAS_GATHER_MIN_SLOTS and _perm.gather_rows_supports(
+      hdim) and not interpret else "xla"
+  xs = _perm.permute_rows_diff(x, order, inv, k, impl)
   gid = None
   if w13_bias is not None or w2_bias is not None:
     ids = topk_ids.reshape(-1).astype(jnp.int32)
@@ -172,4 +172,4 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   if w2_bias is not None:
     y = y + jnp.take(w2_bias.astype(jnp.float32), gid, axis=0)
   y = y * _perm.permute_weights(topk_weights, order)[:, None]
-  return _perm.gather_sum(y, inv, out_dtype=x.dtype)
+  return _perm.gather_sum_diff(y, inv, order, k, x.dtype, impl)

@@ -44,6 +44,11 @@ class TgmmConfig:
   # one extra pass over lhs) and the kernel reads K-major tiles. None: True on the GPU, False
   # in interpret mode (H200, mixtral-sized tgmm: 155 vs 169 µs).
   transpose_in_kernel: bool | None = None
+  # CTAs resident per SM (1 or 2). An expert's contraction is short at training sizes (mixtral,
+  # 1024 tokens: 256 rows = 4 pipeline steps per output tile), so a lone CTA waits on its first
+  # loads and its epilogue store every few steps; a second CTA (shared memory halved: stages
+  # are refitted) computes meanwhile.
+  ctas_per_sm: int = 1
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -54,12 +59,19 @@ class TgmmConfig:
       raise ValueError(f"block_r={self.block_r} must be 64 or 128")
     if self.num_stages < 2:
       raise ValueError("num_stages must be >= 2")
+    if self.ctas_per_sm not in (1, 2):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
 
 _SMEM_LIMIT = 227 * 1024  # Hopper: shared memory one block may use
+_SMEM_PER_SM = 228 * 1024  # Hopper: shared memory of one SM (1 KiB of it reserved per block)
+
+
+def _smem_limit(ctas_per_sm: int) -> int:
+  return min(_SMEM_LIMIT, _SMEM_PER_SM // ctas_per_sm - 1024)
 
 
 def _smem_bytes(bk, bn, br, stages, itemsize, out_itemsize):
@@ -168,11 +180,11 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, inter
       out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
       scratch_types=[plgpu.SMEM((bk, bn), out_dtype,
                                 transforms=tf(bn, jnp.dtype(out_dtype).itemsize))],
-      grid=(num_sms,),
+      grid=(num_sms * (1 if interpret else cfg.ctas_per_sm),),
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(),
       interpret=interpret,
-      name="jmoe_tgmm",
+      name="jmoe_tgmm" + ("_2cta" if cfg.ctas_per_sm == 2 else ""),
   )
 
 
@@ -206,7 +218,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   stages = cfg.num_stages  # fitted to shared memory
   while stages > 2 and _smem_bytes(bk, bn, cfg.block_r, stages, lhs.dtype.itemsize,
-                                   out_dtype.itemsize) > _SMEM_LIMIT:
+                                   out_dtype.itemsize) > _smem_limit(cfg.ctas_per_sm):
     stages -= 1
   cfg = dataclasses.replace(cfg, block_k=bk, block_n=bn, num_stages=stages,
                             transpose_in_kernel=tik)

@@ -132,11 +132,11 @@ def test_tile_metadata(gs, block_m):
   meta, ntasks = np.asarray(meta), int(np.asarray(ntasks)[0])
   ends = np.minimum(np.cumsum(gs), m)
   starts = np.concatenate([[0], ends[:-1]])
-  want = []
+  want = []  # tiles aligned to their group's first row: cdiv(size, block_m) tasks per group
   for g, (s, e) in enumerate(zip(starts, ends)):
-    for b in range(s // block_m, (e - 1) // block_m + 1 if e > s else s // block_m):
-      want.append((g, b, max(s, b * block_m), min(e, (b + 1) * block_m)))
-  assert ntasks == len(want)
+    for lo in range(s, e, block_m):
+      want.append((g, lo, lo, min(e, lo + block_m)))
+  assert ntasks == len(want) == sum(-(-(e - s) // block_m) for s, e in zip(starts, ends))
   assert [tuple(meta[:, t]) for t in range(ntasks)] == want
   assert meta.shape[1] == -(-m // block_m) + len(gs) - 1
 
@@ -312,6 +312,35 @@ def test_gather_sum(rng):
   yb = np.asarray(jnp.asarray(y, jnp.bfloat16), np.float64)
   want = np.stack([sum(yb[i] for i in row if i >= 0) for row in inv])
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_differentiable_permute_pair_matches_autodiff(rng):
+  # permute_rows_diff / gather_sum_diff: VJPs through the known inverse permutation equal JAX's
+  # own (scatter-add) VJPs, with empty slots (-1) and padded rows past the slots.
+  t, k, e, h = 7, 3, 5, 16
+  ids = rng.integers(0, e, size=(t, k)).astype(np.int32)
+  ids[1, 2] = ids[4, 0] = -1
+  order, _, inv = perm.moe_align(jnp.asarray(ids), e)
+  m_alloc = t * k + 4
+  order = jnp.pad(order, (0, m_alloc - t * k))
+  n_valid = int((ids >= 0).sum())
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((m_alloc, h)), jnp.float32)
+  row_ok = (jnp.arange(m_alloc) < n_valid)[:, None]
+  ct = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+
+  def chain(x, w, permute, unpermute):
+    y = jnp.where(row_ok, permute(x) * w, 0.0)  # rows past the valid slots: zero, as gmm's mask
+    return jnp.sum(unpermute(y) * ct)
+
+  got = jax.grad(chain, argnums=(0, 1))(
+      x, w, lambda x_: perm.permute_rows_diff(x_, order, inv, k),
+      lambda y: perm.gather_sum_diff(y, inv, order, k, jnp.float32))
+  want = jax.grad(chain, argnums=(0, 1))(
+      x, w, lambda x_: perm.permute_rows(x_, order, k),
+      lambda y: perm.gather_sum(y, inv, out_dtype=jnp.float32))
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 def test_gather_rows_kernel(rng):

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 3's kernel round on one H200, in two device calls (each under the 600 s call limit):
+#   bash benchmarks/gpu_round3.sh fwd    # T=1024 sweep (group-aligned tiles) + the block at
+#                                        # 1..16384 tokens + the per_slot decode layout
+#   bash benchmarks/gpu_round3.sh train  # tgmm configs (2 CTAs / SM) + fwd+bwd vs fwd
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/gpu_round3}; mkdir -p $OUT
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+step() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout $lim "$@" 2>&1 | grep -v "^W0000\|^I0000"; return ${PIPESTATUS[0]}; }
+B=benchmarks/bench_grouped_gemm.py
+P=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3
+case ${1:-fwd} in
+  fwd)
+    step 360 env OUT=$OUT/sorted python3 $B --stages sweep,block --sweep-presets $P --sweep-tokens 1024 \
+      --presets $P --tokens 1,16,1024,16384 --iters 4 --budget-s 330
+    step 150 env OUT=$OUT/per_slot python3 $B --stages block --layout per_slot --presets $P \
+      --tokens 1,4,16 --iters 4 --no-torch --budget-s 130 ;;
+  train)
+    step 400 env OUT=$OUT/train python3 $B --stages tgmm,train --train-presets mixtral-8x7b,qwen3-30b-a3b \
+      --iters 3 --budget-s 380 ;;
+esac

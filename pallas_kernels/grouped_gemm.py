@@ -220,29 +220,34 @@ def tile_metadata_from_bounds(starts: jax.Array, ends: jax.Array, block_m: int, 
   """Like tile_metadata for groups at arbitrary row ranges [starts[g], ends[g]) (increasing,
   non-overlapping); t_max must bound the number of tasks.
 
-  Tiles are aligned to their group, not to a global block_m grid: group g's tasks cover rows
-  [starts[g] + j*block_m, min(ends[g], starts[g] + (j+1)*block_m)), so a group of s rows costs
-  exactly cdiv(s, block_m) tasks and streams its weights that many times per column tile (a
-  global grid would add a task, and a weight pass, for every group boundary inside a tile: at
-  64 rows per expert that doubles the weight traffic). A task's tile may reach past the array
-  end; the kernel shifts such a tile back (its rows stay inside) and stores only [lo, hi).
+  Tiles are aligned to their group, not to a global block_m grid: group g's tiles start at
+  base = starts[g] rounded down to a multiple of 8 (TMA reads of the swizzled lhs tiles start on
+  8-row boundaries) and step by block_m; a task stores rows [max(starts[g], tile),
+  min(ends[g], tile + block_m)). So a group of s rows costs cdiv(s + starts[g] % 8, block_m)
+  tasks, never more than a global grid's, and streams its weights that many times per column
+  tile (a global grid adds a task, and a weight pass, for every group boundary inside a tile:
+  at 64 rows per expert that doubles the weight traffic). A tile may reach past the array end;
+  the kernel shifts it back (its rows stay inside) and stores only [lo, hi).
   """
   starts = starts.astype(jnp.int32)
   ends = jnp.maximum(ends.astype(jnp.int32), starts)
   g = starts.shape[0]
-  ntiles = (ends - starts + block_m - 1) // block_m
+  base = starts - lax.rem(starts, 8)
+  ntiles = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
   tile_end = jnp.cumsum(ntiles)
   tile_start = tile_end - ntiles
   t = jnp.arange(t_max, dtype=jnp.int32)
   # group of task t = number of groups whose tasks all end at or before t (compare-sum: fuses)
   e = jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1)
   e = jnp.minimum(e, g - 1)
-  lo = starts[e] + (t - tile_start[e]) * block_m
-  hi = jnp.minimum(ends[e], lo + block_m)
+  tile = base[e] + (t - tile_start[e]) * block_m
+  lo = jnp.maximum(starts[e], tile)
+  hi = jnp.minimum(ends[e], tile + block_m)
   valid = t < tile_end[-1]
+  tile = jnp.where(valid, tile, 0)
   lo = jnp.where(valid, lo, 0)
   hi = jnp.where(valid, hi, 0)
-  meta = jnp.stack([e, lo, lo, hi]).astype(jnp.int32)
+  meta = jnp.stack([e, tile, lo, hi]).astype(jnp.int32)
   return meta, tile_end[-1:].astype(jnp.int32)
 
 
@@ -404,7 +409,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       task, ni = item_to_task_col(lin, num_tasks)
       e = meta_ref[0, task]
       # the tile's first row; a tile reaching past the array is shifted back inside it
-      row = jnp.minimum(meta_ref[1, task], m_pad - bm)
+      row = pl.multiple_of(jnp.minimum(meta_ref[1, task], m_pad - bm), 8)
       lo = meta_ref[2, task]
       hi = meta_ref[3, task]
       return e, row, lo, hi, ni
@@ -568,10 +573,16 @@ def _validate(lhs, rhs, group_sizes, row_scale, bias, rhs_cols, gated=False):
     raise ValueError("lhs has 0 rows")
 
 
+def row_alloc(m: int, *block_ms: int) -> int:
+  """Rows the kernels need for m rows: a multiple of 8 (tiles start on 8-row boundaries) and at
+  least one row tile. Callers that build lhs by a gather allocate this many rows up front."""
+  return max(-(-m // 8) * 8, *block_ms)
+
+
 def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, gated, act,
          kernel_name, meta=None, keep_rows=False, rhs_t=False):
   """meta: precomputed tile_metadata(group_sizes, M, block_m) (shared by GEMM1 and GEMM2).
-  keep_rows: return all kernel rows (max(M, block_m)) instead of slicing back to M.
+  keep_rows: return all kernel rows (see row_alloc) instead of slicing back to M.
   rhs_t: rhs is [E, N, K] (used transposed)."""
   m, k = lhs.shape
   if rhs_t and interpret:  # the interpreter cannot simulate transposed SMEM views
@@ -585,8 +596,8 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
   cfg = _adapt_config(config, k, n_out)
   cfg = _fit_stages(cfg, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, 2 if gated else 1)
   bm = cfg.block_m
-  m_pad = max(m, bm)
-  if m_pad != m:  # tiny M: pad so that a row tile fits in the array (cheap).
+  m_pad = row_alloc(m, bm)
+  if m_pad != m:  # a copy: callers that can (fused_experts) allocate m_pad rows themselves
     lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
   if row_scale is not None:
     row_scale = row_scale.astype(jnp.float32)

@@ -58,7 +58,7 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
   # Allocate at least one row tile so the kernels never need padding or slicing copies; the
   # extra rows (and rows past sum(group_sizes)) are garbage that gather_sum never reads.
-  m_alloc = max(m, config1.block_m, config2.block_m)
+  m_alloc = gg.row_alloc(m, config1.block_m, config2.block_m)
   order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
   if permute_impl == "auto":
     permute_impl = "pallas" if m >= _PALLAS_GATHER_MIN_SLOTS and _perm.gather_rows_supports(
@@ -78,10 +78,10 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
 
 
 def _slot_metadata(ids, valid):
-  """One grouped-GEMM task per slot s: (expert, tile from row s, rows [s, s + 1)); an empty slot
-  stores no row ([s, s)). Tiles start at their slot's row, so one list serves any block_m."""
+  """One grouped-GEMM task per slot s: (expert, tile from row s rounded down to 8, rows [s, s + 1));
+  an empty slot stores no row ([s, s)). One list serves any block_m (>= 8)."""
   s = jnp.arange(ids.shape[0], dtype=jnp.int32)
-  meta = jnp.stack([jnp.where(valid, ids, 0), s, s, jnp.where(valid, s + 1, s)])
+  meta = jnp.stack([jnp.where(valid, ids, 0), s - s % 8, s, jnp.where(valid, s + 1, s)])
   return meta.astype(jnp.int32), jnp.full((1,), ids.shape[0], jnp.int32)
 
 
@@ -93,7 +93,7 @@ def _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
   valid = (ids >= 0) & (ids < e)
-  m_alloc = max(m, config1.block_m, config2.block_m)
+  m_alloc = gg.row_alloc(m, config1.block_m, config2.block_m)
   tok = jnp.minimum(jnp.arange(m_alloc, dtype=jnp.int32) // k, t - 1)
   xs = jnp.take(x, tok, axis=0)
   scale = jnp.where(valid, topk_weights.reshape(m).astype(jnp.float32), 0.0)
@@ -155,7 +155,7 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   e, hdim = w13.shape[:2]
   sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
   m = t * k
-  m_alloc = max(m, 128)
+  m_alloc = gg.row_alloc(m, 128)
   order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
   impl = "pallas" if m >= _PALLAS_GATHER_MIN_SLOTS and _perm.gather_rows_supports(
       hdim) and not interpret else "xla"

@@ -132,11 +132,13 @@ def test_tile_metadata(gs, block_m):
   meta, ntasks = np.asarray(meta), int(np.asarray(ntasks)[0])
   ends = np.minimum(np.cumsum(gs), m)
   starts = np.concatenate([[0], ends[:-1]])
-  want = []  # tiles aligned to their group's first row: cdiv(size, block_m) tasks per group
+  want = []  # tiles from each group's first row rounded down to 8, block_m apart
   for g, (s, e) in enumerate(zip(starts, ends)):
-    for lo in range(s, e, block_m):
-      want.append((g, lo, lo, min(e, lo + block_m)))
-  assert ntasks == len(want) == sum(-(-(e - s) // block_m) for s, e in zip(starts, ends))
+    for tile in range(s - s % 8, e if e > s else 0, block_m):
+      want.append((g, tile, max(s, tile), min(e, tile + block_m)))
+  assert ntasks == len(want)
+  # never more tasks than a global block_m grid (one task per group per tile it touches)
+  assert ntasks <= sum((e - 1) // block_m - s // block_m + 1 for s, e in zip(starts, ends) if e > s)
   assert [tuple(meta[:, t]) for t in range(ntasks)] == want
   assert meta.shape[1] == -(-m // block_m) + len(gs) - 1
 

@@ -193,8 +193,11 @@ def stage_variants(args):
 
 def stage_permute(args):
   for T, k, E, method in [(1, 8, 256, "auto"), (1, 2, 8, "auto"), (64, 8, 256, "auto"),
-                          (1024, 8, 128, "auto"), (1024, 8, 128, "argsort"),
-                          (16384, 8, 256, "auto"), (16384, 8, 256, "argsort")]:
+                          (1024, 8, 128, "sort"), (1024, 8, 128, "count"),
+                          (1024, 8, 256, "sort"), (1024, 8, 256, "count"),
+                          (4096, 8, 128, "sort"), (4096, 8, 128, "count"),
+                          (16384, 8, 128, "sort"), (16384, 8, 128, "count"),
+                          (16384, 8, 256, "sort"), (16384, 8, 256, "count")]:
     try:
       keys = jax.random.split(jax.random.key(T), 3)
       sets = []
@@ -634,7 +637,7 @@ def main():
   ap.add_argument("--budget-s", type=float, default=480.0)
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--force-nows", action="store_true")
-  ap.add_argument("--layout", default="sorted", choices=["sorted", "per_slot"],
+  ap.add_argument("--layout", default="auto", choices=["auto", "sorted", "per_slot"],
                   help="fused_experts layout for the block stage (per_slot: decode, no sort)")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test (GPU interpret mode)")
   args = ap.parse_args()

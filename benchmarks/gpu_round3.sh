@@ -2,7 +2,8 @@
 # Session 3's kernel round on one H200, in two device calls (each under the 600 s call limit):
 #   bash benchmarks/gpu_round3.sh fwd    # T=1024 sweep (group-aligned tiles) + the block at
 #                                        # 1..16384 tokens + the per_slot decode layout
-#   bash benchmarks/gpu_round3.sh train  # tgmm configs (2 CTAs / SM) + fwd+bwd vs fwd
+#   bash benchmarks/gpu_round3.sh train  # dense ceiling + moe_align methods + the block on the
+#                                        # new defaults; tgmm configs (2 CTAs / SM) + fwd+bwd
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_round3}; mkdir -p $OUT
@@ -17,6 +18,8 @@ case ${1:-fwd} in
     step 150 env OUT=$OUT/per_slot python3 $B --stages block --layout per_slot --presets $P \
       --tokens 1,4,16 --iters 4 --no-torch --budget-s 130 ;;
   train)
-    step 400 env OUT=$OUT/train python3 $B --stages tgmm,train --train-presets mixtral-8x7b,qwen3-30b-a3b \
-      --iters 3 --budget-s 380 ;;
+    step 200 env OUT=$OUT/final python3 $B --stages ceiling,permute,block --presets $P \
+      --tokens 1,4,1024,16384 --iters 4 --budget-s 180
+    step 330 env OUT=$OUT/train python3 $B --stages tgmm,train --train-presets mixtral-8x7b,qwen3-30b-a3b \
+      --iters 3 --budget-s 310 ;;
 esac

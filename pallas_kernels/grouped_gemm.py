@@ -160,12 +160,24 @@ def heuristic_config(m: int, n: int, k: int, num_groups: int, dtype, *, gated: b
   rows_per_group = m / max(1, min(num_groups, m))
   nsm = 132
   if rows_per_group <= 64:
-    # Weight streaming: narrow rows, many column tiles, deep pipeline.
+    # Weight streaming: each touched expert's weights should stream once per column tile, so a
+    # group's rows should fit in one row tile (tiles are group-aligned); then the widest column
+    # tile that still gives every SM work. H200 sweep at 1024 tokens (2026-11-29): qwen3 (64
+    # rows / expert) best at block_m 128 (GEMM1 128x128, GEMM2 128x256), deepseek-v3 (32 rows /
+    # expert) at 64x256 for both GEMMs.
     touched = max(1, min(num_groups, m))
-    block_n = 128 if (n >= 128 and touched * pl.cdiv(n, 128) >= nsm) else 64
-    cfg = GroupedGemmConfig(block_m=64, block_n=block_n, block_k=128 if k % 128 == 0 else block_k,
-                            num_stages=6, warp_specialized=block_n % 128 == 0, wg_split="n",
-                            grid_minor="n")
+    bm = 128 if rows_per_group > 48 else 64
+    widths = (128,) if (gated and bm == 128) else (256, 128)  # gated 128x256: too many registers
+    bn = next((w for w in widths if n % w == 0 and touched * (n // w) >= nsm), 64)
+    if bn == 64:  # few column tiles per expert (decode): one warpgroup, deep K pipeline
+      cfg = GroupedGemmConfig(block_m=64, block_n=64, block_k=128 if k % 128 == 0 else block_k,
+                              num_stages=6, warp_specialized=False)
+    elif bm == 64 and bn == 128:
+      cfg = GroupedGemmConfig(block_m=64, block_n=128, block_k=128 if k % 128 == 0 else block_k,
+                              num_stages=6, wg_split="n")
+    else:
+      cfg = GroupedGemmConfig(block_m=bm, block_n=bn, block_k=block_k, num_stages=4,
+                              wg_split="n")
   else:
     if n < 128:
       cfg = GroupedGemmConfig(block_m=128, block_n=64, block_k=block_k, num_stages=4,

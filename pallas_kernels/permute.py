@@ -38,8 +38,10 @@ def moe_align(topk_ids: jax.Array, num_experts: int, method: str = "auto"):
     topk_ids: [T, k] integer expert ids; entries < 0 or >= num_experts are empty slots.
     num_experts: E.
     method: "auto" (rank for <= 2048 slots, else sort), "rank" (pairwise O(n^2) rank: one
-      fused compare-reduce, 4.8 µs device time at T=1 on an H200), "argsort" (stable argsort
-      of (key, slot) pairs), "sort" (one int32 key expert*n+slot sorted alone). Whole
+      fused compare-reduce, 4.8 µs device time at T=1 on an H200), "count" (a counting sort in
+      blocks of 256 slots: in-block pairwise ranks + per-block expert counts, no sort kernel),
+      "argsort" (stable argsort of (key, slot) pairs), "sort" (one int32 key expert*n+slot
+      sorted alone). Whole
       moe_align on an H200 (jax 0.11.2): 8192 slots argsort 49.3 / sort 47.9 µs; 131072 slots
       (E=256) argsort 78.3 / sort 63.0 µs.
   Returns:
@@ -57,7 +59,7 @@ def moe_align(topk_ids: jax.Array, num_experts: int, method: str = "auto"):
   ids = topk_ids.reshape(n).astype(jnp.int32)
   valid = (ids >= 0) & (ids < num_experts)
   key = jnp.where(valid, ids, num_experts)
-  if method not in ("auto", "rank", "sort", "argsort"):
+  if method not in ("auto", "rank", "count", "sort", "argsort"):
     raise ValueError(f"method={method!r}")
   if method == "auto":
     method = "rank" if n <= _RANK_MAX_SLOTS else "sort"
@@ -71,6 +73,8 @@ def moe_align(topk_ids: jax.Array, num_experts: int, method: str = "auto"):
     sort_order = jnp.zeros((n,), jnp.int32).at[pos].set(idx, unique_indices=True)
     group_sizes = jnp.sum(key[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :],
                           axis=0, dtype=jnp.int32)
+  elif method == "count":
+    sort_order, group_sizes, pos = _counting_sort(key, num_experts)
   elif method == "sort":
     # One int32 key (expert * n + slot) sorted alone: unique, so stability is free, and XLA can
     # use a single-operand (radix) sort instead of a key/value comparison sort.
@@ -84,6 +88,36 @@ def moe_align(topk_ids: jax.Array, num_experts: int, method: str = "auto"):
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)[:num_experts]
   inv = jnp.where(valid, pos, -1).reshape(t, k)
   return sort_order, group_sizes, inv
+
+
+_COUNT_BLOCK = 256
+
+
+def _counting_sort(key: jax.Array, num_experts: int):
+  """Stable counting sort of small int keys in [0, num_experts] (num_experts = empty slot).
+
+  Slots are cut into blocks of 256: a slot's position is offset[key] (experts before it) +
+  block_offset[block, key] (same-key slots in earlier blocks) + its rank among same-key slots
+  of its own block (a [blocks, 256, 256] compare-reduce). Every step is an elementwise or
+  reduce fusion of O(n * (256 + E)) work; nothing is sorted. Returns (order, group_sizes, pos).
+  """
+  n = key.shape[0]
+  b = _COUNT_BLOCK
+  nb = -(-n // b)
+  kp = jnp.pad(key, (0, nb * b - n), constant_values=num_experts).reshape(nb, b)
+  j = jnp.arange(b, dtype=jnp.int32)
+  same = kp[:, None, :] == kp[:, :, None]                       # [nb, i, j]
+  within = jnp.sum(same & (j[None, None, :] < j[None, :, None]), axis=2, dtype=jnp.int32)
+  experts = jnp.arange(num_experts + 1, dtype=jnp.int32)
+  blk_counts = jnp.sum(kp[:, :, None] == experts[None, None, :], axis=1, dtype=jnp.int32)
+  blk_offsets = jnp.cumsum(blk_counts, axis=0) - blk_counts     # [nb, E + 1], exclusive
+  counts = jnp.sum(blk_counts, axis=0)
+  offsets = jnp.cumsum(counts) - counts
+  pos = (offsets[kp] + jnp.take_along_axis(blk_offsets, kp, axis=1) + within).reshape(-1)
+  # padding slots carry the largest key and the largest indices: they land past position n
+  order = jnp.zeros((nb * b,), jnp.int32).at[pos].set(jnp.arange(nb * b, dtype=jnp.int32),
+                                                     unique_indices=True)
+  return order[:n], counts[:num_experts].astype(jnp.int32), pos[:n]
 
 
 def permute_rows(x: jax.Array, sort_order: jax.Array, k: int, *, impl: str = "xla",

@@ -500,9 +500,12 @@ def test_batched_grouped_gemm(rng, gated):
     assert np.isnan(out[g, c:]).all(), "rows past expert_num_tokens are documented as unwritten"
 
 
-@pytest.mark.parametrize("method", ["rank", "argsort", "sort"])
-def test_moe_align_methods(rng, method):
-  ids = rng.integers(-1, 16, size=(40, 4)).astype(np.int32)
+@pytest.mark.parametrize("method", ["rank", "count", "argsort", "sort"])
+@pytest.mark.parametrize("t", [40, 300, 1])  # 160 slots, 1200 (count: 5 blocks, last partial), 4
+def test_moe_align_methods(rng, method, t):
+  ids = rng.integers(-1, 16, size=(t, 4)).astype(np.int32)
+  if t == 300:
+    ids[:150] = 3  # one expert with most slots, across block boundaries
   got = perm.moe_align(jnp.asarray(ids), 16, method=method)
   for a, b in zip(got, perm.moe_align_reference(ids, 16)):
     np.testing.assert_array_equal(np.asarray(a), b)

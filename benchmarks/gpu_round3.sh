@@ -4,6 +4,9 @@
 #                                        # 1..16384 tokens + the per_slot decode layout
 #   bash benchmarks/gpu_round3.sh train  # dense ceiling + moe_align methods + the block on the
 #                                        # new defaults; tgmm configs (2 CTAs / SM) + fwd+bwd
+#   bash benchmarks/gpu_round3.sh final  # the block and fwd+bwd on the final defaults (count
+#                                        # moe_align, 2-CTA tgmm, unmasked training GEMMs) and
+#                                        # `python -m jmoe bench`
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_round3}; mkdir -p $OUT
@@ -22,4 +25,11 @@ case ${1:-fwd} in
       --tokens 1,4,1024,16384 --iters 4 --budget-s 180
     step 330 env OUT=$OUT/train python3 $B --stages tgmm,train --train-presets mixtral-8x7b,qwen3-30b-a3b \
       --iters 3 --budget-s 310 ;;
+  final)
+    step 200 env OUT=$OUT/block python3 $B --stages ceiling,block --presets $P \
+      --tokens 1,1024,16384 --iters 4 --budget-s 180
+    step 200 env OUT=$OUT/train python3 $B --stages train --train-presets mixtral-8x7b,qwen3-30b-a3b \
+      --iters 3 --budget-s 180
+    step 120 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,1024 --repeats 9 \
+      --json $OUT/jmoe_bench.json ;;
 esac

@@ -167,11 +167,15 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   if w13_bias is not None or w2_bias is not None:
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     gid = jnp.clip(jnp.take(ids, order, mode="clip"), 0, e - 1)  # rows past the total: unused
-  h = _tg.gmm(xs, w13, group_sizes, None, interpret)
+  # Rows past the routed total (empty slots, padding) go to the last expert: every row of both
+  # GEMMs is computed (finite), gather_sum_diff gives those rows zero cotangents, so their
+  # weight-gradient and d x contributions vanish and gmm needs no row masks (three passes).
+  gs_all = group_sizes.at[-1].add(m_alloc - jnp.sum(group_sizes))
+  h = _tg.gmm(xs, w13, gs_all, None, interpret, False)
   if w13_bias is not None:
     h = h.astype(jnp.float32) + jnp.take(w13_bias.astype(jnp.float32), gid, axis=0)
   a = act(h).astype(x.dtype)
-  y = _tg.gmm(a, w2, group_sizes, None, interpret).astype(jnp.float32)
+  y = _tg.gmm(a, w2, gs_all, None, interpret, False).astype(jnp.float32)
   if w2_bias is not None:
     y = y + jnp.take(w2_bias.astype(jnp.float32), gid, axis=0)
   y = y * _perm.permute_weights(topk_weights, order)[:, None]

@@ -78,8 +78,11 @@ def _smem_bytes(bk, bn, br, stages, itemsize, out_itemsize):
   return stages * (br * bk + br * bn) * itemsize + bk * bn * out_itemsize
 
 
-# The default when no tuned entry matches (benchmarks may swap it for a sweep's best).
-DEFAULT_CONFIG = TgmmConfig()
+# The default when no tuned entry matches (benchmarks may swap it for a sweep's best): the H200
+# sweep's winner on all three training shapes (2026-11-29, jax 0.11.2, device µs, 1 CTA / SM
+# 4 stages -> 2 CTAs / SM 2 stages): mixtral dW13 1708 -> 1406, dW2 778 -> 654, qwen3 dW13
+# 511 -> 351.
+DEFAULT_CONFIG = TgmmConfig(block_k=128, block_n=128, block_r=64, num_stages=2, ctas_per_sm=2)
 
 
 def get_tgmm_config(m: int, k: int, n: int, num_groups: int, dtype) -> TgmmConfig:
@@ -247,14 +250,18 @@ def tgmm_reference(lhs, dout, group_sizes):
 # ----------------------------------------------------------------------------- custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, config=None, interpret=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, config=None, interpret=False,
+        mask_tail: bool = True):
   """grouped_gemm(lhs, rhs, group_sizes) (no epilogue) with a Pallas backward.
 
   Rows of the result past sum(group_sizes) are zero here (so that gradients through them are
-  well defined): the forward masks them after the kernel.
+  well defined): the forward masks them after the kernel, the backward masks dout and d lhs.
+  mask_tail=False skips those three passes over [M, N]-sized arrays; only for callers whose
+  group sizes sum to M (every row computed: fused_experts_train gives the tail rows to the last
+  group, where their zero cotangents contribute nothing).
   """
-  return _gmm_fwd_value(lhs, rhs, group_sizes, config, interpret)
+  return _gmm_fwd_value(lhs, rhs, group_sizes, config, interpret, mask_tail)
 
 
 def _row_mask(group_sizes, m):
@@ -262,22 +269,28 @@ def _row_mask(group_sizes, m):
   return (jnp.arange(m) < total)[:, None]
 
 
-def _gmm_fwd_value(lhs, rhs, group_sizes, config, interpret):
+def _mask(x, group_sizes, mask_tail):
+  if not mask_tail:
+    return x
+  return jnp.where(_row_mask(group_sizes, x.shape[0]), x, jnp.zeros((), x.dtype))
+
+
+def _gmm_fwd_value(lhs, rhs, group_sizes, config, interpret, mask_tail):
   out = gg.grouped_gemm(lhs, rhs, group_sizes, config=config, interpret=interpret)
-  return jnp.where(_row_mask(group_sizes, lhs.shape[0]), out, jnp.zeros((), out.dtype))
+  return _mask(out, group_sizes, mask_tail)
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, config, interpret):
-  return _gmm_fwd_value(lhs, rhs, group_sizes, config, interpret), (lhs, rhs, group_sizes)
+def _gmm_fwd(lhs, rhs, group_sizes, config, interpret, mask_tail):
+  out = _gmm_fwd_value(lhs, rhs, group_sizes, config, interpret, mask_tail)
+  return out, (lhs, rhs, group_sizes)
 
 
-def _gmm_bwd(config, interpret, res, dout):
+def _gmm_bwd(config, interpret, mask_tail, res, dout):
   lhs, rhs, group_sizes = res
-  dout = dout.astype(lhs.dtype)
-  dout = jnp.where(_row_mask(group_sizes, lhs.shape[0]), dout, jnp.zeros((), dout.dtype))
+  dout = _mask(dout.astype(lhs.dtype), group_sizes, mask_tail)
   # d lhs = dout @ rhs^T: the kernel reads rhs [E, K, N] as transposed tiles (no weight copy)
   dlhs = gg.grouped_gemm(dout, rhs, group_sizes, interpret=interpret, transpose_rhs=True)
-  dlhs = jnp.where(_row_mask(group_sizes, lhs.shape[0]), dlhs, jnp.zeros((), dlhs.dtype))
+  dlhs = _mask(dlhs, group_sizes, mask_tail)
   drhs = tgmm(lhs, dout, group_sizes, out_dtype=rhs.dtype, interpret=interpret)
   return dlhs.astype(lhs.dtype), drhs, None
 

@@ -450,7 +450,8 @@ def test_gmm_grad_matches_ragged_dot(rng):
 
 
 @pytest.mark.slow
-def test_fused_experts_train_grad(rng):
+@pytest.mark.parametrize("empty_slot", [False, True])
+def test_fused_experts_train_grad(rng, empty_slot):
   t, k, e, h, n = 6, 2, 3, 64, 64
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
   w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
@@ -458,6 +459,8 @@ def test_fused_experts_train_grad(rng):
   b13 = jnp.asarray(rng.standard_normal((e, 2 * n)) / 4, jnp.float32)
   b2 = jnp.asarray(rng.standard_normal((e, h)) / 4, jnp.float32)
   tw, ti = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((t, e)), jnp.float32)), k)
+  if empty_slot:  # an EP-remote / dropped slot: rows past the routed total in both GEMMs
+    ti = ti.at[2, 1].set(-1)
 
   def loss(x, w13, w2, tw, b13, b2):
     out = pmoe.fused_experts_train(x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2,

@@ -14,6 +14,10 @@ SWEEP_G1 = (  # gated GEMM1, large M
     C(block_m=256, block_n=64, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
       grid_tile_width=8),
     C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="n"),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=8),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
+      grid_tile_width=2),
 )
 SWEEP_G2 = (  # GEMM2 (row scale), large M
     C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
@@ -23,6 +27,8 @@ SWEEP_G2 = (  # GEMM2 (row scale), large M
       grid_tile_width=4),
     C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
       grid_tile_width=4),
+    C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
+      grid_tile_width=2),
 )
 SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
     C(block_m=64, block_n=128, block_k=128, num_stages=6, wg_split="n"),

@@ -243,16 +243,19 @@ def gather_rows_supports(h: int) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("rows_per_step", "num_stages", "interpret"))
 def gather_rows(x: jax.Array, idx: jax.Array, *, rows_per_step: int | None = None,
-                num_stages: int = 3, interpret=False) -> jax.Array:
-  """out[i] = x[idx[i]] as a Mosaic GPU kernel (TMA row copies, persistent grid, loads of the
-  next step in flight while the current step is stored).
+                num_stages: int = 4, interpret=False) -> jax.Array:
+  """out[i] = x[idx[i]] as a Mosaic GPU kernel (TMA row copies, persistent grid; the loads of the
+  next num_stages - 2 steps are in flight while the current step is stored).
 
   x [T, H] (H a multiple of 8), idx [M] int (clipped to [0, T)). rows_per_step defaults to
-  ~32 KB per step (and divides M).
+  ~32 KB per step (and divides M). num_stages >= 3 SMEM slots: one being stored, one whose
+  store may still be reading it, the rest loading.
   """
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kernels import _compat
+  if num_stages < 3:
+    raise ValueError(f"num_stages={num_stages} must be >= 3")
   t, h = x.shape
   m = idx.shape[0]
   row_bytes = h * jnp.dtype(x.dtype).itemsize
@@ -264,6 +267,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, rows_per_step: int | None = Non
   idx = jnp.clip(idx.astype(jnp.int32), 0, t - 1)
   steps = m // r
   ns = num_stages
+  ahead = ns - 2  # steps loading while one is stored and one store may still read its slot
   interp, nsm = _compat.launch_params(interpret)
 
   def body(idx_ref, x_ref, o_ref, buf, bars):
@@ -278,18 +282,20 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, rows_per_step: int | None = Non
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok, 1)], buf.at[slot, pl.ds(j, 1)],
                                 bars.at[slot])
 
-    @pl.when(my_steps > 0)
-    def _():
-      issue(jnp.int32(0))
+    for i0 in range(ahead):
+      @pl.when(i0 < my_steps)
+      def _():
+        issue(jnp.int32(i0))
 
     def step(i, carry):
       slot = lax.rem(i, jnp.int32(ns))
 
-      @pl.when(i + 1 < my_steps)
+      @pl.when(i + ahead < my_steps)
       def _():
-        # slot (i+1) % ns was last stored ns-1 steps ago: keep at most ns-2 stores pending
-        plgpu.wait_smem_to_gmem(max(ns - 2, 0), wait_read_only=True)
-        issue(i + 1)
+        # slot (i + ahead) % ns was last stored at step i - 2: only step i - 1's store may
+        # still be pending
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        issue(i + ahead)
 
       plgpu.barrier_wait(bars.at[slot])
       plgpu.copy_smem_to_gmem(buf.at[slot], o_ref.at[pl.ds((sm + i * nsm) * r, r)])

@@ -48,7 +48,7 @@ def cmd_bench(args) -> int:
     task = prog.add_task("benchmarking", total=total)
     rows, note = bench.run_bench(args.preset, tokens, backends, args.dtype, machine, scale=scale,
                                  repeats=args.repeats, peers=peers,
-                                 progress=lambda: prog.advance(task))
+                                 progress=lambda: prog.advance(task), training=args.train)
   console.print(f"shapes: {note}")
   table = Table(title=f"{args.preset} ({args.dtype})")
   has_dev = any(r.device_us is not None for r in rows)
@@ -168,8 +168,9 @@ def cmd_tune(args) -> int:
     console.print(f"[red]tune covers gated activations; {cfg.activation} is not[/]")
     return 2
   from pallas_kernels import tuning  # noqa: PLC0415
+  gemms = ("gemm1", "gemm2", "tgmm", "tgmm") + (("gemm2",) * 3 if args.train else ())
   per_t = [len(tuning.candidates(g, t * k / max(1, min(e, t * k)))) for t in args.tokens
-           for g in ("gemm1", "gemm2", "tgmm", "tgmm")]
+           for g in gemms]
   total = sum(min(c, args.max_candidates or c) for c in per_t)
   console.print(f"[bold]jmoe tune[/] {args.preset}: E={e} k={k} H={h} N={n} tokens={args.tokens} "
                 f"jax={jax.__version__} device={jax.devices()[0].device_kind}")
@@ -178,7 +179,7 @@ def cmd_tune(args) -> int:
     task = prog.add_task("timing candidates", total=total)
     results = tune.tune(e, k, h, n, cfg.act, args.tokens, iters=args.iters,
                         interpret=args.interpret, max_candidates=args.max_candidates,
-                        progress=lambda: prog.advance(task))
+                        progress=lambda: prog.advance(task), training=args.train)
   table = Table(title="best configs")
   for col in ("kernel", "key", "config", "µs", "tried", "failed"):
     table.add_column(col)
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="run in the CPU interpreter (tests the command; timings are meaningless)")
   t.add_argument("--out", default=None,
                  help="folder for the JSON tables (default: the package's pallas_kernels/configs)")
+  t.add_argument("--train", action="store_true",
+                 help="also the training-only GEMMs (GEMM1 without the fused activation, the "
+                      "backward's transposed-weight d lhs GEMMs)")
   t.set_defaults(func=cmd_tune)
   ep = sub.add_parser("eplb", help="simulate expert-parallel load balancing on skewed routing")
   ep.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))

@@ -39,9 +39,14 @@ def _device_time_us(fn: Callable, args, iters: int, interpret: bool) -> float:
 
 def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activation,
          tokens: Sequence[int], *, dtype=jnp.bfloat16, iters: int = 5, interpret: bool = False,
-         max_candidates: Optional[int] = None, progress=None, seed: int = 0
-         ) -> list[TuneResult]:
-  """Time the candidates of both GEMMs at each token count; return the best per kernel."""
+         max_candidates: Optional[int] = None, progress=None, seed: int = 0,
+         training: bool = False) -> list[TuneResult]:
+  """Time the candidates of both GEMMs at each token count; return the best per kernel.
+
+  training: also the GEMMs only the differentiable block runs (fused_experts_train): GEMM1
+  without the fused activation ([M, 2N] out, table grouped_gemm) and both backward d lhs
+  GEMMs, which read the weights transposed (table grouped_gemm_rt).
+  """
   from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
   from pallas_kernels import permute, tuning  # noqa: PLC0415
   from pallas_kernels.tgmm import tgmm  # noqa: PLC0415
@@ -75,6 +80,17 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
         ("tgmm", "tgmm", 2 * n, h, (xs, d13, gs), build_tgmm),
         ("tgmm", "tgmm", h, n, (hs, xs, gs), build_tgmm),
     ]
+    if training:
+      def build_plain(cfg, rt=False):
+        return jax.jit(lambda a, g, w: gg.grouped_gemm(a, w, g, config=cfg, interpret=interpret,
+                                                       transpose_rhs=rt))
+      problems += [
+          ("grouped_gemm", "gemm2", 2 * n, h, (xs, gs, w13), build_plain),
+          # d x_sorted = d(h13) @ w13^T [M, H]; d a = dy @ w2^T [M, N]
+          ("grouped_gemm_rt", "gemm2", h, 2 * n, (d13, gs, w13),
+           lambda cfg: build_plain(cfg, rt=True)),
+          ("grouped_gemm_rt", "gemm2", n, h, (xs, gs, w2), lambda cfg: build_plain(cfg, rt=True)),
+      ]
     for kernel, gemm, n_out, k_in, args, build in problems:
       cands = tuning.candidates(gemm, m / max(1, min(e, m)))
       if max_candidates:

@@ -597,6 +597,8 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
   keep_rows: return all kernel rows (see row_alloc) instead of slicing back to M.
   rhs_t: rhs is [E, N, K] (used transposed)."""
   m, k = lhs.shape
+  # transposed-rhs GEMMs (the backward's d lhs) have their own tuned table
+  table = kernel_name + ("_rt" if rhs_t else "")
   if rhs_t and interpret:  # the interpreter cannot simulate transposed SMEM views
     rhs, rhs_t = jnp.swapaxes(rhs, 1, 2), False
   e = rhs.shape[0]
@@ -604,7 +606,7 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
   n_out = n_total // 2 if gated else n_total
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   if config is None:
-    config = get_config(kernel_name, m, n_out, k, e, lhs.dtype, gated=gated, out_dtype=out_dtype)
+    config = get_config(table, m, n_out, k, e, lhs.dtype, gated=gated, out_dtype=out_dtype)
   cfg = _adapt_config(config, k, n_out)
   cfg = _fit_stages(cfg, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, 2 if gated else 1)
   bm = cfg.block_m

@@ -69,6 +69,20 @@ def test_tune_in_interpret_mode_writes_tables(tmp_path, capsys):
   assert all({"block_k", "block_n", "block_r", "num_stages"} <= set(v) for v in tg.values())
 
 
+def test_tune_train_adds_training_gemm_tables(tmp_path, capsys):
+  from pallas_kernels import _compat
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
+  rc = cli.main(["tune", "--preset", "mixtral-8x7b", "--shape", "4,2,64,64", "--tokens", "8",
+                 "--interpret", "--max-candidates", "1", "--iters", "1", "--train",
+                 "--out", str(tmp_path)])
+  assert rc == 0
+  plain = json.loads((tmp_path / "grouped_gemm.json").read_text())  # GEMM2 and unfused GEMM1
+  assert sorted(k_.split(",")[1:3] for k_ in plain) == [["N=128", "K=64"], ["N=64", "K=64"]]
+  rt = json.loads((tmp_path / "grouped_gemm_rt.json").read_text())  # d x_sorted, d a
+  assert sorted(k_.split(",")[1:3] for k_ in rt) == [["N=64", "K=128"], ["N=64", "K=64"]]
+
+
 def test_tune_refuses_cpu_without_interpret(capsys):
   assert cli.main(["tune", "--preset", "qwen3-30b-a3b", "--tokens", "8"]) == 2
   assert "needs a GPU" in capsys.readouterr().out

@@ -180,6 +180,18 @@ def test_grouped_gemm_transpose_rhs(rng):
     gg.grouped_gemm(lhs, rhs, gs, transpose_rhs=True)
 
 
+def test_transposed_rhs_reads_its_own_tuned_table(rng, monkeypatch):
+  seen = []
+  real = gg.get_config
+  monkeypatch.setattr(gg, "get_config",
+                      lambda name, *a, **kw: seen.append(name) or real(name, *a, **kw))
+  lhs, rhs = _data(rng, 40, 64, 128, 3, jnp.bfloat16)
+  gs = jnp.asarray([10, 0, 30], jnp.int32)
+  out = _call(gg.grouped_gemm, lhs, jnp.swapaxes(rhs, 1, 2), gs, transpose_rhs=True)
+  assert seen == ["grouped_gemm_rt"]
+  assert _rel(out, _oracle(lhs, rhs, [10, 0, 30])) < TOL[jnp.bfloat16]
+
+
 @pytest.mark.parametrize("cfg", [CFG_WS_N, CFG_WS_M], ids=["ws_split_n", "ws_split_m"])
 def test_grouped_gemm_warp_specialized(rng, cfg):
   m, k, n, e = 200, 96, 128, 4

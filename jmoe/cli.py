@@ -48,7 +48,7 @@ def cmd_bench(args) -> int:
     task = prog.add_task("benchmarking", total=total)
     rows, note = bench.run_bench(args.preset, tokens, backends, args.dtype, machine, scale=scale,
                                  repeats=args.repeats, peers=peers,
-                                 progress=lambda: prog.advance(task), training=args.train)
+                                 progress=lambda: prog.advance(task))
   console.print(f"shapes: {note}")
   table = Table(title=f"{args.preset} ({args.dtype})")
   has_dev = any(r.device_us is not None for r in rows)

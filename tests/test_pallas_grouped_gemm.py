@@ -426,6 +426,34 @@ def test_tgmm(rng, sizes):
   assert (out[1] == 0).all() and (out[4] == 0).all()
 
 
+def test_tgmm_config_validation_and_smem_fit():
+  from pallas_kernels import tgmm as tg
+  with pytest.raises(ValueError, match="ctas_per_sm"):
+    tg.TgmmConfig(ctas_per_sm=3)
+  # two resident CTAs share one SM's shared memory: the default's 2 stages must fit in half
+  d = tg.DEFAULT_CONFIG
+  assert d.ctas_per_sm == 2
+  assert tg._smem_bytes(d.block_k, d.block_n, d.block_r, d.num_stages, 2, 2) <= tg._smem_limit(2)
+  assert tg._smem_limit(2) < tg._smem_limit(1) == tg._SMEM_LIMIT
+
+
+@pytest.mark.parametrize("preset,tokens,want_bm", [
+    ((128, 8, 2048, 768), 1024, 128),   # qwen3: 64 rows / expert fit one 128-row tile
+    ((256, 8, 7168, 2048), 1024, 64),   # deepseek-v3: 32 rows / expert
+    ((8, 2, 4096, 14336), 1, 64),       # decode
+])
+def test_weight_streaming_heuristic_fits_a_group_in_one_tile(preset, tokens, want_bm):
+  e, k, h, n = preset
+  m = tokens * k
+  for gated, (nn, kk) in ((True, (n, h)), (False, (h, n))):
+    cfg = gg.heuristic_config(m, nn, kk, e, jnp.bfloat16, gated=gated)
+    assert cfg.block_m == want_bm
+    nwg, tm, tn = cfg.wg_tile()
+    acc_regs = tm * tn * (2 if gated else 1) // 128  # f32 accumulators per thread of a WG
+    assert acc_regs <= 128, "accumulators past the register budget"
+    assert min(e, m) * (nn // cfg.block_n) >= 132 or cfg.block_n == 64
+
+
 def test_tgmm_config_lookup(monkeypatch):
   from pallas_kernels import tgmm as tg
   key = gg._tuned_key(8, 1536, 2048, jnp.bfloat16, _compat.device_kind(), gg._m_bucket(8192))

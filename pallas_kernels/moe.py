@@ -81,11 +81,18 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
 
 
 def _slot_metadata(ids, valid):
-  """One grouped-GEMM task per slot s: (expert, tile from row s rounded down to 8, rows [s, s + 1));
-  an empty slot stores no row ([s, s)). One list serves any block_m (>= 8)."""
-  s = jnp.arange(ids.shape[0], dtype=jnp.int32)
-  meta = jnp.stack([jnp.where(valid, ids, 0), s - s % 8, s, jnp.where(valid, s + 1, s)])
-  return meta.astype(jnp.int32), jnp.full((1,), ids.shape[0], jnp.int32)
+  """One grouped-GEMM task per valid slot s: (expert, tile from row s rounded down to 8, rows
+  [s, s + 1)). Valid slots come first and num_tasks counts only them, so an empty slot (an
+  EP-remote expert) streams no weights. One list serves any block_m (>= 8)."""
+  n = ids.shape[0]
+  s = jnp.arange(n, dtype=jnp.int32)
+  nvalid = jnp.sum(valid, dtype=jnp.int32)
+  # stable partition: valid slots in slot order, then the empty ones
+  pos = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1,
+                  nvalid + jnp.cumsum(~valid, dtype=jnp.int32) - 1)
+  slot = jnp.zeros((n,), jnp.int32).at[pos].set(s, unique_indices=True)
+  meta = jnp.stack([jnp.where(valid[slot], ids[slot], 0), slot - slot % 8, slot, slot + 1])
+  return meta.astype(jnp.int32), nvalid.reshape(1)
 
 
 def _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config1, config2,

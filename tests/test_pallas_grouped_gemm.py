@@ -407,6 +407,15 @@ def test_fused_experts_per_slot_layout(rng, t):
     pmoe.fused_experts(x, w13, w2, tw, ti, layout="scattered")
 
 
+def test_per_slot_metadata_skips_empty_slots():
+  ids = jnp.asarray([3, -1, 0, -1, 2, 9], jnp.int32)  # 9 >= E: empty too
+  valid = (ids >= 0) & (ids < 4)
+  meta, ntasks = pmoe._slot_metadata(ids, valid)
+  meta, ntasks = np.asarray(meta), int(np.asarray(ntasks)[0])
+  assert ntasks == 3  # only valid slots are tasks: an empty slot streams no weights
+  assert [tuple(meta[:, t]) for t in range(ntasks)] == [(3, 0, 0, 1), (0, 0, 2, 3), (2, 0, 4, 5)]
+
+
 # ----------------------------------------------------------------------------- training path
 
 

@@ -2,9 +2,10 @@
 
 For each token count, routes random tokens with the preset's top-k, then times every candidate
 config (pallas_kernels.tuning) of GEMM1 (gated, activation fused), GEMM2 (router weight
-fused) and the weight-gradient tgmm of both, and writes the fastest into the JSON tables the
-kernels read (`pallas_kernels/configs/<kernel>.json`, keyed by E, N, K, dtype, device kind, jax
-minor version and M bucket). Device time comes from CUPTI (`jax.experimental.mosaic.gpu.profiler`); in
+fused) and the weight-gradient tgmm of both (with ``training``: also GEMM1 without the fused
+activation and the backward's transposed-weight GEMMs), and writes the fastest into the JSON
+tables the kernels read (`pallas_kernels/configs/<kernel>.json`, keyed by E, N, K, dtype,
+device kind, jax minor version and M bucket). Device time comes from CUPTI (jmoe.timing); in
 interpret mode (tests) from the wall clock, which says nothing about speed.
 """
 from __future__ import annotations

@@ -37,8 +37,9 @@ def moe_align(topk_ids: jax.Array, num_experts: int, method: str = "auto"):
   Args:
     topk_ids: [T, k] integer expert ids; entries < 0 or >= num_experts are empty slots.
     num_experts: E.
-    method: "auto" (rank for <= 2048 slots, else count; sort for n * (E + 1) > 2**28), "rank" (pairwise O(n^2) rank: one
-      fused compare-reduce, 4.8 µs device time at T=1 on an H200), "count" (a counting sort in
+    method: "auto" (rank for <= 2048 slots, else count; sort when n * (E + 1) > 2**28),
+      "rank" (pairwise O(n^2) rank: one fused compare-reduce, 4.8 µs device time at T=1 on
+      an H200), "count" (a counting sort in
       blocks of 256 slots: in-block pairwise ranks + per-block expert counts, no sort kernel),
       "argsort" (stable argsort of (key, slot) pairs), "sort" (one int32 key expert*n+slot
       sorted alone). Whole moe_align on an H200 (jax 0.11.2, device µs), sort / count: 8192
@@ -163,8 +164,9 @@ def gather_sum(y: jax.Array, inv: jax.Array, *, out_dtype=None) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def permute_rows_diff(x: jax.Array, sort_order: jax.Array, inv: jax.Array, k: int,
                       impl: str = "xla") -> jax.Array:
-  """permute_rows(x, sort_order, k) whose VJP is gather_sum(d, inv) (rows past the valid slots
-  get no gradient: their cotangents must be zero, as gmm's row mask makes them)."""
+  """permute_rows(x, sort_order, k) whose VJP is gather_sum(d, inv). Rows past the valid slots
+  pass no gradient to x, so their cotangents must be zero (gather_sum_diff's VJP makes them
+  zero; fused_experts_train relies on it)."""
   return permute_rows(x, sort_order, k, impl=impl)
 
 

@@ -637,7 +637,8 @@ def main():
   ap.add_argument("--budget-s", type=float, default=480.0)
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--force-nows", action="store_true")
-  ap.add_argument("--layout", default="auto", choices=["auto", "sorted", "per_slot"],
+  ap.add_argument("--layout", default="auto",
+                  choices=["auto", "sorted", "per_slot", "fused_decode"],
                   help="fused_experts layout for the block stage (per_slot: decode, no sort)")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test (GPU interpret mode)")
   args = ap.parse_args()

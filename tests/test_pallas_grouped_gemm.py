@@ -407,6 +407,46 @@ def test_fused_experts_per_slot_layout(rng, t):
     pmoe.fused_experts(x, w13, w2, tw, ti, layout="scattered")
 
 
+@pytest.mark.parametrize("t,cfg,dtype", [
+    (1, None, jnp.bfloat16),
+    (3, None, jnp.float16),  # an empty slot, an expert twice, T not a multiple of 8
+    (9, "wide", jnp.bfloat16),  # wider blocks; tokens past the first 8-row boundary
+    (70, "wide", jnp.bfloat16),  # x tiles starting past row 0, the last one shifted back
+])
+def test_fused_decode_kernel(rng, t, cfg, dtype):
+  from pallas_kernels import decode as dc
+  k, e, h, n = (1 if t > 64 else 2), 4, 256, 256
+  x = jnp.asarray(rng.standard_normal((t, h)), dtype)
+  w13, w2, _, _ = _moe_weights(rng, e, h, n)
+  w13, w2 = w13.astype(dtype), w2.astype(dtype)
+  tw = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+  ti = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+  if t > 1:
+    ti = ti.at[1, 0].set(-1).at[2, 0].set(ti[2, 1])
+  config = dc.DecodeConfig(block_n=128, block_k=128, block_h=256) if cfg == "wide" else None
+  out = _call(dc.fused_experts_decode, x, w13, w2, tw, ti, activation="silu", config=config)
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti))
+  assert np.isfinite(out).all()
+  assert _rel(out, ref) < 2e-2
+  if cfg is None:  # fused_experts(layout="fused_decode") is this kernel on its default config
+    via_block = _call(pmoe.fused_experts, x, w13, w2, tw, ti, layout="fused_decode")
+    np.testing.assert_array_equal(via_block, out)
+
+
+def test_fused_decode_rejects_what_it_cannot_run(rng):
+  from pallas_kernels import decode as dc
+  x = jnp.zeros((1, 96), jnp.bfloat16)
+  w13 = jnp.zeros((2, 96, 128), jnp.bfloat16)
+  w2 = jnp.zeros((2, 64, 96), jnp.bfloat16)
+  tw, ti = jnp.ones((1, 1)), jnp.zeros((1, 1), jnp.int32)
+  with pytest.raises(ValueError, match="H=96"):
+    dc.fused_experts_decode(x, w13, w2, tw, ti)
+  with pytest.raises(ValueError, match="gated"):
+    dc.fused_experts_decode(x, w13, w2, tw, ti, activation="relu2_no_mul")
+  with pytest.raises(ValueError, match="block_n"):
+    dc.DecodeConfig(block_n=96)
+
+
 def test_per_slot_metadata_skips_empty_slots():
   ids = jnp.asarray([3, -1, 0, -1, 2, 9], jnp.int32)  # 9 >= E: empty too
   valid = (ids >= 0) & (ids < 4)

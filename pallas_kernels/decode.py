@@ -7,14 +7,15 @@ expert e) and each block j of ``block_n`` intermediate columns, one work item:
     a      = act(x[t] @ w13[e][:, gate cols of j], x[t] @ w13[e][:, up cols of j])   [1, bn]
     part[j, s, :] = a @ w2[e][rows of j, :]                                           [1, H] f32
 
-so both weight matrices are read exactly once per slot, the [bn]-wide intermediate never leaves
+(a w13 bias, if any, added before the activation) so both weight matrices are read exactly
+once per slot, the [bn]-wide intermediate never leaves
 shared memory, and the sum over j and k (with the router weights) is one small reduction after.
 The whole block is 3 launches: x padded to a row tile, this kernel, the reduction (plus the
 slot list, a few fused integer ops). Slots that share an expert read its weights once each, so
 this suits batches whose slots rarely share one (like the per_slot layout of fused_experts).
 
 Not yet timed on a GPU (written when the session's device time was spent): opt-in through
-``fused_experts(layout="fused_decode")``.
+``fused_experts(layout="fused_decode")``. Gated activations only (swigluoai included).
 """
 from __future__ import annotations
 
@@ -60,13 +61,20 @@ def _transforms(minor: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, num_sms, interpret):
-  """rows: rows of the padded x (>= 64, a multiple of 8); m = T * k slots."""
+def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, has_bias: bool,
+           num_sms, interpret):
+  """rows: rows of the padded x (>= 64, a multiple of 8); m = T * k slots; has_bias: a w13
+  bias [E, 2N] (f32) is added before the activation."""
   bn, bk, bh = cfg.block_n, cfg.block_k, cfg.block_h
   n_blocks, k_iters, h_iters = n // bn, h // bk, h // bh
   itemsize = jnp.dtype(dtype).itemsize
+  # layout_cast has no interpret rule; under interpretation layouts do not exist anyway
+  _cast = (lambda x, _l: x) if interpret else plgpu.layout_cast
 
-  def body(slot_ref, expert_ref, count_ref, x_ref, w13_ref, w2_ref, part_ref, a_smem, o_smem):
+  def body(slot_ref, expert_ref, count_ref, x_ref, w13_ref, w2_ref, *rest):
+    rest = list(rest)
+    b13_ref = rest.pop(0) if has_bias else None
+    part_ref, a_smem, o_smem, vec_smem, vec_bar = rest
     num_items = count_ref[0] * n_blocks
 
     @plgpu.nd_loop((num_items,), collective_axes="sm")
@@ -80,6 +88,10 @@ def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, num_s
       # the 64-row x tile holding the token, starting on an 8-row boundary inside the array
       r0 = pl.multiple_of(jnp.minimum(tok - lax.rem(tok, 8), rows - _ROWS), 8)
       w13_e = w13_ref.at[e]
+      if has_bias:  # the gate and up bias slices, loaded while GEMM1 runs
+        for c, col in enumerate((j * bn, n + j * bn)):
+          plgpu.copy_gmem_to_smem(b13_ref.at[e, pl.ds(col, bn)], vec_smem.at[c],
+                                  vec_bar.at[c])
 
       def gemm1(acc_g, acc_u):
         def step(_, x_smem, g_smem, u_smem):
@@ -97,7 +109,15 @@ def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, num_s
                                 w13_e.at[:, pl.ds(j * bn, bn)],
                                 w13_e.at[:, pl.ds(n + j * bn, bn)])
         plgpu.wgmma_wait(0)
-        a = kernel_activation(act, acc_g[...], acc_u[...])
+        gate, up = acc_g[...], acc_u[...]
+        if has_bias:
+          biased = []
+          for c, v in enumerate((gate, up)):
+            plgpu.barrier_wait(vec_bar.at[c])
+            b = _cast(vec_smem.at[c][...], plgpu.Layout.WGMMA.reduce(0))
+            biased.append(v + lax.broadcast_in_dim(b, (_ROWS, bn), [1]))
+          gate, up = biased
+        a = kernel_activation(act, gate, up)
         a_smem[...] = a.astype(dtype)  # GEMM2's A operand: the intermediate stays on chip
         plgpu.commit_smem()
 
@@ -131,7 +151,9 @@ def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, num_s
       body,
       out_type=jax.ShapeDtypeStruct((n_blocks, m, h), jnp.float32),
       scratch_types=[plgpu.SMEM((_ROWS, bn), dtype, transforms=_transforms(bn, itemsize)),
-                     plgpu.SMEM((_ROWS, bh), jnp.float32)],
+                     plgpu.SMEM((_ROWS, bh), jnp.float32),
+                     plgpu.SMEM((2, bn), jnp.float32),
+                     plgpu.Barrier(num_arrivals=1, num_barriers=2)],
       grid=(num_sms,),
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True),
@@ -154,14 +176,16 @@ def valid_slots_first(ids: jax.Array, valid: jax.Array):
 @functools.partial(jax.jit, static_argnames=("activation", "config", "interpret"))
 def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
                          topk_ids: jax.Array, *, activation: Activation | str = "silu",
+                         w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
                          config: DecodeConfig | None = None, interpret: Any = False
                          ) -> jax.Array:
-  """out[t] = sum_j topk_weights[t, j] * (act(x[t] @ w13[e]) @ w2[e]), e = topk_ids[t, j].
+  """out[t] = sum_j topk_weights[t, j] * (act(x[t] @ w13[e] + b13[e]) @ w2[e] + b2[e]),
+  e = topk_ids[t, j].
 
   x [T, H] bf16/f16, w13 [E, H, 2N] (gate | up, gated activations only), w2 [E, N, H],
   topk_weights [T, k], topk_ids [T, k] (-1 or >= E: empty slot). H and N multiples of the
-  config's blocks (64 by default). No biases (fused_experts falls back to per_slot with them).
-  Returns [T, H] in x.dtype.
+  config's blocks (64 by default). w13_bias [E, 2N] is added in the kernel before the
+  activation; w2_bias [E, H] in the final reduction (once per slot). Returns [T, H] in x.dtype.
   """
   act = as_activation(activation)
   if not act.is_gated:
@@ -179,6 +203,10 @@ def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weigh
   for name, size, block in (("H", h, cfg.block_k), ("H", h, cfg.block_h), ("N", n, cfg.block_n)):
     if size % block:
       raise ValueError(f"{name}={size} is not a multiple of the block ({block})")
+  if w13_bias is not None and w13_bias.shape != (e, n2):
+    raise ValueError(f"w13_bias must have shape ({e}, {n2}), got {w13_bias.shape}")
+  if w2_bias is not None and w2_bias.shape != (e, h):
+    raise ValueError(f"w2_bias must have shape ({e}, {h}), got {w2_bias.shape}")
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
   valid = (ids >= 0) & (ids < e)
@@ -187,9 +215,15 @@ def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weigh
   rows = max(-(-t // 8) * 8, _ROWS)
   xp = x if rows == t else jnp.pad(x, ((0, rows - t), (0, 0)))
   interp, nsm = _compat.launch_params(interpret)
-  kern = _build(rows=rows, h=h, n=n, m=m, k=k, dtype=x.dtype, act=act, cfg=cfg, num_sms=nsm,
-                interpret=interp)
-  part = kern(slots, experts, count, xp, w13, w2)  # [N / block_n, m, H]; empty slots unwritten
+  kern = _build(rows=rows, h=h, n=n, m=m, k=k, dtype=x.dtype, act=act, cfg=cfg,
+                has_bias=w13_bias is not None, num_sms=nsm, interpret=interp)
+  args = [slots, experts, count, xp, w13, w2]
+  if w13_bias is not None:
+    args.append(w13_bias.astype(jnp.float32))
+  part = kern(*args)  # [N / block_n, m, H]; empty slots' rows unwritten
+  y = jnp.sum(part, axis=0)
+  if w2_bias is not None:
+    y = y + w2_bias.astype(jnp.float32)[jnp.where(valid, ids, 0)]
   w = jnp.where(valid, topk_weights.reshape(m).astype(jnp.float32), 0.0)
-  y = jnp.where(valid[:, None], jnp.sum(part, axis=0), 0.0) * w[:, None]
+  y = jnp.where(valid[:, None], y, 0.0) * w[:, None]
   return jnp.sum(y.reshape(t, k, h), axis=1).astype(x.dtype)

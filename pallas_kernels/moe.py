@@ -40,7 +40,7 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
     rarely share an expert). H200, 1 token: qwen3 32.8 vs 41.4 µs, deepseek-v3 176 vs 192;
     mixtral (2 slots, 8 experts: sorted) 183 vs 180; at 16 tokens per_slot loses (qwen3 277
     vs 201, mixtral 2509 vs 653). "fused_decode": pallas_kernels.decode, GEMM1 + activation +
-    GEMM2 in one kernel per (slot, intermediate block); gated, bias-free only (else per_slot).
+    GEMM2 in one kernel per (slot, intermediate block); gated activations only (else per_slot).
     Not yet timed on a GPU, so "auto" never picks it.
   """
   act = as_activation(activation)
@@ -56,11 +56,11 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   if layout == "auto":
     layout = "per_slot" if 4 * m < e else "sorted"
   if layout == "fused_decode":
-    if act.is_gated and w13_bias is None and w2_bias is None:
+    if act.is_gated:
       from pallas_kernels.decode import fused_experts_decode  # noqa: PLC0415
       return fused_experts_decode(x, w13, w2, topk_weights, topk_ids, activation=act,
-                                  interpret=interpret)
-    layout = "per_slot"  # the one-kernel decode path has no biases / non-gated activations
+                                  w13_bias=w13_bias, w2_bias=w2_bias, interpret=interpret)
+    layout = "per_slot"  # the one-kernel decode path takes gated activations only
   if layout == "per_slot":
     return _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config1,
                      config2, interpret)

@@ -409,7 +409,7 @@ def test_fused_experts_per_slot_layout(rng, t):
 
 @pytest.mark.parametrize("t,cfg,dtype", [
     (1, None, jnp.bfloat16),
-    (3, None, jnp.float16),  # an empty slot, an expert twice, T not a multiple of 8
+    (3, None, jnp.float16),  # an empty slot, an expert twice, T % 8 != 0; swigluoai + biases
     (9, "wide", jnp.bfloat16),  # wider blocks; tokens past the first 8-row boundary
     (70, "wide", jnp.bfloat16),  # x tiles starting past row 0, the last one shifted back
 ])
@@ -417,19 +417,22 @@ def test_fused_decode_kernel(rng, t, cfg, dtype):
   from pallas_kernels import decode as dc
   k, e, h, n = (1 if t > 64 else 2), 4, 256, 256
   x = jnp.asarray(rng.standard_normal((t, h)), dtype)
-  w13, w2, _, _ = _moe_weights(rng, e, h, n)
+  w13, w2, b13, b2 = _moe_weights(rng, e, h, n)
   w13, w2 = w13.astype(dtype), w2.astype(dtype)
   tw = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
   ti = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
   if t > 1:
     ti = ti.at[1, 0].set(-1).at[2, 0].set(ti[2, 1])
   config = dc.DecodeConfig(block_n=128, block_k=128, block_h=256) if cfg == "wide" else None
-  out = _call(dc.fused_experts_decode, x, w13, w2, tw, ti, activation="silu", config=config)
-  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti))
+  act = "swigluoai" if t == 3 else "silu"  # gpt-oss's activation, with both biases
+  bias = dict(w13_bias=b13, w2_bias=b2) if t == 3 else {}
+  out = _call(dc.fused_experts_decode, x, w13, w2, tw, ti, activation=act, config=config, **bias)
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, activation=act, **bias))
   assert np.isfinite(out).all()
   assert _rel(out, ref) < 2e-2
   if cfg is None:  # fused_experts(layout="fused_decode") is this kernel on its default config
-    via_block = _call(pmoe.fused_experts, x, w13, w2, tw, ti, layout="fused_decode")
+    via_block = _call(pmoe.fused_experts, x, w13, w2, tw, ti, activation=act,
+                      layout="fused_decode", **bias)
     np.testing.assert_array_equal(via_block, out)
 
 

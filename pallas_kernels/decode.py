@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
+from pallas_kernels import permute as _perm
 from pallas_kernels.activations import Activation, as_activation
 from pallas_kernels.grouped_gemm import kernel_activation
 
@@ -162,17 +163,6 @@ def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, has_b
   )
 
 
-def valid_slots_first(ids: jax.Array, valid: jax.Array):
-  """Stable partition of the slots: (slots [m] with the valid ones first, their count [1])."""
-  m = ids.shape[0]
-  nvalid = jnp.sum(valid, dtype=jnp.int32)
-  pos = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1,
-                  nvalid + jnp.cumsum(~valid, dtype=jnp.int32) - 1)
-  slots = jnp.zeros((m,), jnp.int32).at[pos].set(jnp.arange(m, dtype=jnp.int32),
-                                                 unique_indices=True)
-  return slots, nvalid.reshape(1)
-
-
 @functools.partial(jax.jit, static_argnames=("activation", "config", "interpret"))
 def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
                          topk_ids: jax.Array, *, activation: Activation | str = "silu",
@@ -210,7 +200,7 @@ def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weigh
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
   valid = (ids >= 0) & (ids < e)
-  slots, count = valid_slots_first(ids, valid)
+  slots, count = _perm.valid_slots_first(valid)
   experts = jnp.where(valid, ids, 0)[slots]
   rows = max(-(-t // 8) * 8, _ROWS)
   xp = x if rows == t else jnp.pad(x, ((0, rows - t), (0, 0)))

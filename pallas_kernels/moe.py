@@ -93,15 +93,9 @@ def _slot_metadata(ids, valid):
   """One grouped-GEMM task per valid slot s: (expert, tile from row s rounded down to 8, rows
   [s, s + 1)). Valid slots come first and num_tasks counts only them, so an empty slot (an
   EP-remote expert) streams no weights. One list serves any block_m (>= 8)."""
-  n = ids.shape[0]
-  s = jnp.arange(n, dtype=jnp.int32)
-  nvalid = jnp.sum(valid, dtype=jnp.int32)
-  # stable partition: valid slots in slot order, then the empty ones
-  pos = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1,
-                  nvalid + jnp.cumsum(~valid, dtype=jnp.int32) - 1)
-  slot = jnp.zeros((n,), jnp.int32).at[pos].set(s, unique_indices=True)
+  slot, nvalid = _perm.valid_slots_first(valid)
   meta = jnp.stack([jnp.where(valid[slot], ids[slot], 0), slot - slot % 8, slot, slot + 1])
-  return meta.astype(jnp.int32), nvalid.reshape(1)
+  return meta.astype(jnp.int32), nvalid
 
 
 def _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config1, config2,

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_round3.sh final  # the block and fwd+bwd on the final defaults (count
 #                                        # moe_align, 2-CTA tgmm, unmasked training GEMMs) and
 #                                        # `python -m jmoe bench`
+#   bash benchmarks/gpu_round3.sh decode # (next session) the one-kernel decode block against
+#                                        # per_slot and sorted, first in a process of its own
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_round3}; mkdir -p $OUT
@@ -32,4 +34,9 @@ case ${1:-fwd} in
       --iters 3 --budget-s 180
     step 120 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
+  decode)
+    for L in fused_decode per_slot sorted; do
+      step 120 env OUT=$OUT/$L python3 $B --stages block --layout $L --presets $P --tokens 1,4 \
+        --iters 4 --no-torch --budget-s 110
+    done ;;
 esac

@@ -7,12 +7,12 @@ expert e) and each block j of ``block_n`` intermediate columns, one work item:
     a      = act(x[t] @ w13[e][:, gate cols of j], x[t] @ w13[e][:, up cols of j])   [1, bn]
     part[j, s, :] = a @ w2[e][rows of j, :]                                           [1, H] f32
 
-(a w13 bias, if any, added before the activation) so both weight matrices are read exactly
-once per slot, the [bn]-wide intermediate never leaves
-shared memory, and the sum over j and k (with the router weights) is one small reduction after.
-The whole block is 3 launches: x padded to a row tile, this kernel, the reduction (plus the
-slot list, a few fused integer ops). Slots that share an expert read its weights once each, so
-this suits batches whose slots rarely share one (like the per_slot layout of fused_experts).
+(a w13 bias, if any, is added before the activation). Both weight matrices are read exactly
+once per slot, the [bn]-wide intermediate never leaves shared memory, and the sum over j and k
+(router weights, w2 bias) is one small reduction after. Launches: x padded to a row tile, the
+slot list (a few fused integer ops), this kernel, the reduction. Slots that share an expert
+read its weights once each, so this suits batches whose slots rarely share one (like the
+per_slot layout of fused_experts).
 
 Not yet timed on a GPU (written when the session's device time was spent): opt-in through
 ``fused_experts(layout="fused_decode")``. Gated activations only (swigluoai included).

@@ -167,11 +167,8 @@ def cmd_tune(args) -> int:
   if not cfg.act.is_gated:
     console.print(f"[red]tune covers gated activations; {cfg.activation} is not[/]")
     return 2
-  from pallas_kernels import tuning  # noqa: PLC0415
-  gemms = ("gemm1", "gemm2", "tgmm", "tgmm") + (("gemm2",) * 3 if args.train else ())
-  per_t = [len(tuning.candidates(g, t * k / max(1, min(e, t * k)))) for t in args.tokens
-           for g in gemms]
-  total = sum(min(c, args.max_candidates or c) for c in per_t)
+  total = tune.num_candidates(e, k, args.tokens, training=args.train,
+                             max_candidates=args.max_candidates)
   console.print(f"[bold]jmoe tune[/] {args.preset}: E={e} k={k} H={h} N={n} tokens={args.tokens} "
                 f"jax={jax.__version__} device={jax.devices()[0].device_kind}")
   with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

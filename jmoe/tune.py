@@ -38,6 +38,22 @@ def _device_time_us(fn: Callable, args, iters: int, interpret: bool) -> float:
   return timing.device_time(fn, [args], iters=iters)[0]
 
 
+def problem_kinds(training: bool) -> tuple[str, ...]:
+  """The candidate set (pallas_kernels.tuning.candidates) of each problem tune() times per token
+  count, in order: GEMM1, GEMM2, the two weight gradients (+ with training: unfused GEMM1 and
+  the two transposed-weight d lhs GEMMs)."""
+  return ("gemm1", "gemm2", "tgmm", "tgmm") + (("gemm2",) * 3 if training else ())
+
+
+def num_candidates(num_experts: int, top_k: int, tokens: Sequence[int], *, training: bool,
+                   max_candidates: Optional[int] = None) -> int:
+  """How many configs tune() times (for a progress bar)."""
+  from pallas_kernels import tuning  # noqa: PLC0415
+  counts = [len(tuning.candidates(g, t * top_k / max(1, min(num_experts, t * top_k))))
+            for t in tokens for g in problem_kinds(training)]
+  return sum(min(c, max_candidates or c) for c in counts)
+
+
 def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activation,
          tokens: Sequence[int], *, dtype=jnp.bfloat16, iters: int = 5, interpret: bool = False,
          max_candidates: Optional[int] = None, progress=None, seed: int = 0,
@@ -92,6 +108,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
            lambda cfg: build_plain(cfg, rt=True)),
           ("grouped_gemm_rt", "gemm2", n, h, (xs, gs, w2), lambda cfg: build_plain(cfg, rt=True)),
       ]
+    assert tuple(p[1] for p in problems) == problem_kinds(training)
     for kernel, gemm, n_out, k_in, args, build in problems:
       cands = tuning.candidates(gemm, m / max(1, min(e, m)))
       if max_candidates:

@@ -196,17 +196,26 @@ def heuristic_config(m: int, n: int, k: int, num_groups: int, dtype, *, gated: b
   return _fit_stages(cfg, itemsize, out_itemsize, 2 if gated else 1)
 
 
+def tuned_config(kernel_name: str, cls, m: int, n: int, k: int, num_groups: int, dtype):
+  """The `cls` config tuned for this problem in pallas_kernels/configs/<kernel_name>.json, or
+  None. Keys: E, N, K, dtype, device kind, jax minor version, M bucket; fields of the entry
+  that `cls` does not know (``us``, ``note``) are dropped."""
+  key = _tuned_key(num_groups, n, k, dtype, _compat.device_kind(), _m_bucket(m))
+  entry = _load_tuned(kernel_name).get(key)
+  log.debug("%s: %s config for %s", kernel_name, "tuned" if entry else "no tuned", key)
+  if entry is None:
+    return None
+  fields = {f.name for f in dataclasses.fields(cls)}
+  return cls(**{k_: v for k_, v in entry.items() if k_ in fields})
+
+
 def get_config(kernel_name: str, m: int, n: int, k: int, num_groups: int, dtype, *,
                gated: bool = False, out_dtype=None) -> GroupedGemmConfig:
   """Tuned config from pallas_kernels/configs/<kernel>.json if one matches, else the heuristic."""
-  table = _load_tuned(kernel_name)
-  key = _tuned_key(num_groups, n, k, dtype, _compat.device_kind(), _m_bucket(m))
-  if key in table:
-    log.debug("grouped_gemm: tuned config for %s: %s", key, table[key])
-    fields = {f.name for f in dataclasses.fields(GroupedGemmConfig)}
-    return GroupedGemmConfig(**{k_: v for k_, v in table[key].items() if k_ in fields})
-  cfg = heuristic_config(m, n, k, num_groups, dtype, gated=gated, out_dtype=out_dtype)
-  log.debug("grouped_gemm: no tuned config for %s; heuristic %s", key, cfg)
+  cfg = tuned_config(kernel_name, GroupedGemmConfig, m, n, k, num_groups, dtype)
+  if cfg is None:
+    cfg = heuristic_config(m, n, k, num_groups, dtype, gated=gated, out_dtype=out_dtype)
+    log.debug("grouped_gemm: heuristic %s", cfg)
   return cfg
 
 

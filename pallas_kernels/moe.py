@@ -18,6 +18,13 @@ from pallas_kernels.grouped_gemm import GroupedGemmConfig
 _PALLAS_GATHER_MIN_SLOTS = 1024
 
 
+def _auto_gather_impl(m: int, hdim: int) -> str:
+  """The token gather for m slots of width hdim: the Pallas TMA row copy from 1024 slots
+  (H200: 8192 x 2048 11.6 vs 21.0 µs), XLA's gather below (1 token: 2.1 vs 2.6 µs)."""
+  big = m >= _PALLAS_GATHER_MIN_SLOTS and _perm.gather_rows_supports(hdim)
+  return "pallas" if big else "xla"
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "config1", "config2", "interpret",
                                              "permute_impl", "layout"))
 def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
@@ -73,8 +80,7 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   m_alloc = gg.row_alloc(m, config1.block_m, config2.block_m)
   order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
   if permute_impl == "auto":
-    permute_impl = "pallas" if m >= _PALLAS_GATHER_MIN_SLOTS and _perm.gather_rows_supports(
-        hdim) else "xla"
+    permute_impl = _auto_gather_impl(m, hdim)
   xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret)
   scale = _perm.permute_weights(topk_weights, order)
   meta1 = gg.tile_metadata(group_sizes, m_alloc, config1.block_m)
@@ -170,9 +176,8 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   m = t * k
   m_alloc = gg.row_alloc(m, 128)
   order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
-  impl = "pallas" if m >= _PALLAS_GATHER_MIN_SLOTS and _perm.gather_rows_supports(
-      hdim) and not interpret else "xla"
-  xs = _perm.permute_rows_diff(x, order, inv, k, impl)
+  impl = _auto_gather_impl(m, hdim)
+  xs = _perm.permute_rows_diff(x, order, inv, k, impl, interpret)
   gid = None
   if w13_bias is not None or w2_bias is not None:
     ids = topk_ids.reshape(-1).astype(jnp.int32)
@@ -189,4 +194,4 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   if w2_bias is not None:
     y = y + jnp.take(w2_bias.astype(jnp.float32), gid, axis=0)
   y = y * _perm.permute_weights(topk_weights, order)[:, None]
-  return _perm.gather_sum_diff(y, inv, order, k, x.dtype, impl)
+  return _perm.gather_sum_diff(y, inv, order, k, x.dtype, impl, interpret)

@@ -161,47 +161,47 @@ def gather_sum(y: jax.Array, inv: jax.Array, *, out_dtype=None) -> jax.Array:
 # fwd+bwd at 1024 tokens on an H200).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def permute_rows_diff(x: jax.Array, sort_order: jax.Array, inv: jax.Array, k: int,
-                      impl: str = "xla") -> jax.Array:
+                      impl: str = "xla", interpret=False) -> jax.Array:
   """permute_rows(x, sort_order, k) whose VJP is gather_sum(d, inv). Rows past the valid slots
   pass no gradient to x, so their cotangents must be zero (gather_sum_diff's VJP makes them
   zero; fused_experts_train relies on it)."""
-  return permute_rows(x, sort_order, k, impl=impl)
+  return permute_rows(x, sort_order, k, impl=impl, interpret=interpret)
 
 
-def _permute_rows_fwd(x, sort_order, inv, k, impl):
-  return permute_rows(x, sort_order, k, impl=impl), inv
+def _permute_rows_fwd(x, sort_order, inv, k, impl, interpret):
+  return permute_rows(x, sort_order, k, impl=impl, interpret=interpret), inv
 
 
-def _permute_rows_bwd(k, impl, inv, d):
+def _permute_rows_bwd(k, impl, interpret, inv, d):
   return gather_sum(d, inv, out_dtype=d.dtype), None, None
 
 
 permute_rows_diff.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def gather_sum_diff(y: jax.Array, inv: jax.Array, sort_order: jax.Array, k: int, out_dtype,
-                    impl: str = "xla") -> jax.Array:
+                    impl: str = "xla", interpret=False) -> jax.Array:
   """gather_sum(y, inv, out_dtype=out_dtype) whose VJP is the row gather d[sort_order // k]
   (in out_dtype, then cast to y's dtype) on the valid slots' rows, zero elsewhere.
   sort_order must have one entry per row of y (pad it as the rows are padded)."""
+  return _gather_sum_fwd(y, inv, sort_order, k, out_dtype, impl, interpret)[0]
+
+
+def _gather_sum_fwd(y, inv, sort_order, k, out_dtype, impl, interpret):
   if sort_order.shape[0] != y.shape[0]:
     raise ValueError(f"sort_order has {sort_order.shape[0]} entries for y's {y.shape[0]} rows")
-  return gather_sum(y, inv, out_dtype=out_dtype)
-
-
-def _gather_sum_fwd(y, inv, sort_order, k, out_dtype, impl):
-  out = gather_sum_diff(y, inv, sort_order, k, out_dtype, impl)
+  out = gather_sum(y, inv, out_dtype=out_dtype)
   return out, (inv, sort_order, jnp.zeros((), y.dtype))  # the scalar carries y's dtype
 
 
-def _gather_sum_bwd(k, out_dtype, impl, res, d):
+def _gather_sum_bwd(k, out_dtype, impl, interpret, res, d):
   inv, order, y_dtype_scalar = res
   dtype = y_dtype_scalar.dtype
   m_rows = order.shape[0]
-  dy = permute_rows(d, order, k, impl=impl).astype(dtype)
+  dy = permute_rows(d, order, k, impl=impl, interpret=interpret).astype(dtype)
   n_valid = jnp.sum(inv >= 0)  # valid slots sort first
   dy = jnp.where((jnp.arange(m_rows) < n_valid)[:, None], dy, jnp.zeros((), dtype))
   return dy, None, None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Any
 
 import jax
@@ -27,8 +26,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
 from pallas_kernels import grouped_gemm as gg
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +86,7 @@ def get_tgmm_config(m: int, k: int, n: int, num_groups: int, dtype) -> TgmmConfi
   """Tuned config from pallas_kernels/configs/tgmm.json (keyed like the grouped GEMMs': E, N,
   K, dtype, device kind, jax minor version, M bucket; `python -m jmoe tune` writes it), else
   DEFAULT_CONFIG."""
-  key = gg._tuned_key(num_groups, n, k, dtype, _compat.device_kind(), gg._m_bucket(m))
-  entry = gg._load_tuned("tgmm").get(key)
-  if entry is None:
-    log.debug("tgmm: no tuned config for %s; default %s", key, DEFAULT_CONFIG)
-    return DEFAULT_CONFIG
-  fields = {f.name for f in dataclasses.fields(TgmmConfig)}
-  log.debug("tgmm: tuned config for %s: %s", key, entry)
-  return TgmmConfig(**{f: v for f, v in entry.items() if f in fields})
+  return gg.tuned_config("tgmm", TgmmConfig, m, n, k, num_groups, dtype) or DEFAULT_CONFIG
 
 
 def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, interpret):

@@ -13,8 +13,12 @@ Stages (--stages, comma-separated):
   layer     the whole EP MoE layer at EP = 1, 2, 4, ... GPUs (weak scaling: fixed tokens per
             GPU): tokens/s per GPU, efficiency vs EP=1, and with the overlap options (shared
             expert, two micro-batches); the EP output checked against the 1-GPU layer
-Device times are CUPTI kernel sums (jmoe.timing) on GPUs, wall-clock medians on CPU.
-Writes $OUT/ep_multigpu.json; prints one line per measurement.
+Times are pipelined wall-clock µs per call on GPUs (jmoe.timing.throughput_time: the slowest
+GPU counted once), wall-clock medians on CPU. XLA's GPU ragged all-to-all has two runtime paths,
+chosen by XLA_FLAGS at start-up: the in-process "one-shot" kernel (default) and NCCL send/recv
+(--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false); JMOE_RAGGED_A2A_CHUNKS
+cuts each peer's slice into pieces. Run the script once per setting with --tag.
+Writes $OUT/ep_multigpu[_TAG].json; prints one line per measurement.
 """
 from __future__ import annotations
 
@@ -45,9 +49,13 @@ def log(*a):
 
 
 def measure(fn, args, iters):
-  """Median µs: CUPTI kernel sum on GPUs, wall clock elsewhere."""
+  """Median µs per call: pipelined wall clock (timing.throughput_time) on GPUs, counting the
+  slowest GPU once (a CUPTI kernel sum would add up all GPUs' kernels and the time collectives
+  wait for peers); plain wall-clock medians elsewhere."""
   if jax.devices()[0].platform == "gpu":
-    return timing.device_time(fn, [args], iters=iters)[0]
+    one = timing.wall_time(fn, [args], iters=1)  # also the warm-up
+    calls = max(2, min(20, int(2e5 / max(one, 1.0))))  # about 0.2 s per repetition
+    return timing.throughput_time(fn, [args], calls=calls, reps=iters)
   return timing.wall_time(fn, [args], iters=iters)
 
 
@@ -176,7 +184,7 @@ def stage_comm(args, cfg, devs):
     xs = [sharding.shard_tokens(v, par) for v in tokens(cfg, t * ep)]
     peak = next((r.get("jax_all_to_all_gbps") for r in RESULTS["peak"]
                  if r.get("tokens_per_gpu") == t and r.get("ep") == ep), None)
-    for a2a in BACKENDS:
+    for a2a in args.backends:
       rec = dict(a2a=a2a, ep=ep, tokens_per_gpu=t)
       try:
         model = comm_model.bytes_per_token(a2a, hidden=cfg.hidden_size, top_k=cfg.top_k,
@@ -221,11 +229,11 @@ def stage_layer(args, cfg, devs, name):
       out = (out.astype(jnp.float32) + shared_expert_mlp(x, s13, s2, act)).astype(x.dtype)
     return out
 
-  for ep in [s_ for s_ in (1, 2, 4, 8, 16) if s_ <= len(devs)]:
+  for ep in [s_ for s_ in (1, 2, 4, 8, 16) if args.min_ep <= s_ <= len(devs)]:
     par = sharding.make_parallel(expert=ep, devices=devs[:ep])
     x, tw, ti = tokens(cfg, t * ep)
     ref = {}
-    for a2a in (("none",) if ep == 1 else BACKENDS):
+    for a2a in (("none",) if ep == 1 else args.backends):
       for shared, mb in ((False, 1), (True, 1), (True, 2)):
         if a2a == "none" and mb > 1:
           continue
@@ -275,13 +283,22 @@ def main():
   ap.add_argument("--stages", default="peak,comm,layer")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--torch", action="store_true", help="also PyTorch NCCL all_to_all_single")
+  ap.add_argument("--backends", default=",".join(BACKENDS))
+  ap.add_argument("--min-ep", type=int, default=1, help="layer stage: smallest EP size")
+  ap.add_argument("--tag", default="", help="names the output file (one per XLA setting)")
   ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ep_multigpu"))
   args = ap.parse_args()
+  args.backends = args.backends.split(",")
+  unknown = set(args.backends) - set(BACKENDS)
+  if unknown:
+    ap.error(f"--backends: unknown {sorted(unknown)}; choose from {BACKENDS}")
   os.makedirs(args.out, exist_ok=True)
   devs = jax.devices()
   RESULTS["meta"] = dict(jax=jax.__version__, devices=len(devs), kind=devs[0].device_kind,
-                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), argv=sys.argv)
+                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), argv=sys.argv,
+                         xla_flags=os.environ.get("XLA_FLAGS", ""),
+                         ragged_chunks=sharding.collectives.default_chunks())
   log(f"{len(devs)} x {devs[0].device_kind}, jax {jax.__version__}")
 
   def shaped(name):
@@ -305,9 +322,10 @@ def main():
   if "layer" in stages:
     for name in args.layer_presets.split(","):
       stage_layer(args, shaped(name), devs, name)
-  with open(os.path.join(args.out, "ep_multigpu.json"), "w") as f:
+  path = os.path.join(args.out, f"ep_multigpu{'_' + args.tag if args.tag else ''}.json")
+  with open(path, "w") as f:
     json.dump(RESULTS, f, indent=1, default=str)
-  log(f"wrote {os.path.join(args.out, 'ep_multigpu.json')}")
+  log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -30,42 +30,88 @@ def mesh_platform(mesh) -> str:
   return mesh.devices.flat[0].platform
 
 
+NATIVE_CHUNKS = 256
+
+
+def default_chunks() -> int:
+  """Pieces per peer slice for the native op: `JMOE_RAGGED_A2A_CHUNKS`, else 256.
+
+  XLA's in-process ("one-shot") GPU kernel, its default on one host, gives each slice its own
+  few thread blocks, so one slice per peer leaves the SMs idle: on 2 H200s (jax 0.11.2) the
+  deepseek-v3 dispatch at 4096 tokens/GPU took 90 ms as 1 piece per peer, 12.5 ms as 8, 2.8 ms
+  as 64, 1.98 ms as 256 and 1.94 ms as 1024 (BENCHMARKS.md, "Expert parallelism on 2 H200s").
+  """
+  raw = os.environ.get("JMOE_RAGGED_A2A_CHUNKS", str(NATIVE_CHUNKS))
+  if not raw.isdigit() or int(raw) < 1:
+    raise ValueError(f"JMOE_RAGGED_A2A_CHUNKS={raw!r} must be a positive integer")
+  return int(raw)
+
+
+def split_slices(offsets: jax.Array, sizes: jax.Array, chunks: int
+                 ) -> tuple[jax.Array, jax.Array]:
+  """[P] slices -> [P * chunks] pieces (peer-major): piece j of a slice of s rows starts at
+  j * ceil(s / chunks) and is empty past the slice's end. Sender and receiver cut a slice the
+  same way from its size alone, so their piece lists agree."""
+  if chunks == 1:
+    return offsets, sizes
+  piece = (sizes + chunks - 1) // chunks
+  j = jnp.arange(chunks, dtype=sizes.dtype)[None, :]
+  start = jnp.minimum(j * piece[:, None], sizes[:, None])
+  size = jnp.minimum(piece[:, None], sizes[:, None] - start)
+  return (offsets[:, None] + start).reshape(-1), size.reshape(-1)
+
+
 def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
                       send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
-                      axis_name: str, impl: str = "native") -> jax.Array:
+                      axis_name: str, impl: str = "native",
+                      chunks: Optional[int] = None) -> jax.Array:
   """`jax.lax.ragged_all_to_all` semantics, one slice per peer (arrays of length axis size).
 
   Slice i of `operand` (`operand[input_offsets[i]:+send_sizes[i]]`) goes to peer i, where it
   lands at `output_offsets[i]` of the peer's `output`; `recv_sizes[i]` rows come from peer i.
-  Rows of `output` nobody writes keep their value.
+  Rows of `output` nobody writes keep their value. `chunks` cuts every slice into that many
+  pieces on the wire (the result is the same); by default `default_chunks()` for the native op
+  and 1 for the emulation, whose cost grows with the number of pieces.
   """
-  if impl == "native" and jax.lax.axis_size(axis_name) > 1:
+  native = impl == "native" and jax.lax.axis_size(axis_name) > 1
+  if chunks is None:
+    chunks = default_chunks() if native else 1
+  if chunks < 1:
+    raise ValueError(f"chunks must be >= 1, got {chunks}")
+  in_off, send = split_slices(input_offsets, send_sizes, chunks)
+  out_off, _ = split_slices(output_offsets, send_sizes, chunks)
+  _, recv = split_slices(jnp.zeros_like(recv_sizes), recv_sizes, chunks)
+  if native:
     # (on a 1-device axis the native op is a local copy that XLA's one-shot kernel ran at
     # ~1 GB/s on an H200 — 25 ms at qwen3 / 1024 tokens; the select below is a fused copy)
-    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                                     recv_sizes, axis_name=axis_name)
-  return _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets,
-                                     axis_name)
+    return jax.lax.ragged_all_to_all(operand, output, in_off, send, out_off, recv,
+                                     axis_name=axis_name)
+  return _ragged_all_to_all_emulated(operand, output, in_off, send, out_off, axis_name)
 
 
 def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets,
                                 axis_name):
   """All-gather based equivalent (CPU): every rank sees every slice and keeps its own.
 
-  Costs axis_size x the operand in memory and bandwidth: a test vehicle, not a fast path.
+  Takes lax's layout of N = P * c slices (slice i goes to peer i // c). Costs axis_size x the
+  operand in memory and bandwidth: a test vehicle, not a fast path.
   """
   me = jax.lax.axis_index(axis_name)
+  n_peers = jax.lax.axis_size(axis_name)
+  c = input_offsets.shape[0] // n_peers
   all_op = jax.lax.all_gather(operand, axis_name)  # [P, R_in, ...]
-  meta = jnp.stack([input_offsets, send_sizes, output_offsets]).astype(jnp.int32)  # [3, P]
-  all_meta = jax.lax.all_gather(meta, axis_name)  # [P(src), 3, P(dst)]
-  start_i, cnt, start_o = (all_meta[:, j, me] for j in range(3))  # [P(src)] each, for me
-  n_src, r_in = all_op.shape[0], all_op.shape[1]
+  meta = jnp.stack([input_offsets, send_sizes, output_offsets]).astype(jnp.int32)  # [3, N]
+  all_meta = jax.lax.all_gather(meta, axis_name)  # [P(src), 3, N]
+  mine = jax.lax.dynamic_slice_in_dim(all_meta, me * c, c, axis=2)  # [P(src), 3, c]
+  start_i, cnt, start_o = (mine[:, j].reshape(-1) for j in range(3))  # [P*c] each, for me
+  seg_src = jnp.arange(start_i.shape[0], dtype=jnp.int32) // c
+  r_in = all_op.shape[1]
   rows = jnp.arange(output.shape[0], dtype=jnp.int32)[:, None]  # [R_out, 1]
-  hit = (rows >= start_o[None, :]) & (rows < (start_o + cnt)[None, :])  # [R_out, P]
-  src = jnp.argmax(hit, axis=1)
+  hit = (rows >= start_o[None, :]) & (rows < (start_o + cnt)[None, :])  # [R_out, P*c]
+  seg = jnp.argmax(hit, axis=1)
   got = jnp.any(hit, axis=1)
-  src_row = jnp.clip(rows[:, 0] - start_o[src] + start_i[src], 0, r_in - 1)
-  vals = all_op[src, src_row]
+  src_row = jnp.clip(rows[:, 0] - start_o[seg] + start_i[seg], 0, r_in - 1)
+  vals = all_op[seg_src[seg], src_row]
   mask = got.reshape((-1,) + (1,) * (output.ndim - 1))
   return jnp.where(mask, vals, output)
 

@@ -311,7 +311,8 @@ def test_empty_batch(a2a):
 # the ragged all-to-all emulation
 
 
-def test_ragged_all_to_all_emulation_matches_numpy():
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_ragged_all_to_all_emulation_matches_numpy(chunks):
   mesh = make_ep_mesh(expert=8, keep_unit_axes=False)
   ep_, rows, h = 8, 20, 3
   rng = np.random.default_rng(0)
@@ -328,11 +329,33 @@ def test_ragged_all_to_all_emulation_matches_numpy():
   def body(op, io, ss, oo, rs):
     out = jnp.full((want.shape[1], h), -1.0, jnp.float32)
     return collectives.ragged_all_to_all(op[0], out, io[0], ss[0], oo[0], rs[0],
-                                         axis_name="expert", impl="emulated")[None]
+                                         axis_name="expert", impl="emulated",
+                                         chunks=chunks)[None]
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
   i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
   got = f(jnp.asarray(ops), i32(in_off), i32(sizes), i32(out_off), i32(sizes.T))
   np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_split_slices_cover_each_slice_once():
+  sizes = jnp.asarray([0, 1, 5, 7], jnp.int32)
+  offs = jnp.asarray([3, 3, 4, 9], jnp.int32)
+  o, n = collectives.split_slices(offs, sizes, 3)
+  o, n = np.asarray(o).reshape(4, 3), np.asarray(n).reshape(4, 3)
+  for i in range(4):
+    rows = np.concatenate([np.arange(a, a + b) for a, b in zip(o[i], n[i])])
+    np.testing.assert_array_equal(rows, np.arange(offs[i], offs[i] + sizes[i]))
+  assert (n >= 0).all()
+
+
+def test_ragged_chunks_setting(monkeypatch):
+  monkeypatch.delenv("JMOE_RAGGED_A2A_CHUNKS", raising=False)
+  assert collectives.default_chunks() == collectives.NATIVE_CHUNKS
+  monkeypatch.setenv("JMOE_RAGGED_A2A_CHUNKS", "16")
+  assert collectives.default_chunks() == 16
+  monkeypatch.setenv("JMOE_RAGGED_A2A_CHUNKS", "0")
+  with pytest.raises(ValueError, match="JMOE_RAGGED_A2A_CHUNKS"):
+    collectives.default_chunks()
 
 
 def test_ragged_impl_choice(monkeypatch):

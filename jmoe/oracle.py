@@ -68,13 +68,40 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
   return "xla", f"platform={platform}: no GPU kernels, XLA ragged_dot"
 
 
+# ragged_dedup's sort and packing cost about what all-gather saves at EP=2 (measured on 2 H200s,
+# BENCHMARKS.md): it is chosen only when the all-gather would move this many times its bytes
+DEDUP_BYTES_MARGIN = 2.0
+
+
+def auto_ep_dispatch(ep: int, hidden_size: int, num_experts: int, top_k: int,
+                     tokens_per_rank: int) -> tuple[str, str]:
+  """("allgather" | "ragged_dedup", reason) from the bytes `sharding.comm_model` predicts.
+
+  All-gather sends every token to every rank and needs no sort; its bytes grow with EP, while
+  the deduplicated ragged all-to-all sends a token once to each rank holding one of its experts.
+  """
+  from sharding import comm_model  # noqa: PLC0415 (sharding imports jmoe)
+  kw = dict(hidden=hidden_size, top_k=top_k, num_experts=num_experts, ep=ep,
+            tokens_per_rank=max(tokens_per_rank, 1))
+  ag = comm_model.bytes_per_token("allgather", **kw)["total"]
+  dd = comm_model.bytes_per_token("ragged_dedup", **kw)["total"]
+  ratio = ag / dd if dd else float("inf")
+  if ratio > DEDUP_BYTES_MARGIN:
+    return "ragged_dedup", (f"EP={ep}: all-gather would send {ratio:.1f}x the bytes of the "
+                            "deduplicated ragged all-to-all")
+  return "allgather", (f"EP={ep}: all-gather sends {ratio:.1f}x the bytes of the deduplicated "
+                       f"ragged all-to-all (<= {DEDUP_BYTES_MARGIN}x) and needs no sort")
+
+
 def select_backend(runner_backend: str = "auto", a2a_backend: str = "auto", *,
                    quant: Optional[QuantConfig] = None,
                    parallel: Optional[ParallelConfig] = None,
-                   problem: Optional[tuple] = None
+                   problem: Optional[tuple] = None,
+                   routing: Optional[tuple[int, int, int]] = None
                    ) -> tuple[PrepareFinalize, Experts, str]:
   """Choose the parts for one call; `problem` = (dtype, hidden_size, intermediate_size) when
-  known, so that "auto" skips backends that cannot run it.
+  known, so that "auto" skips backends that cannot run it; `routing` = (num_experts, top_k,
+  tokens per expert rank) when known, so that "auto" picks the EP dispatch by its bytes.
 
   Returns (prepare_finalize, experts, reason)."""
   runner, runner_why = _resolve("runner_backend", runner_backend, "JMOE_RUNNER_BACKEND",
@@ -89,6 +116,8 @@ def select_backend(runner_backend: str = "auto", a2a_backend: str = "auto", *,
       a2a, a2a_why = parallel.a2a_backend, f"a2a_backend={parallel.a2a_backend!r} from ParallelConfig"
     elif ep_size == 1 and parallel.axis_size(parallel.tensor_axis) == 1:
       a2a, a2a_why = "none", "expert axis of size 1"
+    elif ep_size > 1 and routing is not None and problem is not None:
+      a2a, a2a_why = auto_ep_dispatch(ep_size, problem[1], *routing)
     else:
       a2a, a2a_why = "allgather", "default EP dispatch: all-gather / reduce-scatter"
   backend = registry.A2A_BACKENDS.get(a2a)

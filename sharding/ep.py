@@ -29,15 +29,18 @@ log = logging.getLogger("jmoe.sharding")
 def select_parts(parallel: ParallelConfig, *, runner_backend: str = "auto",
                  a2a_backend: str = "auto", quant_config: Optional[QuantConfig] = None,
                  placement: Union[str, ExpertPlacement, None] = None,
-                 capacity: Optional[int] = None, problem: Optional[tuple] = None):
+                 capacity: Optional[int] = None, problem: Optional[tuple] = None,
+                 routing: Optional[tuple[int, int, int]] = None):
   """(prepare_finalize, experts, reason) for an EP call, with placement/capacity applied.
 
   `problem` = (dtype, hidden_size, intermediate size per tensor rank): what the local experts
-  see, so that "auto" skips runners that cannot run it.
+  see, so that "auto" skips runners that cannot run it; `routing` = (num_experts, top_k,
+  tokens per expert rank), so that "auto" picks the dispatch by its bytes.
   """
   from jmoe import oracle  # noqa: PLC0415 (jmoe may still be importing when sharding loads)
   pf, experts, reason = oracle.select_backend(runner_backend, a2a_backend, quant=quant_config,
-                                              parallel=parallel, problem=problem)
+                                              parallel=parallel, problem=problem,
+                                              routing=routing)
   if isinstance(pf, EPPrepareFinalize) and (placement is not None or capacity is not None):
     pf = type(pf)(parallel, placement=placement, capacity=capacity, ragged_impl=pf.ragged_impl)
   return pf, experts, reason
@@ -114,7 +117,8 @@ def ep_fused_moe(
   pf, experts, reason = select_parts(parallel, runner_backend=runner_backend,
                                      a2a_backend=a2a_backend, quant_config=quant_config,
                                      placement=placement, capacity=capacity,
-                                     problem=(hidden_states.dtype, h, n // sizes.tp))
+                                     problem=(hidden_states.dtype, h, n // sizes.tp),
+                                     routing=(e, k, t_loc))
   kernel = ModularKernel(pf, experts, quant_config)
   if pf.activation_format == ActivationFormat.Batched:
     check_distinct_ids(topk_ids)

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jmoe  # noqa: E402
 import sharding  # noqa: E402
+from jmoe.config import get_preset  # noqa: E402
 from jmoe import registry  # noqa: E402
 from jmoe.shared import shared_expert_mlp  # noqa: E402
 from sharding import collectives  # noqa: E402
@@ -394,6 +395,30 @@ def test_oracle_defaults_and_forcing(monkeypatch):
     sharding.select_parts(par, a2a_backend="padded_a2a", runner_backend="reference")
   with pytest.raises(ValueError, match="needs parallel"):
     jmoe.select_backend("xla", "ragged_a2a")
+
+
+@pytest.mark.parametrize("preset,ep,want", [
+    ("deepseek-v3", 2, "allgather"), ("qwen3-30b-a3b", 2, "allgather"),
+    ("deepseek-v3", 8, "ragged_dedup"), ("qwen3-30b-a3b", 8, "ragged_dedup"),
+    ("mixtral-8x7b", 8, "ragged_dedup"), ("deepseek-v3", 64, "ragged_dedup")])
+def test_auto_ep_dispatch_follows_the_comm_model(preset, ep, want):
+  cfg = get_preset(preset)
+  got, why = jmoe.oracle.auto_ep_dispatch(ep, cfg.hidden_size, cfg.num_experts, cfg.top_k, 4096)
+  assert got == want and f"EP={ep}" in why
+
+
+def test_auto_ep_dispatch_in_the_layer(monkeypatch, prob):
+  """With routing known, the EP layer's "auto" is the comm model's choice; forcing still wins."""
+  monkeypatch.delenv("JMOE_A2A_BACKEND", raising=False)
+  p, _ = prob
+  t, k = p["ti"].shape
+  e, h = p["w13"].shape[0], p["w13"].shape[1]
+  want, _ = jmoe.oracle.auto_ep_dispatch(8, h, e, k, t // 8)
+  pf, _, why = sharding.select_parts(parallel("e8"), problem=(p["x"].dtype, h, 4),
+                                     routing=(e, k, t // 8))
+  assert pf.name == want and "EP=8" in why
+  pf, _, _ = sharding.select_parts(parallel("e8"), a2a_backend="ragged_a2a", routing=(e, k, 1))
+  assert pf.name == "ragged_a2a"
 
 
 def test_a2a_none_on_mesh_runs_replicated(prob):

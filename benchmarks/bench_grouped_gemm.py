@@ -10,7 +10,7 @@ Stages:
   block     the MoE expert block (permute, GEMM1+act, GEMM2 x router weight, gather-sum) per
             preset x tokens: check vs a per-slot f32 XLA reference, CUPTI device time, the
             torch._grouped_mm peer (CUDA-graph replay), weight-streaming floor
-  sweep     time GEMM1 / GEMM2 alone over candidate configs (--sweep-presets, --sweep-tokens)
+  sweep     time GEMM1 / GEMM2 alone over jmoe.tune's candidates (--sweep-presets, --sweep-tokens)
   tgmm      the weight-gradient kernel alone over configs (the best becomes this run's default)
   train     the block's jax.grad on the Pallas path vs its forward and vs XLA
   batched   the masked batched kernels ([E, cap, H] + expert_num_tokens) at T=1, 64
@@ -377,55 +377,43 @@ def stage_block(args):
     del w13, w2, tw13, tw2
 
 
-from pallas_kernels.tuning import SWEEP_G1, SWEEP_G2, SWEEP_SMALL, SWEEP_TGMM  # noqa: E402
+from pallas_kernels.tuning import SWEEP_TGMM  # noqa: E402
 
 
 def stage_sweep(args):
+  """GEMM1 / GEMM2 alone over jmoe.tune's candidates (what `python -m jmoe tune` times), every
+  candidate recorded; the best pair becomes the block stage's config for that (preset, T)."""
+  from jmoe import tune  # noqa: PLC0415
+  which = {"grouped_gemm_gated": "gemm1", "grouped_gemm": "gemm2"}
   for pname in args.sweep_presets.split(","):
     p = PRESETS[pname]
-    w13, w2 = make_weights(p, jax.random.key(1))
-    jax.block_until_ready((w13, w2))
     for T in [int(t) for t in args.sweep_tokens.split(",")]:
       if time.time() - T0 > args.budget_s:
         log("[sweep] budget reached")
         return
-      x, tw, ti = make_inputs(p, T, jax.random.key(7))
-      order, gs, inv = perm.moe_align(ti, p["E"])
-      xs = perm.permute_rows(x, order, p["k"])
-      h = jax.random.normal(jax.random.key(3), (xs.shape[0], p["N"]), jnp.float32).astype(
-          jnp.bfloat16)
-      sc = perm.permute_weights(tw, order)
-      small = T <= args.sweep_small_max_t
-      g1 = SWEEP_SMALL + SWEEP_G1[:1] if small else SWEEP_G1
-      g2 = SWEEP_SMALL + SWEEP_G2[1:2] if small else SWEEP_G2
-      for which, cands in (("gemm1", g1), ("gemm2", g2)):
-        for cfg in cands:
-          rec = dict(preset=pname, T=T, gemm=which, config=cfg.to_json())
-          try:
-            if which == "gemm1":
-              f = jax.jit(lambda a, g, w, cfg=cfg: gg.grouped_gemm_gated(a, w, g, config=cfg,
-                                                                             interpret=INTERPRET))
-              fargs = (xs, gs, w13)
-              flops = 2 * xs.shape[0] * p["H"] * 2 * p["N"]
-            else:
-              f = jax.jit(lambda a, g, w, s_, cfg=cfg: gg.grouped_gemm(a, w, g, config=cfg,
-                                                                       row_scale=s_,
-                                                                       interpret=INTERPRET))
-              fargs = (h, gs, w2, sc)
-              flops = 2 * xs.shape[0] * p["N"] * p["H"]
-            us, _, _ = cupti_times(f, [fargs], iters=3)
-            rec.update(us=us, tflops=flops / us / 1e6)
-            best = TUNED.setdefault((pname, T), {})
-            if which not in best or us < best[which][1]:
-              best[which] = (cfg, us)
-            log(f"[sweep] {pname} T={T} {which} bm={cfg.block_m} bn={cfg.block_n} "
-                f"split={cfg.wg_split} minor={cfg.grid_minor}/{cfg.grid_tile_width} "
-                f"-> {us:.1f}us {flops / us / 1e6:.0f}TF/s")
-          except Exception as e:  # noqa: BLE001
-            fail(rec, f"sweep {pname} T={T} {which} {cfg}", e)
-          RESULTS["sweep"].append(rec)
-          save()
-    del w13, w2
+      flops = {"gemm1": 2 * T * p["k"] * p["H"] * 2 * p["N"],
+               "gemm2": 2 * T * p["k"] * p["N"] * p["H"]}
+
+      def report(t, table, cfg, us, pname=pname, flops=flops):
+        g = which[table]
+        rec = dict(preset=pname, T=t, gemm=g, config=cfg.to_json())
+        if us is None:
+          rec["error"] = "failed (see jmoe.tune: a candidate that does not fit)"
+        else:
+          rec.update(us=us, tflops=flops[g] / us / 1e6)
+          best = TUNED.setdefault((pname, t), {})
+          if g not in best or us < best[g][1]:
+            best[g] = (cfg, us)
+        log(f"[sweep] {pname} T={t} {g} bm={cfg.block_m} bn={cfg.block_n} "
+            f"split={cfg.wg_split} minor={cfg.grid_minor}/{cfg.grid_tile_width} -> "
+            + (f"{us:.1f}us {rec['tflops']:.0f}TF/s" if us else "failed"))
+        RESULTS["sweep"].append(rec)
+        save()
+      try:
+        tune.tune(p["E"], p["k"], p["H"], p["N"], "silu", [T], iters=3, interpret=INTERPRET,
+                  tables=list(which), report=report)
+      except Exception as e:  # noqa: BLE001
+        err(f"sweep {pname} T={T}", e)
 
 
 def xla_block_fn(E, act="silu"):
@@ -625,8 +613,6 @@ def main():
   ap.add_argument("--tokens", default="1,64,1024,16384")
   ap.add_argument("--sweep-presets", default="qwen3-30b-a3b")
   ap.add_argument("--sweep-tokens", default="16384")
-  ap.add_argument("--sweep-small-max-t", type=int, default=1024,
-                  help="token counts up to this also try the weight-streaming candidates")
   ap.add_argument("--rotate", type=int, default=3)
   ap.add_argument("--train-presets", default="mixtral-8x7b")
   ap.add_argument("--permute-impl", default="auto", choices=["auto", "xla", "pallas"])

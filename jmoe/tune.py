@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,36 +38,54 @@ def _device_time_us(fn: Callable, args, iters: int, interpret: bool) -> float:
   return timing.device_time(fn, [args], iters=iters)[0]
 
 
-def problem_kinds(training: bool) -> tuple[str, ...]:
-  """The candidate set (pallas_kernels.tuning.candidates) of each problem tune() times per token
-  count, in order: GEMM1, GEMM2, the two weight gradients (+ with training: unfused GEMM1 and
-  the two transposed-weight d lhs GEMMs)."""
-  return ("gemm1", "gemm2", "tgmm", "tgmm") + (("gemm2",) * 3 if training else ())
+def problems(training: bool) -> tuple[tuple[str, str], ...]:
+  """(table, candidate set of pallas_kernels.tuning.candidates) of each problem tune() times
+  per token count, in order: GEMM1, GEMM2, the two weight gradients (+ with training: unfused
+  GEMM1 and the two transposed-weight d lhs GEMMs)."""
+  base = (("grouped_gemm_gated", "gemm1"), ("grouped_gemm", "gemm2"), ("tgmm", "tgmm"),
+          ("tgmm", "tgmm"))
+  train = (("grouped_gemm", "gemm2"), ("grouped_gemm_rt", "gemm2"), ("grouped_gemm_rt", "gemm2"))
+  return base + (train if training else ())
+
+
+def _selected(tables: Optional[Collection[str]], training: bool) -> list[bool]:
+  known = {t for t, _ in problems(True)}
+  if tables is not None and not set(tables) <= known:
+    raise ValueError(f"tables={sorted(set(tables) - known)} are not tuned tables "
+                     f"({sorted(known)})")
+  return [tables is None or t in tables for t, _ in problems(training)]
 
 
 def num_candidates(num_experts: int, top_k: int, tokens: Sequence[int], *, training: bool,
-                   max_candidates: Optional[int] = None) -> int:
+                   max_candidates: Optional[int] = None,
+                   tables: Optional[Collection[str]] = None) -> int:
   """How many configs tune() times (for a progress bar)."""
   from pallas_kernels import tuning  # noqa: PLC0415
+  sel = _selected(tables, training)
   counts = [len(tuning.candidates(g, t * top_k / max(1, min(num_experts, t * top_k))))
-            for t in tokens for g in problem_kinds(training)]
+            for t in tokens for (_, g), on in zip(problems(training), sel) if on]
   return sum(min(c, max_candidates or c) for c in counts)
 
 
 def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activation,
          tokens: Sequence[int], *, dtype=jnp.bfloat16, iters: int = 5, interpret: bool = False,
          max_candidates: Optional[int] = None, progress=None, seed: int = 0,
-         training: bool = False) -> list[TuneResult]:
+         training: bool = False, tables: Optional[Collection[str]] = None,
+         report: Optional[Callable[[int, str, Any, Optional[float]], None]] = None
+         ) -> list[TuneResult]:
   """Time the candidates of both GEMMs at each token count; return the best per kernel.
 
   training: also the GEMMs only the differentiable block runs (fused_experts_train): GEMM1
   without the fused activation ([M, 2N] out, table grouped_gemm) and both backward d lhs
   GEMMs, which read the weights transposed (table grouped_gemm_rt).
+  tables: only the problems of these tables (None: all).
+  report(tokens, table, config, µs or None when it failed): called for every candidate.
   """
   from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
   from pallas_kernels import permute, tuning  # noqa: PLC0415
   from pallas_kernels.tgmm import tgmm  # noqa: PLC0415
 
+  sel = _selected(tables, training)  # (checks `tables` before anything is timed)
   ks = jax.random.split(jax.random.key(seed), 5)
   e, h, n = num_experts, hidden, intermediate
   w13 = (jax.random.normal(ks[0], (e, h, 2 * n), jnp.float32) / math.sqrt(h)).astype(dtype)
@@ -86,7 +104,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
     def build_tgmm(cfg):
       return jax.jit(lambda a, b, g: tgmm(a, b, g, config=cfg, interpret=interpret))
     d13 = jax.random.normal(ks[4], (xs.shape[0], 2 * n), jnp.float32).astype(dtype)
-    problems = [  # (table, candidate set, output N, contraction K, args, build)
+    todo = [  # (table, candidate set, output N, contraction K, args, build)
         ("grouped_gemm_gated", "gemm1", n, h, (xs, gs, w13),
          lambda cfg: jax.jit(lambda a, g, w: gg.grouped_gemm_gated(
              a, w, g, activation=activation, config=cfg, interpret=interpret))),
@@ -101,15 +119,17 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
       def build_plain(cfg, rt=False):
         return jax.jit(lambda a, g, w: gg.grouped_gemm(a, w, g, config=cfg, interpret=interpret,
                                                        transpose_rhs=rt))
-      problems += [
+      todo += [
           ("grouped_gemm", "gemm2", 2 * n, h, (xs, gs, w13), build_plain),
           # d x_sorted = d(h13) @ w13^T [M, H]; d a = dy @ w2^T [M, N]
           ("grouped_gemm_rt", "gemm2", h, 2 * n, (d13, gs, w13),
            lambda cfg: build_plain(cfg, rt=True)),
           ("grouped_gemm_rt", "gemm2", n, h, (xs, gs, w2), lambda cfg: build_plain(cfg, rt=True)),
       ]
-    assert tuple(p[1] for p in problems) == problem_kinds(training)
-    for kernel, gemm, n_out, k_in, args, build in problems:
+    assert tuple(p[:2] for p in todo) == problems(training)
+    for (kernel, gemm, n_out, k_in, args, build), on in zip(todo, sel):
+      if not on:
+        continue
       cands = tuning.candidates(gemm, m / max(1, min(e, m)))
       if max_candidates:
         cands = cands[:max_candidates]
@@ -121,6 +141,9 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
             best = (cfg, us)
         except Exception:  # a candidate that does not fit this problem (smem, layout)
           failed += 1
+          us = None
+        if report is not None:
+          report(t, kernel, cfg, us)
         if progress is not None:
           progress()
       if best is None:

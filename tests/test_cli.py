@@ -83,6 +83,22 @@ def test_tune_train_adds_training_gemm_tables(tmp_path, capsys):
   assert sorted(k_.split(",")[1:3] for k_ in rt) == [["N=64", "K=128"], ["N=64", "K=64"]]
 
 
+def test_tune_tables_filter_and_report():
+  from pallas_kernels import _compat
+  from jmoe import tune
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
+  seen = []
+  res = tune.tune(4, 2, 64, 64, "silu", [8], interpret=True, max_candidates=2, iters=1,
+                  tables=["grouped_gemm_gated"], report=lambda *a: seen.append(a))
+  assert [r.kernel for r in res] == ["grouped_gemm_gated"]
+  assert len(seen) == 2 == tune.num_candidates(4, 2, [8], training=False, max_candidates=2,
+                                               tables=["grouped_gemm_gated"])
+  assert all(t == 8 and k == "grouped_gemm_gated" and us > 0 for t, k, _, us in seen)
+  with pytest.raises(ValueError, match="not tuned tables"):
+    tune.tune(4, 2, 64, 64, "silu", [8], interpret=True, tables=["gemm1"])
+
+
 def test_tune_refuses_cpu_without_interpret(capsys):
   assert cli.main(["tune", "--preset", "qwen3-30b-a3b", "--tokens", "8"]) == 2
   assert "needs a GPU" in capsys.readouterr().out

@@ -12,7 +12,8 @@ Stages (--stages, comma-separated):
             experts, on all GPUs; bytes from sharding.comm_model -> achieved GB/s, ratio to peak
   layer     the whole EP MoE layer at EP = 1, 2, 4, ... GPUs (weak scaling: fixed tokens per
             GPU): tokens/s per GPU, efficiency vs EP=1, and with the overlap options (shared
-            expert, two micro-batches); the EP output checked against the 1-GPU layer
+            expert, two micro-batches); the EP output checked against the 1-GPU layer; on GPUs
+            also CUPTI µs per GPU in communication, GEMM and other kernels
 Times are pipelined wall-clock µs per call on GPUs (jmoe.timing.throughput_time: the slowest
 GPU counted once), wall-clock medians on CPU. XLA's GPU ragged all-to-all has two runtime paths,
 chosen by XLA_FLAGS at start-up: the in-process "one-shot" kernel (default) and NCCL send/recv
@@ -57,6 +58,23 @@ def measure(fn, args, iters):
     calls = max(2, min(20, int(2e5 / max(one, 1.0))))  # about 0.2 s per repetition
     return timing.throughput_time(fn, [args], calls=calls, reps=iters)
   return timing.wall_time(fn, [args], iters=iters)
+
+
+KERNEL_KINDS = (  # (kind, name fragments), first match wins
+    ("comm", ("nccl", "RaggedAllToAll", "MultiGpuBarrier")),
+    ("gemm", ("jmoe_gg", "gemm", "matmul", "cublas", "cutlass", "tgmm", "decode")),
+)
+
+
+def kernel_shares(fn, args, ndev: int) -> dict:
+  """CUPTI µs per GPU by kind (comm / gemm / other) of one call's kernels on `ndev` GPUs. A
+  collective's kernel time includes the time it waits for its peer: "comm" is an upper bound."""
+  _, _, kernels = timing.device_time(fn, [args], iters=3)
+  out = {"comm": 0.0, "gemm": 0.0, "other": 0.0}
+  for name, us in kernels.items():
+    kind = next((k for k, frags in KERNEL_KINDS if any(f in name for f in frags)), "other")
+    out[kind] += us / ndev
+  return out
 
 
 def weights(cfg, seed=0, dtype=jnp.bfloat16):
@@ -261,6 +279,8 @@ def stage_layer(args, cfg, devs, name):
                                            / np.linalg.norm(ref[shared]))
           us = measure(f, args_, args.iters)
           rec.update(us=us, tokens_per_s_per_gpu=t / us * 1e6)
+          if jax.devices()[0].platform == "gpu":
+            rec["kernel_us_per_gpu"] = kernel_shares(f, args_, ep)
           if ep == 1:
             base[shared] = rec["tokens_per_s_per_gpu"]
           if shared in base:
@@ -268,7 +288,10 @@ def stage_layer(args, cfg, devs, name):
           log(f"[layer] {name} ep={ep} {a2a:12s} shared={shared} mb={mb}: {us:.1f}us "
               f"{rec['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
               f"eff={rec.get('efficiency_vs_ep1', float('nan')):.2f} "
-              f"err={rec.get('rel_err_vs_1gpu', float('nan')):.1e}")
+              f"err={rec.get('rel_err_vs_1gpu', float('nan')):.1e}"
+              + ("  kernels/GPU: " + " ".join(f"{k} {v:.0f}us" for k, v in
+                                               rec["kernel_us_per_gpu"].items())
+                 if "kernel_us_per_gpu" in rec else ""))
         except Exception as e:  # noqa: BLE001
           rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
           log(f"[layer] {name} ep={ep} {a2a} ERROR {rec['error']}")

@@ -47,6 +47,13 @@ def default_chunks() -> int:
   return int(raw)
 
 
+def one_shot_kernel_applies(peers: int) -> bool:
+  """Whether XLA runs a ragged all-to-all over `peers` devices as its in-process one-shot
+  kernel (one process driving at most 8 GPUs), the case the pieces are for. Elsewhere XLA
+  uses NCCL send/recv per piece or its multi-host decomposition, where pieces only add calls."""
+  return peers <= 8 and jax.process_count() == 1
+
+
 def split_slices(offsets: jax.Array, sizes: jax.Array, chunks: int
                  ) -> tuple[jax.Array, jax.Array]:
   """[P] slices -> [P * chunks] pieces (peer-major): piece j of a slice of s rows starts at
@@ -71,11 +78,13 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
   lands at `output_offsets[i]` of the peer's `output`; `recv_sizes[i]` rows come from peer i.
   Rows of `output` nobody writes keep their value. `chunks` cuts every slice into that many
   pieces on the wire (the result is the same); by default `default_chunks()` for the native op
-  and 1 for the emulation, whose cost grows with the number of pieces.
+  where XLA's one-shot kernel runs it (`one_shot_kernel_applies`), else 1 (also for the
+  emulation, whose cost grows with the number of pieces).
   """
-  native = impl == "native" and jax.lax.axis_size(axis_name) > 1
+  peers = jax.lax.axis_size(axis_name)
+  native = impl == "native" and peers > 1
   if chunks is None:
-    chunks = default_chunks() if native else 1
+    chunks = default_chunks() if native and one_shot_kernel_applies(peers) else 1
   if chunks < 1:
     raise ValueError(f"chunks must be >= 1, got {chunks}")
   in_off, send = split_slices(input_offsets, send_sizes, chunks)

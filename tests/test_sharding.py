@@ -357,6 +357,8 @@ def test_ragged_chunks_setting(monkeypatch):
   monkeypatch.setenv("JMOE_RAGGED_A2A_CHUNKS", "0")
   with pytest.raises(ValueError, match="JMOE_RAGGED_A2A_CHUNKS"):
     collectives.default_chunks()
+  # pieces only where XLA's in-process one-shot kernel runs the op (<= 8 peers, one process)
+  assert collectives.one_shot_kernel_applies(8) and not collectives.one_shot_kernel_applies(16)
 
 
 def test_ragged_impl_choice(monkeypatch):

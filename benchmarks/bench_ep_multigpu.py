@@ -17,8 +17,10 @@ Stages (--stages, comma-separated):
 Times are pipelined wall-clock µs per call on GPUs (jmoe.timing.throughput_time: the slowest
 GPU counted once), wall-clock medians on CPU. XLA's GPU ragged all-to-all has two runtime paths,
 chosen by XLA_FLAGS at start-up: the in-process "one-shot" kernel (default) and NCCL send/recv
-(--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false); JMOE_RAGGED_A2A_CHUNKS
-cuts each peer's slice into pieces. Run the script once per setting with --tag.
+(--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false with
+--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true; it gave no result in 80 s in one
+process on 2 H200s); JMOE_RAGGED_A2A_CHUNKS cuts each peer's slice into pieces (default 256).
+Run the script once per setting with --tag.
 Writes $OUT/ep_multigpu[_TAG].json; prints one line per measurement.
 """
 from __future__ import annotations

@@ -16,6 +16,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from jax.extend.core import Literal  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -338,15 +340,19 @@ def test_ragged_all_to_all_emulation_matches_numpy(chunks):
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_split_slices_cover_each_slice_once():
-  sizes = jnp.asarray([0, 1, 5, 7], jnp.int32)
-  offs = jnp.asarray([3, 3, 4, 9], jnp.int32)
-  o, n = collectives.split_slices(offs, sizes, 3)
-  o, n = np.asarray(o).reshape(4, 3), np.asarray(n).reshape(4, 3)
-  for i in range(4):
-    rows = np.concatenate([np.arange(a, a + b) for a, b in zip(o[i], n[i])])
-    np.testing.assert_array_equal(rows, np.arange(offs[i], offs[i] + sizes[i]))
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 40)), min_size=1, max_size=8),
+       st.integers(1, 9))
+@settings(max_examples=40, deadline=None)
+def test_split_slices_cover_each_slice_once(slices, chunks):
+  """The pieces of a slice are consecutive, in order, and cover it exactly (empty ones too)."""
+  offs = jnp.asarray([o for o, _ in slices], jnp.int32)
+  sizes = jnp.asarray([s for _, s in slices], jnp.int32)
+  o, n = collectives.split_slices(offs, sizes, chunks)
+  o, n = np.asarray(o).reshape(-1, chunks), np.asarray(n).reshape(-1, chunks)
   assert (n >= 0).all()
+  for i, (off, size) in enumerate(slices):
+    rows = np.concatenate([np.arange(a, a + b) for a, b in zip(o[i], n[i])])
+    np.testing.assert_array_equal(rows, np.arange(off, off + size))
 
 
 def test_ragged_chunks_setting(monkeypatch):

@@ -8,8 +8,9 @@ same-run all-to-all peak, EP layer scaling over 1, 2, 4, 8 GPUs, overlap options
 Stages (--stages, comma-separated):
   peak      all-to-all of the dispatch's bytes through jax.lax.all_to_all (and, with --torch,
             PyTorch's NCCL all_to_all_single in one process per GPU): the same-run ceiling
-  comm      per a2a backend: dispatch alone (prepare) and dispatch + combine with identity
-            experts, on all GPUs; bytes from sharding.comm_model -> achieved GB/s, ratio to peak
+  comm      per a2a backend and dispatch dtype (bf16, fp8): dispatch alone (prepare) and
+            dispatch + combine with identity experts, on all GPUs; bytes from
+            sharding.comm_model -> achieved GB/s, ratio to peak
   layer     the whole EP MoE layer at EP = 1, 2, 4, ... GPUs (weak scaling: fixed tokens per
             GPU): tokens/s per GPU, efficiency vs EP=1, and with the overlap options (shared
             expert, two micro-batches); the EP output checked against the 1-GPU layer; on GPUs
@@ -201,36 +202,40 @@ def _dispatch_combine(par, a2a, cfg, combine: bool):
 
 def stage_comm(args, cfg, devs):
   ep = len(devs)
-  par = sharding.make_parallel(expert=ep, devices=devs)
   for t in args.tokens:
-    xs = [sharding.shard_tokens(v, par) for v in tokens(cfg, t * ep)]
     peak = next((r.get("jax_all_to_all_gbps") for r in RESULTS["peak"]
                  if r.get("tokens_per_gpu") == t and r.get("ep") == ep), None)
-    for a2a in args.backends:
-      rec = dict(a2a=a2a, ep=ep, tokens_per_gpu=t)
-      try:
-        model = comm_model.bytes_per_token(a2a, hidden=cfg.hidden_size, top_k=cfg.top_k,
-                                           num_experts=cfg.num_experts, ep=ep,
-                                           tokens_per_rank=t)
-        d_us = measure(_dispatch_combine(par, a2a, cfg, False), tuple(xs), args.iters)
-        dc_us = measure(_dispatch_combine(par, a2a, cfg, True), tuple(xs), args.iters)
-        # bytes per GPU (the model counts per token, summed over the group's ranks / ep)
-        d_bytes = model["dispatch"] * t
-        c_bytes = model["combine"] * t
-        rec.update(dispatch_us=d_us, combine_us=dc_us - d_us, dispatch_gbps=d_bytes / d_us / 1e3)
-        # combine = (dispatch + combine) - dispatch: meaningful only above the timing noise
-        rec["combine_gbps"] = c_bytes / rec["combine_us"] / 1e3 if rec["combine_us"] > 0 else None
-        if peak:
-          rec["dispatch_vs_peak"] = rec["dispatch_gbps"] / peak
-        log(f"[comm] {a2a:12s} ep={ep} T/gpu={t}: dispatch {d_us:.1f}us "
-            f"({rec['dispatch_gbps']:.1f} GB/s), combine {rec['combine_us']:.1f}us "
-            f"({rec['combine_gbps'] or float('nan'):.1f} GB/s)"
-            + (f", dispatch/peak {rec['dispatch_vs_peak']:.2f}" if peak else ""))
-      except Exception as e:  # noqa: BLE001
-        rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        log(f"[comm] {a2a} ERROR {rec['error']}")
-        traceback.print_exc()
-      RESULTS["comm"].append(rec)
+    for wire in args.dispatch_dtypes:
+      par = sharding.make_parallel(expert=ep, devices=devs,
+                                   dispatch_dtype=None if wire == "bf16" else wire)
+      xs = [sharding.shard_tokens(v, par) for v in tokens(cfg, t * ep)]
+      for a2a in args.backends:
+        rec = dict(a2a=a2a, ep=ep, tokens_per_gpu=t, dispatch_dtype=wire)
+        try:
+          model = comm_model.bytes_per_token(a2a, hidden=cfg.hidden_size, top_k=cfg.top_k,
+                                             num_experts=cfg.num_experts, ep=ep,
+                                             tokens_per_rank=t, fp8_dispatch=wire == "fp8")
+          d_us = measure(_dispatch_combine(par, a2a, cfg, False), tuple(xs), args.iters)
+          dc_us = measure(_dispatch_combine(par, a2a, cfg, True), tuple(xs), args.iters)
+          # bytes per GPU (the model counts per token, summed over the group's ranks / ep)
+          d_bytes = model["dispatch"] * t
+          c_bytes = model["combine"] * t
+          rec.update(dispatch_us=d_us, combine_us=dc_us - d_us,
+                     dispatch_gbps=d_bytes / d_us / 1e3)
+          # combine = (dispatch + combine) - dispatch: meaningful only above the timing noise
+          rec["combine_gbps"] = (c_bytes / rec["combine_us"] / 1e3 if rec["combine_us"] > 0
+                                 else None)
+          if peak:
+            rec["dispatch_vs_peak"] = rec["dispatch_gbps"] / peak
+          log(f"[comm] {a2a:12s} {wire:4s} ep={ep} T/gpu={t}: dispatch {d_us:.1f}us "
+              f"({rec['dispatch_gbps']:.1f} GB/s), combine {rec['combine_us']:.1f}us "
+              f"({rec['combine_gbps'] or float('nan'):.1f} GB/s)"
+              + (f", dispatch/peak {rec['dispatch_vs_peak']:.2f}" if peak else ""))
+        except Exception as e:  # noqa: BLE001
+          rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+          log(f"[comm] {a2a} {wire} ERROR {rec['error']}")
+          traceback.print_exc()
+        RESULTS["comm"].append(rec)
 
 
 # ----------------------------------------------------------------------------- layer
@@ -251,25 +256,30 @@ def stage_layer(args, cfg, devs, name):
       out = (out.astype(jnp.float32) + shared_expert_mlp(x, s13, s2, act)).astype(x.dtype)
     return out
 
+  # (shared expert, micro-batches, dispatch wire dtype); fp8 once per backend, without options
+  variants = [(False, 1, "bf16"), (True, 1, "bf16"), (True, 2, "bf16")]
+  if "fp8" in args.dispatch_dtypes:
+    variants.append((False, 1, "fp8"))
   for ep in [s_ for s_ in (1, 2, 4, 8, 16) if args.min_ep <= s_ <= len(devs)]:
-    par = sharding.make_parallel(expert=ep, devices=devs[:ep])
     x, tw, ti = tokens(cfg, t * ep)
     ref = {}
     for a2a in (("none",) if ep == 1 else args.backends):
-      for shared, mb in ((False, 1), (True, 1), (True, 2)):
-        if a2a == "none" and mb > 1:
+      for shared, mb, wire in variants:
+        if a2a == "none" and (mb > 1 or wire != "bf16"):
           continue
+        par = sharding.make_parallel(expert=ep, devices=devs[:ep],
+                                     dispatch_dtype=None if wire == "bf16" else wire)
         rec = dict(preset=name, ep=ep, a2a=a2a, shared=shared, micro_batches=mb,
-                   tokens_per_gpu=t)
+                   dispatch_dtype=wire, tokens_per_gpu=t)
         try:
           if a2a == "none":
             f = jax.jit(lambda *a, shared=shared: no_ep(*a, shared))
             args_ = (x, w["w13"], w["w2"], tw, ti, w["s13"], w["s2"])
           else:
             kw = dict(shared_w13=w["s13"], shared_w2=w["s2"]) if shared else {}
-            f = jax.jit(lambda x, w13, w2, tw, ti, a2a=a2a, kw=kw, mb=mb: sharding.ep_fused_moe(
-                x, w13, w2, tw, ti, activation=act, parallel=par, a2a_backend=a2a,
-                micro_batches=mb, **kw))
+            f = jax.jit(lambda x, w13, w2, tw, ti, a2a=a2a, kw=kw, mb=mb, par=par:
+                        sharding.ep_fused_moe(x, w13, w2, tw, ti, activation=act, parallel=par,
+                                              a2a_backend=a2a, micro_batches=mb, **kw))
             args_ = (sharding.shard_tokens(x, par), sharding.shard_expert_weights(w["w13"], par),
                      sharding.shard_expert_weights(w["w2"], par), sharding.shard_tokens(tw, par),
                      sharding.shard_tokens(ti, par))
@@ -283,11 +293,11 @@ def stage_layer(args, cfg, devs, name):
           rec.update(us=us, tokens_per_s_per_gpu=t / us * 1e6)
           if jax.devices()[0].platform == "gpu":
             rec["kernel_us_per_gpu"] = kernel_shares(f, args_, ep)
-          if ep == 1:
+          if ep == 1 and wire == "bf16":
             base[shared] = rec["tokens_per_s_per_gpu"]
           if shared in base:
             rec["efficiency_vs_ep1"] = rec["tokens_per_s_per_gpu"] / base[shared]
-          log(f"[layer] {name} ep={ep} {a2a:12s} shared={shared} mb={mb}: {us:.1f}us "
+          log(f"[layer] {name} ep={ep} {a2a:12s} {wire:4s} shared={shared} mb={mb}: {us:.1f}us "
               f"{rec['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
               f"eff={rec.get('efficiency_vs_ep1', float('nan')):.2f} "
               f"err={rec.get('rel_err_vs_1gpu', float('nan')):.1e}"
@@ -312,11 +322,16 @@ def main():
   ap.add_argument("--torch", action="store_true", help="also PyTorch NCCL all_to_all_single")
   ap.add_argument("--backends", default=",".join(BACKENDS))
   ap.add_argument("--min-ep", type=int, default=1, help="layer stage: smallest EP size")
+  ap.add_argument("--dispatch-dtypes", default="bf16,fp8",
+                  help="comm stage: activation dtypes on the dispatch wire (bf16 = as is)")
   ap.add_argument("--tag", default="", help="names the output file (one per XLA setting)")
   ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ep_multigpu"))
   args = ap.parse_args()
   args.backends = args.backends.split(",")
+  args.dispatch_dtypes = args.dispatch_dtypes.split(",")
+  if not set(args.dispatch_dtypes) <= {"bf16", "fp8"}:
+    ap.error(f"--dispatch-dtypes: {args.dispatch_dtypes} (choose from bf16, fp8)")
   unknown = set(args.backends) - set(BACKENDS)
   if unknown:
     ap.error(f"--backends: unknown {sorted(unknown)}; choose from {BACKENDS}")

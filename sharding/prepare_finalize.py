@@ -30,7 +30,7 @@ from jmoe.modular import (ActivationFormat, Contiguous, Delegate, ExpertsInput, 
                           weighted_row_sum)
 from jmoe.prepare_finalize.no_ep import apply_weight_on_input, batched_layout
 from pallas_kernels.permute import inverse_permutation
-from jmoe.quant import quantize_activations
+from jmoe.quant import dequantize_rows_fp8, quantize_activations, quantize_rows_fp8
 from sharding import collectives
 from sharding.mesh import ExpertPlacement, axis_sizes, expert_placement
 
@@ -59,6 +59,7 @@ class EPPrepareFinalize(PrepareFinalize):
       raise ValueError(f"capacity must be positive, got {self.capacity}")
     self.ragged_impl = ragged_impl or collectives.ragged_impl_for(
         collectives.mesh_platform(parallel.mesh))
+    self.dispatch_dtype = parallel.dispatch_dtype
     self.last_dropped = None  # set by prepare (a traced scalar) for the stats side output
 
   def __repr__(self):
@@ -94,13 +95,32 @@ class EPPrepareFinalize(PrepareFinalize):
   def prepare(self, *args, **kwargs) -> ExpertsInput:
     return self.prepare_async(*args, **kwargs)()
 
+  def _fp8_wire(self, quant) -> bool:
+    """fp8 dispatch applies: asked for, rows actually leave the rank, and the experts do not
+    take quantized activations of their own format."""
+    return (self.dispatch_dtype == "fp8" and self.ep > 1
+            and (quant is None or not quant.is_quantized))
+
+  def _quantize_for_send(self, a, quant):
+    """(rows to send, their scales or None): the experts' own activation quantization, else
+    the fp8 wire format, else the rows as they are."""
+    if self._fp8_wire(quant):
+      return quantize_rows_fp8(a)
+    return quantize_activations(a, quant)
+
+  def _arrived(self, a, scale, quant, dtype):
+    """(activations, scales) for the experts from what arrived: fp8 wire rows dequantized."""
+    if self._fp8_wire(quant):
+      return dequantize_rows_fp8(a, scale, dtype), None
+    return a, scale
+
   def _routed_slots(self, x, topk_weights, topk_ids, num_local_experts,
                     apply_router_weight_on_input, quant):
     """The dispatch's common start: the router-weight hook, activation quantization, and the
     [T, k] slots' validity, destination rank and index among that rank's experts (ep for
     destination and -1 for local index where the slot is empty)."""
     x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
-    a1q, a1_scale = quantize_activations(x, quant)
+    a1q, a1_scale = self._quantize_for_send(x, quant)
     e = num_local_experts * self.ep
     pl = self.placement(num_local_experts)
     ids = topk_ids.astype(jnp.int32)
@@ -141,12 +161,16 @@ class AllGather(EPPrepareFinalize):
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
                     apply_router_weight_on_input, quant):
     x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
-    a1q, a1_scale = quantize_activations(x, quant)  # quantize before sending
+    a1q, a1_scale = self._quantize_for_send(x, quant)  # quantize before sending
     a, scale = self._gather(a1q), self._gather(a1_scale)
     w, ids = self._gather(topk_weights), self._gather(topk_ids.astype(jnp.int32))
     self.last_dropped = jnp.int32(0)
-    return lambda: ExpertsInput(a=a, a_scale=scale, topk_weights=w, topk_ids=ids,
-                                format=ActivationFormat.Standard)
+
+    def receive():
+      a_, scale_ = self._arrived(a, scale, quant, x.dtype)
+      return ExpertsInput(a=a_, a_scale=scale_, topk_weights=w, topk_ids=ids,
+                          format=ActivationFormat.Standard)
+    return receive
 
   def _combine(self, y: jax.Array, out_dtype) -> jax.Array:
     """y [ep*T, H] f32 partial sums -> [T, H]: one reduce-scatter over (expert, tensor)."""
@@ -288,7 +312,8 @@ class RaggedA2A(EPPrepareFinalize):
       rle = jnp.where(seg_id < ep * el, seg_id % el, -1).astype(jnp.int32)
       plan = dict(order=order, cnt=cnt, in_off=in_off, out_off=out_off, ids=topk_ids,
                   weights=topk_weights)
-      return ExpertsInput(a=recv, a_scale=scale, topk_weights=jnp.ones((r, 1), jnp.float32),
+      a, a_scale = self._arrived(recv, scale, quant, x.dtype)
+      return ExpertsInput(a=a, a_scale=a_scale, topk_weights=jnp.ones((r, 1), jnp.float32),
                           topk_ids=rle[:, None], dropped=dropped, extra=plan,
                           format=ActivationFormat.Standard)
     return receive
@@ -361,7 +386,8 @@ class RaggedDedupA2A(EPPrepareFinalize):
 
     def receive():
       plan = dict(cnt=cnt, in_off=in_off, out_off=out_off, hit=hit, pos=pos)
-      return ExpertsInput(a=recv, a_scale=scale, topk_weights=recv_w, topk_ids=recv_ids,
+      a, a_scale = self._arrived(recv, scale, quant, x.dtype)
+      return ExpertsInput(a=a, a_scale=a_scale, topk_weights=recv_w, topk_ids=recv_ids,
                           dropped=dropped, extra=plan, format=ActivationFormat.Standard)
     return receive
 
@@ -418,7 +444,7 @@ class PaddedA2A(EPPrepareFinalize):
     src_slot, num_tokens, slot_pos, dropped = batched_layout(phys, e, cap)
     tok = jnp.where(src_slot >= 0, src_slot // k, 0)
     send = jnp.where((src_slot >= 0)[..., None], x[tok], jnp.zeros((), x.dtype))  # [E, C, H]
-    a1q, a1_scale = quantize_activations(send, quant)
+    a1q, a1_scale = self._quantize_for_send(send, quant)
     recv = self._a2a(a1q.reshape((ep, el, cap) + a1q.shape[2:]))  # [src, el, C, H]
     scale = None
     if a1_scale is not None:
@@ -443,8 +469,10 @@ class PaddedA2A(EPPrepareFinalize):
         return jnp.where(live.reshape(live.shape + (1,) * (g.ndim - 2)), g,
                          jnp.zeros((), v.dtype))
       plan = dict(recv_counts=recv_counts, starts=starts)
+      a, a_scale = self._arrived(compact(recv), None if scale is None else compact(scale),
+                                 quant, x.dtype)
       return ExpertsInput(
-          a=compact(recv), a_scale=None if scale is None else compact(scale),
+          a=a, a_scale=a_scale,
           topk_weights=topk_weights, topk_ids=topk_ids,
           expert_num_tokens=ends[:, -1].astype(jnp.int32),
           slot_expert=jnp.clip(phys, 0, e - 1), slot_pos=slot_pos, dropped=self.last_dropped,

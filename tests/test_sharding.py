@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jmoe  # noqa: E402
 import sharding  # noqa: E402
 from jmoe.config import get_preset  # noqa: E402
+from jmoe.quant import dequantize_rows_fp8, quantize_rows_fp8  # noqa: E402
 from jmoe import registry  # noqa: E402
 from jmoe.shared import shared_expert_mlp  # noqa: E402
 from sharding import collectives  # noqa: E402
@@ -308,6 +309,55 @@ def test_empty_batch(a2a):
   assert jax.grad(lambda w: jmoe.fused_moe(p["x"], w, p["w2"], p["tw"], p["ti"], a2a_backend=a2a,
                                            parallel=parallel("e8")).sum())(p["w13"]).shape \
       == p["w13"].shape
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 dispatch (ParallelConfig.dispatch_dtype="fp8")
+
+
+@given(st.integers(1, 6), st.sampled_from([96, 128, 384]), st.floats(1e-3, 1e3),
+       st.integers(0, 2**31 - 1))
+@settings(max_examples=25, deadline=None)
+def test_fp8_rows_round_trip_within_e4m3_rounding(rows, h, mag, seed):
+  """Every element within half an e4m3 step (2^-4 relative) or the smallest subnormal step
+  of its block's scale; zero rows exact; one scale per 128 channels (per row otherwise)."""
+  a = np.random.default_rng(seed).normal(size=(rows, h)).astype(np.float32) * mag
+  a[0] = 0.0
+  q, scale = quantize_rows_fp8(jnp.asarray(a))
+  assert q.dtype == jnp.float8_e4m3fn and scale.shape == (rows, h // 128 if h % 128 == 0 else 1)
+  back = np.asarray(dequantize_rows_fp8(q, scale, jnp.float32))
+  per_elem = np.repeat(np.asarray(scale), h // scale.shape[1], axis=1)
+  assert (np.abs(back - a) <= np.abs(a) * 2.0**-4 + per_elem * 2.0**-9).all()
+  np.testing.assert_array_equal(back[0], 0.0)
+
+
+FP8_CASES = [("e8",) + c for c in CORE] + [("e4t2",) + c for c in CORE[:3]]
+
+
+@pytest.mark.parametrize("mesh,a2a,runner", FP8_CASES, ids=["-".join(c) for c in FP8_CASES])
+def test_fp8_dispatch_equals_the_layer_on_fp8_rounded_tokens(prob, mesh, a2a, runner):
+  """The experts see each token row rounded to fp8 (per 128-channel scale) and nothing else."""
+  p, ref = prob
+  x_dq = dequantize_rows_fp8(*quantize_rows_fp8(p["x"]), p["x"].dtype)
+  want = jmoe.fused_moe(x_dq, p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"],
+                        w2_bias=p["b2"], runner_backend="reference")
+  got = jax.jit(lambda x: jmoe.fused_moe(
+      x, p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"], w2_bias=p["b2"],
+      runner_backend=runner, a2a_backend=a2a,
+      parallel=parallel(mesh, dispatch_dtype="fp8")))(p["x"])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+  err = np.linalg.norm(np.asarray(got) - np.asarray(ref[0])) / np.linalg.norm(np.asarray(ref[0]))
+  assert 1e-4 < err < 0.1  # it did quantize, at fp8's precision
+
+
+def test_fp8_dispatch_refuses_gradients_and_bad_dtypes(prob):
+  p, _ = prob
+  par = parallel("e8", dispatch_dtype="fp8")
+  with pytest.raises(ValueError, match="dispatch_dtype='fp8'.*forward-only"):
+    jax.grad(lambda x: jmoe.fused_moe(x, p["w13"], p["w2"], p["tw"], p["ti"],
+                                      a2a_backend="ragged_a2a", parallel=par).sum())(p["x"])
+  with pytest.raises(ValueError, match="dispatch_dtype='fp16' is not known"):
+    parallel("e8", dispatch_dtype="fp16")
 
 
 # --------------------------------------------------------------------------------------------

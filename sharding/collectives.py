@@ -2,8 +2,9 @@
 
 XLA:CPU cannot compile `ragged-all-to-all` ("HLO opcode ... not supported by XLA:CPU"), so on
 CPU `ragged_all_to_all` runs an equivalent built on `all_gather` (same arguments, same result,
-differentiable); on GPU/TPU it is `jax.lax.ragged_all_to_all`. The choice is made here and
-nowhere else. `JMOE_RAGGED_A2A=native|emulated` forces it.
+differentiable); on GPU/TPU it is `jax.lax.ragged_all_to_all`, with every peer's slice cut
+into pieces where XLA runs it as its in-process one-shot kernel (`default_chunks`). The choice
+is made here and nowhere else. `JMOE_RAGGED_A2A=native|emulated` forces it.
 """
 from __future__ import annotations
 

@@ -71,6 +71,25 @@ def worker(process_id: int, port: int) -> None:
       err = float(np.max(np.abs(np.asarray(out) - ref)))
       assert err < 1e-4, (mesh_kw, a2a, err)
       print(f"OK process={process_id} mesh={mesh_kw} {a2a} err={err:.2e}", flush=True)
+
+  # fp8 dispatch across the processes: the layer on fp8-rounded tokens
+  from jmoe.quant import dequantize_rows_fp8, quantize_rows_fp8
+  par = make_parallel(expert=8, dispatch_dtype="fp8")
+  with jax.default_device(local):
+    xq = dequantize_rows_fp8(*quantize_rows_fp8(jnp.asarray(x)), jnp.float32)
+    ref_q = np.asarray(jmoe.fused_moe(xq, jnp.asarray(w13), jnp.asarray(w2), jnp.asarray(tw),
+                                      jnp.asarray(ti), runner_backend="reference"))
+  tok = P(par.expert_axis, None)
+  put = lambda a, spec: jax.make_array_from_callback(  # noqa: E731
+      a.shape, NamedSharding(par.mesh, spec), lambda idx: a[idx])
+  f = jax.jit(lambda x, w13, w2, tw, ti: jmoe.fused_moe(
+      x, w13, w2, tw, ti, a2a_backend="ragged_dedup", runner_backend="xla", parallel=par))
+  out = multihost_utils.process_allgather(
+      f(put(x, tok), put(w13, P("expert")), put(w2, P("expert")), put(tw, tok), put(ti, tok)),
+      tiled=True)
+  err = float(np.max(np.abs(np.asarray(out) - ref_q)))
+  assert err < 1e-4, ("fp8 dispatch", err)
+  print(f"OK process={process_id} fp8 dispatch ragged_dedup err={err:.2e}", flush=True)
   jax.distributed.shutdown()
 
 
@@ -94,7 +113,7 @@ def test_two_processes_four_devices_each():
     pytest.fail("multi-process EP run timed out")
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
-    assert out.count("OK process=") == 2 * len(BACKENDS), out[-4000:]
+    assert out.count("OK process=") == 2 * len(BACKENDS) + 1, out[-4000:]
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "WORKER":

@@ -18,12 +18,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_ep_multigpu as ep  # noqa: E402
 import sharding  # noqa: E402
 from jmoe import timing  # noqa: E402
+from jmoe.config import get_preset  # noqa: E402
 
 
 def main():
@@ -37,7 +37,7 @@ def main():
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   devs = jax.devices()
-  cfg = ep.get_preset(args.preset)
+  cfg = get_preset(args.preset)
   if args.small:
     cfg = cfg.replace(hidden_size=128, intermediate_size=64, num_experts=32,
                       num_expert_group=None, topk_group=None)

@@ -56,13 +56,18 @@ def _selected(tables: Optional[Collection[str]], training: bool) -> list[bool]:
   return [tables is None or t in tables for t, _ in problems(training)]
 
 
+def _candidates(gemm: str, num_experts: int, m: int) -> tuple:
+  """pallas_kernels.tuning's candidates for m routed slots over num_experts experts."""
+  from pallas_kernels import tuning  # noqa: PLC0415
+  return tuning.candidates(gemm, m / max(1, min(num_experts, m)))
+
+
 def num_candidates(num_experts: int, top_k: int, tokens: Sequence[int], *, training: bool,
                    max_candidates: Optional[int] = None,
                    tables: Optional[Collection[str]] = None) -> int:
   """How many configs tune() times (for a progress bar)."""
-  from pallas_kernels import tuning  # noqa: PLC0415
   sel = _selected(tables, training)
-  counts = [len(tuning.candidates(g, t * top_k / max(1, min(num_experts, t * top_k))))
+  counts = [len(_candidates(g, num_experts, t * top_k))
             for t in tokens for (_, g), on in zip(problems(training), sel) if on]
   return sum(min(c, max_candidates or c) for c in counts)
 
@@ -82,7 +87,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   report(tokens, table, config, µs or None when it failed): called for every candidate.
   """
   from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
-  from pallas_kernels import permute, tuning  # noqa: PLC0415
+  from pallas_kernels import permute  # noqa: PLC0415
   from pallas_kernels.tgmm import tgmm  # noqa: PLC0415
 
   sel = _selected(tables, training)  # (checks `tables` before anything is timed)
@@ -130,7 +135,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
     for (kernel, gemm, n_out, k_in, args, build), on in zip(todo, sel):
       if not on:
         continue
-      cands = tuning.candidates(gemm, m / max(1, min(e, m)))
+      cands = _candidates(gemm, e, m)
       if max_candidates:
         cands = cands[:max_candidates]
       best, failed = None, 0

@@ -163,3 +163,16 @@ def launch_params(interpret: Any) -> tuple[Any, int]:
   if not interpret:
     return None, num_sms()
   return (interpret if not isinstance(interpret, bool) else interpret_params()), 1
+
+
+def smem_transforms(minor: int, itemsize: int) -> tuple:
+  """The (tiling, swizzle) transforms of an SMEM tile whose minor dimension holds `minor`
+  elements of `itemsize` bytes: the widest swizzle that row fits, tiles of 8 rows."""
+  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def layout_cast(interpret: Any):
+  """plgpu.layout_cast, or the identity in interpret mode (which has no rule for it and no
+  layouts to cast)."""
+  return (lambda x, _layout: x) if interpret else plgpu.layout_cast

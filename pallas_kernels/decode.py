@@ -14,8 +14,10 @@ slot list (a few fused integer ops), this kernel, the reduction. Slots that shar
 read its weights once each, so this suits batches whose slots rarely share one (like the
 per_slot layout of fused_experts).
 
-Not yet timed on a GPU (written when the session's device time was spent): opt-in through
-``fused_experts(layout="fused_decode")``. Gated activations only (swigluoai included).
+Opt-in through ``fused_experts(layout="fused_decode")``: correct on an H200, but slower than
+the per_slot layout there (qwen3 T=1 37.3 vs 34.7 µs, mixtral 223 vs 176; BENCHMARKS.md, fourth
+round); each item drains GEMM1's pipeline before GEMM2. Gated activations only (swigluoai
+included).
 """
 from __future__ import annotations
 
@@ -57,11 +59,6 @@ class DecodeConfig:
       raise ValueError("stages1 and stages2 must be >= 2")
 
 
-def _transforms(minor: int, itemsize: int):
-  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
 def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, has_bias: bool,
            num_sms, interpret):
   """rows: rows of the padded x (>= 64, a multiple of 8); m = T * k slots; has_bias: a w13
@@ -69,8 +66,7 @@ def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, has_b
   bn, bk, bh = cfg.block_n, cfg.block_k, cfg.block_h
   n_blocks, k_iters, h_iters = n // bn, h // bk, h // bh
   itemsize = jnp.dtype(dtype).itemsize
-  # layout_cast has no interpret rule; under interpretation layouts do not exist anyway
-  _cast = (lambda x, _l: x) if interpret else plgpu.layout_cast
+  _cast = _compat.layout_cast(interpret)
 
   def body(slot_ref, expert_ref, count_ref, x_ref, w13_ref, w2_ref, *rest):
     rest = list(rest)
@@ -100,9 +96,9 @@ def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, has_b
           plgpu.wgmma(acc_u, x_smem, u_smem)
           plgpu.wgmma_wait(2)  # this step's two stay in flight; delay_release keeps their tiles
         specs = [plgpu.BlockSpec((_ROWS, bk), lambda kk: (0, kk),
-                                 transforms=_transforms(bk, itemsize), delay_release=1)]
+                                 transforms=_compat.smem_transforms(bk, itemsize), delay_release=1)]
         specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0),
-                                  transforms=_transforms(bn, itemsize), delay_release=1)
+                                  transforms=_compat.smem_transforms(bn, itemsize), delay_release=1)
                   for _ in range(2)]
         plgpu.emit_pipeline(step, grid=(k_iters,), in_specs=specs,
                             max_concurrent_steps=cfg.stages1)(
@@ -143,7 +139,7 @@ def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, has_b
       plgpu.emit_pipeline(
           gemm2_step, grid=(h_iters,),
           in_specs=[plgpu.BlockSpec((bn, bh), lambda c: (0, c),
-                                    transforms=_transforms(bh, itemsize))],
+                                    transforms=_compat.smem_transforms(bh, itemsize))],
           max_concurrent_steps=cfg.stages2)(w2_ref.at[e].at[pl.ds(j * bn, bn), :])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
@@ -151,7 +147,7 @@ def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, has_b
   return _compat.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((n_blocks, m, h), jnp.float32),
-      scratch_types=[plgpu.SMEM((_ROWS, bn), dtype, transforms=_transforms(bn, itemsize)),
+      scratch_types=[plgpu.SMEM((_ROWS, bn), dtype, transforms=_compat.smem_transforms(bn, itemsize)),
                      plgpu.SMEM((_ROWS, bh), jnp.float32),
                      plgpu.SMEM((2, bn), jnp.float32),
                      plgpu.Barrier(num_arrivals=1, num_barriers=2)],

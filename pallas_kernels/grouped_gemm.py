@@ -320,17 +320,14 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
   k_iters = pl.cdiv(k, bk)
   n_tiles = pl.cdiv(n_out, bn)
   itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(bk * itemsize * 8)
-  swizzle_elems = swizzle // itemsize
-  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  transforms = _compat.smem_transforms(bk, itemsize)
   ladder = []
   r = min(tile_m, m_pad)
   while r > 0:
     ladder.append(1 << int(math.log2(r)))
     r //= 2
   n_rhs = 2 if gated else 1
-  # layout_cast has no interpret rule; under interpretation layouts do not exist anyway.
-  _cast = (lambda x, _l: x) if interpret else plgpu.layout_cast
+  _cast = _compat.layout_cast(interpret)
   width = cfg.grid_tile_width if n_tiles % cfg.grid_tile_width == 0 else 1
 
   def rhs_spec(**kw):

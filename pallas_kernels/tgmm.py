@@ -95,10 +95,9 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, inter
   itemsize = jnp.dtype(dtype).itemsize
 
   def tf(minor, isz=itemsize):
-    sw = plgpu.find_swizzle(minor * isz * 8)
-    return (plgpu.TilingTransform((8, sw // isz)), plgpu.SwizzleTransform(sw))
+    return _compat.smem_transforms(minor, isz)
 
-  _cast = (lambda x, _l: x) if interpret else plgpu.layout_cast
+  _cast = _compat.layout_cast(interpret)
 
   tik = cfg.transpose_in_kernel
 

@@ -167,8 +167,9 @@ def cmd_tune(args) -> int:
   if not cfg.act.is_gated:
     console.print(f"[red]tune covers gated activations; {cfg.activation} is not[/]")
     return 2
+  tables = args.tables.split(",") if args.tables else None
   total = tune.num_candidates(e, k, args.tokens, training=args.train,
-                             max_candidates=args.max_candidates)
+                             max_candidates=args.max_candidates, tables=tables)
   console.print(f"[bold]jmoe tune[/] {args.preset}: E={e} k={k} H={h} N={n} tokens={args.tokens} "
                 f"jax={jax.__version__} device={jax.devices()[0].device_kind}")
   with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -176,7 +177,8 @@ def cmd_tune(args) -> int:
     task = prog.add_task("timing candidates", total=total)
     results = tune.tune(e, k, h, n, cfg.act, args.tokens, iters=args.iters,
                         interpret=args.interpret, max_candidates=args.max_candidates,
-                        progress=lambda: prog.advance(task), training=args.train)
+                        progress=lambda: prog.advance(task), training=args.train,
+                        tables=tables)
   table = Table(title="best configs")
   for col in ("kernel", "key", "config", "µs", "tried", "failed"):
     table.add_column(col)
@@ -257,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--train", action="store_true",
                  help="also the training-only GEMMs (GEMM1 without the fused activation, the "
                       "backward's transposed-weight d lhs GEMMs)")
+  t.add_argument("--tables", default=None,
+                 help="comma-separated tables to tune (grouped_gemm_gated = GEMM1, grouped_gemm "
+                      "= GEMM2, tgmm, grouped_gemm_rt); default: all of the mode")
   t.set_defaults(func=cmd_tune)
   ep = sub.add_parser("eplb", help="simulate expert-parallel load balancing on skewed routing")
   ep.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))

@@ -139,7 +139,8 @@ def _tuned_key(E, N, K, dtype, device_kind, m_bucket, jax_version=None) -> str:
           f"M<={m_bucket}")
 
 
-_M_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 1 << 30)
+# decode gets its own buckets: 1 token at top-8 (8 slots) and 4 tokens (32) tune apart
+_M_BUCKETS = (8, 32, 64, 256, 1024, 4096, 16384, 65536, 1 << 30)
 
 
 def _m_bucket(m: int) -> int:
@@ -311,10 +312,13 @@ def kernel_activation(act: Activation, gate, up=None):
 
 def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg: GroupedGemmConfig,
                   gated: bool, act: Activation | None, has_scale: bool, has_bias: bool,
-                  t_max: int, num_sms: int, interpret, rhs_t: bool = False):
+                  t_max: int, num_sms: int, interpret, rhs_t: bool = False,
+                  skip_invalid: bool = False):
   """rhs_t: rhs is stored [E, N, K] and read through transposed SMEM views (wgmma takes a
   transposed B operand for 16-bit types), so the backward's d lhs = dout @ rhs^T needs no
-  transposed copy of the weights."""
+  transposed copy of the weights. skip_invalid: a task whose expert is outside [0, E) (an
+  empty or EP-remote decode slot) is skipped, so the caller needs no compaction of its task
+  list."""
   nwg, tile_m, tile_n = cfg.wg_tile()
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   k_iters = pl.cdiv(k, bk)
@@ -423,6 +427,12 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
               out_ref.at[pl.ds(r0 + start, rows), pl.ds(c0, tile_n)])
         start = start + (size & rows)
 
+    def when_valid(e):
+      """Runs the item only for an expert in [0, E) when skip_invalid (else always)."""
+      if not skip_invalid:
+        return lambda f: f()
+      return pl.when((e >= 0) & (e < num_groups))
+
     def task_info(lin):
       task, ni = item_to_task_col(lin, num_tasks)
       e = meta_ref[0, task]
@@ -454,11 +464,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
             body_fn, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg",
             num_compute_wgs=2, max_concurrent_steps=cfg.num_stages, compute_context=ctx)
 
-      @plgpu.nd_loop((num_items,), collective_axes="sm")
-      def _loop(info):
-        (lin,) = info.index
-        e, row, lo, hi, ni = task_info(lin)
-
+      def compute_item(e, row, lo, hi, ni):
         def compute_context(eval_pipeline):
           def scope(*acc_refs):
             accs = eval_pipeline(tuple(acc_refs))
@@ -472,10 +478,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
             lhs_ref.at[pl.ds(row, bm), :], *b_views, allocations=pipeline_allocs)
 
     else:
-      @plgpu.nd_loop((num_items,), collective_axes="sm")
-      def _loop(info):
-        (lin,) = info.index
-        e, row, lo, hi, ni = task_info(lin)
+      def compute_item(e, row, lo, hi, ni):
         b_views = rhs_views(rhs_ref.at[e], ni)
 
         def scope(*acc_refs):
@@ -492,6 +495,15 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
           plgpu.wgmma_wait(0)
           epilogue([a[...] for a in acc_refs], 0, e, row, lo, hi, ni)
         pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
+
+    @plgpu.nd_loop((num_items,), collective_axes="sm")
+    def _loop(info):
+      (lin,) = info.index
+      e, row, lo, hi, ni = task_info(lin)
+
+      @when_valid(e)
+      def _item():
+        compute_item(e, row, lo, hi, ni)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
@@ -598,10 +610,11 @@ def row_alloc(m: int, *block_ms: int) -> int:
 
 
 def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, gated, act,
-         kernel_name, meta=None, keep_rows=False, rhs_t=False):
+         kernel_name, meta=None, keep_rows=False, rhs_t=False, skip_invalid=False):
   """meta: precomputed tile_metadata(group_sizes, M, block_m) (shared by GEMM1 and GEMM2).
   keep_rows: return all kernel rows (see row_alloc) instead of slicing back to M.
-  rhs_t: rhs is [E, N, K] (used transposed)."""
+  rhs_t: rhs is [E, N, K] (used transposed). skip_invalid: tasks whose meta expert is outside
+  [0, E) are skipped (their rows are unwritten)."""
   m, k = lhs.shape
   # transposed-rhs GEMMs (the backward's d lhs) have their own tuned table
   table = kernel_name + ("_rt" if rhs_t else "")
@@ -633,7 +646,7 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
   kern = _build_kernel(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, num_groups=e,
                        dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg, gated=gated, act=act,
                        has_scale=row_scale is not None, has_bias=bias is not None, t_max=t_max,
-                       num_sms=nsm, interpret=interp, rhs_t=rhs_t)
+                       num_sms=nsm, interpret=interp, rhs_t=rhs_t, skip_invalid=skip_invalid)
   args = [meta, ntasks, lhs, rhs]
   if row_scale is not None:
     args.append(row_scale)

@@ -35,6 +35,9 @@ SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
     C(block_m=64, block_n=64, block_k=128, num_stages=6, warp_specialized=False),
     C(block_m=64, block_n=256, block_k=64, num_stages=4, wg_split="n"),
     C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="n", grid_minor="n"),
+    # decode: deeper weight pipelines (stages are fitted to shared memory)
+    C(block_m=64, block_n=64, block_k=64, num_stages=8, warp_specialized=False),
+    C(block_m=64, block_n=128, block_k=64, num_stages=8, wg_split="n"),
 )
 
 

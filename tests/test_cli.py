@@ -83,6 +83,20 @@ def test_tune_train_adds_training_gemm_tables(tmp_path, capsys):
   assert sorted(k_.split(",")[1:3] for k_ in rt) == [["N=64", "K=128"], ["N=64", "K=64"]]
 
 
+def test_tune_cli_tables_option(tmp_path, capsys):
+  from pallas_kernels import _compat
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
+  rc = cli.main(["tune", "--preset", "mixtral-8x7b", "--shape", "4,2,64,64", "--tokens", "8",
+                 "--interpret", "--max-candidates", "1", "--iters", "1", "--tables",
+                 "grouped_gemm", "--out", str(tmp_path)])
+  assert rc == 0
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["grouped_gemm.json"]  # GEMM2 only
+  with pytest.raises(ValueError, match="not tuned tables"):
+    cli.main(["tune", "--shape", "4,2,64,64", "--tokens", "8", "--interpret", "--tables",
+              "gemm2", "--out", str(tmp_path)])
+
+
 def test_tune_tables_filter_and_report():
   from pallas_kernels import _compat
   from jmoe import tune

@@ -397,7 +397,8 @@ def test_fused_experts_per_slot_layout(rng, t):
   tw = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
   ti = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
   if t > 1:
-    ti = ti.at[1, 0].set(-1).at[2, 0].set(ti[2, 1])  # an empty slot; one expert twice
+    # an empty slot, an EP-remote one (local id E), one expert twice
+    ti = ti.at[1, 0].set(-1).at[0, 1].set(e).at[2, 0].set(ti[2, 1])
   out = _call(pmoe.fused_experts, x, w13, w2, tw, ti, activation="silu", w13_bias=b13,
               w2_bias=b2, layout="per_slot")
   ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2))
@@ -450,13 +451,35 @@ def test_fused_decode_rejects_what_it_cannot_run(rng):
     dc.DecodeConfig(block_n=96)
 
 
-def test_per_slot_metadata_skips_empty_slots():
-  ids = jnp.asarray([3, -1, 0, -1, 2, 9], jnp.int32)  # 9 >= E: empty too
+def test_per_slot_metadata_marks_empty_slots():
+  ids = jnp.asarray([3, -1, 0, -1, 2, 9, 1, 1, 0], jnp.int32)  # 9 >= E: empty too
   valid = (ids >= 0) & (ids < 4)
   meta, ntasks = pmoe._slot_metadata(ids, valid)
   meta, ntasks = np.asarray(meta), int(np.asarray(ntasks)[0])
-  assert ntasks == 3  # only valid slots are tasks: an empty slot streams no weights
-  assert [tuple(meta[:, t]) for t in range(ntasks)] == [(3, 0, 0, 1), (0, 0, 2, 3), (2, 0, 4, 5)]
+  assert ntasks == 9  # one task per slot; the kernel skips expert -1 (no compaction pass)
+  want = [(3, 0, 0, 1), (-1, 0, 1, 2), (0, 0, 2, 3), (-1, 0, 3, 4), (2, 0, 4, 5), (-1, 0, 5, 6),
+          (1, 0, 6, 7), (1, 0, 7, 8), (0, 8, 8, 9)]
+  assert [tuple(int(v) for v in meta[:, t]) for t in range(ntasks)] == want
+
+
+@pytest.mark.parametrize("cfg", [CFG_PLAIN, CFG_WS_N], ids=["plain", "ws"])
+def test_grouped_gemm_skips_invalid_tasks(rng, cfg):
+  # per-slot tasks whose expert is outside [0, E) run nothing: their rows stay unwritten (NaN
+  # in the interpreter), every other row equals the reference
+  m, k, n, e = 64, 64, 128, 3
+  lhs, rhs = _data(rng, m, k, n, e, jnp.bfloat16)
+  experts = np.array([2, -1, 0, 3, 1, 1, -7, 0] + [-1] * (m - 8), np.int32)
+  slot = np.arange(m, dtype=np.int32)
+  meta = jnp.asarray(np.stack([experts, slot - slot % 8, slot, slot + 1]), jnp.int32)
+  fn = lambda lhs, rhs, interpret: gg._run(
+      lhs, rhs, jnp.zeros((e,), jnp.int32), None, None, jnp.float32, cfg, interpret, False, None,
+      "", meta=(meta, jnp.full((1,), m, jnp.int32)), skip_invalid=True)
+  out = _call(fn, lhs, rhs)
+  ref = np.einsum("mk,mkn->mn", np.asarray(lhs, np.float64),
+                  np.asarray(rhs, np.float64)[np.clip(experts, 0, e - 1)])
+  ok = (experts >= 0) & (experts < e)
+  assert _rel(out[ok], ref[ok]) < 1e-2
+  assert np.isnan(out[~ok]).all(), "a skipped task wrote its row"
 
 
 # ----------------------------------------------------------------------------- training path

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 5's device calls (each under the 600 s call limit):
+#   bash benchmarks/gpu_round5.sh decode  # one H200: tune the decode buckets (M<=8, M<=32) of
+#                                         # GEMM1/GEMM2, then the block at 1 and 4 tokens
+#                                         # (per_slot: kernel-side skip, 5 launches)
+#   bash benchmarks/gpu_round5.sh ep      # 2+ H200s: the EP layer (own process per preset),
+#                                         # then comm (bf16 / fp8 dispatch) + dispatch profile
+# NVLink multicast stays off (KINDS.md).
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/gpu_round5}; mkdir -p $OUT
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+step() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout $lim "$@" 2>&1 | grep -v "^W0000\|^I0000\|^E0000\|^WARNING"; return ${PIPESTATUS[0]}; }
+B=benchmarks/bench_grouped_gemm.py
+P=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3
+case ${1:-decode} in
+  decode)
+    step 200 python3 -m jmoe tune --preset qwen3-30b-a3b --tokens 1,4 \
+      --tables grouped_gemm_gated,grouped_gemm --iters 5
+    step 100 python3 -m jmoe tune --preset mixtral-8x7b --tokens 4 \
+      --tables grouped_gemm_gated,grouped_gemm --iters 5
+    cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_gated.json $OUT/
+    step 150 env OUT=$OUT/auto python3 $B --stages block --layout auto --presets $P --tokens 1,4 \
+      --iters 4 --no-torch --budget-s 140 ;;
+  ep)
+    E=benchmarks/bench_ep_multigpu.py
+    for p in deepseek-v3 qwen3-30b-a3b; do
+      step 230 python3 $E --stages layer --layer-presets $p --out $OUT --tag layer_$p \
+        --backends allgather,ragged_a2a,ragged_dedup
+    done
+    step 150 python3 $E --stages peak,comm --torch --out $OUT --tag comm
+    step 90 python3 benchmarks/ep_dispatch_profile.py --out $OUT ;;
+esac

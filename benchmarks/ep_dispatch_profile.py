@@ -12,6 +12,7 @@ Writes $OUT/ep_dispatch_profile.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -32,6 +33,8 @@ def main():
   ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
   ap.add_argument("--backends", default="ragged_dedup,ragged_a2a,allgather")
   ap.add_argument("--top", type=int, default=14)
+  ap.add_argument("--dispatch-dtypes", default="bf16,fp8",
+                  help="activation dtypes on the dispatch wire (bf16 = as is)")
   ap.add_argument("--small", action="store_true")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ep_dispatch_profile"))
   args = ap.parse_args()
@@ -74,16 +77,19 @@ def main():
   res["collective"]["same_result"] = bool(jnp.array_equal(outs["ragged_all_to_all"],
                                                           outs["all_to_all"]))
   print(f"== same result: {res['collective']['same_result']}", flush=True)
-  for a2a in args.backends.split(","):
-    f = ep._dispatch_combine(par, a2a, cfg, False)
+  for a2a, wire in itertools.product(args.backends.split(","),
+                                     args.dispatch_dtypes.split(",")):
+    par_w = sharding.make_parallel(expert=len(devs), devices=devs,
+                                   dispatch_dtype=None if wire == "bf16" else wire)
+    f = ep._dispatch_combine(par_w, a2a, cfg, False)
     rec = dict(wall_us=ep.measure(f, xs, 5))
     if devs[0].platform == "gpu":
       total, _, kernels = timing.device_time(f, [xs], iters=5)
       rec["cupti_us_per_gpu"] = total / len(devs)
       rec["kernels_us_per_gpu"] = {k: v / len(devs) for k, v in
                                    sorted(kernels.items(), key=lambda kv: -kv[1])}
-    res["backends"][a2a] = rec
-    print(f"== {a2a}: {rec['wall_us']:.1f} us/call wall"
+    res["backends"][f"{a2a}/{wire}"] = rec
+    print(f"== {a2a} ({wire} dispatch): {rec['wall_us']:.1f} us/call wall"
           + (f", kernels {rec['cupti_us_per_gpu']:.1f} us/GPU" if "cupti_us_per_gpu" in rec
              else ""), flush=True)
     for k, v in list(rec.get("kernels_us_per_gpu", {}).items())[:args.top]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Session 5's device calls (each under the 600 s call limit):
-#   bash benchmarks/gpu_round5.sh decode  # one H200: tune the decode buckets (M<=8, M<=32) of
-#                                         # GEMM1/GEMM2, then the block at 1 and 4 tokens
-#                                         # (per_slot: kernel-side skip, 5 launches)
+#   bash benchmarks/gpu_round5.sh decode  # one H200: tune GEMM1/GEMM2 (2-CTA candidates; the
+#                                         # decode buckets) for qwen3 at 1, 4, 1024 tokens and
+#                                         # mixtral at 4, then the block at 1 and 4 tokens
+#                                         # (per_slot: 4 launches) and qwen3 at 1024 vs torch
 #   bash benchmarks/gpu_round5.sh ep      # 2+ H200s: the EP layer (own process per preset),
 #                                         # then comm (bf16 / fp8 dispatch) + dispatch profile
 # NVLink multicast stays off (KINDS.md).
@@ -16,13 +17,15 @@ B=benchmarks/bench_grouped_gemm.py
 P=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3
 case ${1:-decode} in
   decode)
-    step 200 python3 -m jmoe tune --preset qwen3-30b-a3b --tokens 1,4 \
+    step 170 python3 -m jmoe tune --preset qwen3-30b-a3b --tokens 1,4,1024 \
       --tables grouped_gemm_gated,grouped_gemm --iters 5
-    step 100 python3 -m jmoe tune --preset mixtral-8x7b --tokens 4 \
+    step 80 python3 -m jmoe tune --preset mixtral-8x7b --tokens 4 \
       --tables grouped_gemm_gated,grouped_gemm --iters 5
     cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_gated.json $OUT/
-    step 150 env OUT=$OUT/auto python3 $B --stages block --layout auto --presets $P --tokens 1,4 \
-      --iters 4 --no-torch --budget-s 140 ;;
+    step 110 env OUT=$OUT/auto python3 $B --stages block --layout auto --presets $P --tokens 1,4 \
+      --iters 4 --no-torch --budget-s 100
+    step 90 env OUT=$OUT/q1024 python3 $B --stages block --presets qwen3-30b-a3b --tokens 1024 \
+      --iters 4 --budget-s 80 ;;
   ep)
     E=benchmarks/bench_ep_multigpu.py
     for p in deepseek-v3 qwen3-30b-a3b; do

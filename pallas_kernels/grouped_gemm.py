@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SMEM_BYTES = 232448 - 1024  # max dynamic SMEM per CTA on sm_90 (as Mosaic GPU reports it)
+_SMEM_PER_SM = 233472  # sm_90: shared memory of one SM (1 KiB of it reserved per CTA)
 
 
 # ============================================================================ config
@@ -63,6 +64,9 @@ class GroupedGemmConfig:
   grid_minor: "n": consecutive work items walk the column tiles of one row tile (lhs reuse);
     "m": they walk row tiles within a band of ``grid_tile_width`` column tiles (weight reuse in L2).
   grid_tile_width: band width for grid_minor="m".
+  ctas_per_sm: 2 runs two CTAs per SM, each with half the shared memory (stages refitted), so
+    one CTA's pipeline fill and epilogue hide behind the other's loads (short contractions,
+    decode). One warpgroup only (two warp-specialized CTAs would not fit the registers).
   """
 
   block_m: int = 128
@@ -73,8 +77,13 @@ class GroupedGemmConfig:
   wg_split: str = "n"
   grid_minor: str = "n"
   grid_tile_width: int = 1
+  ctas_per_sm: int = 1
 
   def __post_init__(self):
+    if self.ctas_per_sm not in (1, 2):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
+    if self.ctas_per_sm == 2 and self.warp_specialized:
+      raise ValueError("ctas_per_sm=2 needs warp_specialized=False (registers)")
     if self.block_m not in (64, 128, 256):
       raise ValueError(f"block_m={self.block_m} must be 64, 128 or 256")
     if self.block_n % 64 or self.block_n <= 0:
@@ -114,8 +123,14 @@ def _smem_bytes(cfg: GroupedGemmConfig, itemsize: int, out_itemsize: int, n_rhs:
   return cfg.num_stages * stage + out + vec
 
 
+def _smem_limit(cfg: GroupedGemmConfig) -> int:
+  """Shared memory one CTA may use: all of it, or its share when two CTAs share an SM."""
+  return _SMEM_BYTES if cfg.ctas_per_sm == 1 else _SMEM_PER_SM // 2 - 1024
+
+
 def _fit_stages(cfg: GroupedGemmConfig, itemsize, out_itemsize, n_rhs) -> GroupedGemmConfig:
-  while cfg.num_stages > 2 and _smem_bytes(cfg, itemsize, out_itemsize, n_rhs) > _SMEM_BYTES:
+  while (cfg.num_stages > 2
+         and _smem_bytes(cfg, itemsize, out_itemsize, n_rhs) > _smem_limit(cfg)):
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
   return cfg
 
@@ -139,8 +154,9 @@ def _tuned_key(E, N, K, dtype, device_kind, m_bucket, jax_version=None) -> str:
           f"M<={m_bucket}")
 
 
-# decode gets its own buckets: 1 token at top-8 (8 slots) and 4 tokens (32) tune apart
-_M_BUCKETS = (8, 32, 64, 256, 1024, 4096, 16384, 65536, 1 << 30)
+# decode: a bucket per power of two up to 64 slots. The best tile width depends on how many
+# experts are touched (H200: mixtral's 4-token GEMM2 config, 256 columns, doubles its 1-token time)
+_M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 16384, 65536, 1 << 30)
 
 
 def _m_bucket(m: int) -> int:
@@ -313,12 +329,12 @@ def kernel_activation(act: Activation, gate, up=None):
 def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg: GroupedGemmConfig,
                   gated: bool, act: Activation | None, has_scale: bool, has_bias: bool,
                   t_max: int, num_sms: int, interpret, rhs_t: bool = False,
-                  skip_invalid: bool = False):
+                  slot_tasks: int = 0):
   """rhs_t: rhs is stored [E, N, K] and read through transposed SMEM views (wgmma takes a
   transposed B operand for 16-bit types), so the backward's d lhs = dout @ rhs^T needs no
-  transposed copy of the weights. skip_invalid: a task whose expert is outside [0, E) (an
-  empty or EP-remote decode slot) is skipped, so the caller needs no compaction of its task
-  list."""
+  transposed copy of the weights. slot_tasks (decode): meta is [slot_tasks] expert ids, one
+  task per row s (rows [s, s + 1), tile from s rounded down to 8); a slot whose expert is
+  outside [0, E) (empty, EP-remote) is skipped. No task list to build, nothing to compact."""
   nwg, tile_m, tile_n = cfg.wg_tile()
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   k_iters = pl.cdiv(k, bk)
@@ -371,7 +387,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
     out_smem, vec_smem, vec_bar = rest[:3]
     pipeline_allocs = rest[3] if cfg.warp_specialized else None
 
-    num_tasks = ntask_ref[0]
+    num_tasks = slot_tasks or ntask_ref[0]
     num_items = num_tasks * n_tiles
 
     def epilogue(accs, wg, e, row, lo, hi, ni):
@@ -428,13 +444,16 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
         start = start + (size & rows)
 
     def when_valid(e):
-      """Runs the item only for an expert in [0, E) when skip_invalid (else always)."""
-      if not skip_invalid:
+      """Runs the item only for an expert in [0, E) for slot tasks (else always)."""
+      if not slot_tasks:
         return lambda f: f()
       return pl.when((e >= 0) & (e < num_groups))
 
     def task_info(lin):
       task, ni = item_to_task_col(lin, num_tasks)
+      if slot_tasks:
+        row = pl.multiple_of(jnp.minimum(task - task % 8, m_pad - bm), 8)
+        return meta_ref[task], row, task, task + 1, ni
       e = meta_ref[0, task]
       # the tile's first row; a tile reaching past the array is shifted back inside it
       row = pl.multiple_of(jnp.minimum(meta_ref[1, task], m_pad - bm), 8)
@@ -530,12 +549,12 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       body,
       out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype),
       scratch_types=scratch,
-      grid=(num_sms,),
+      grid=(num_sms * cfg.ctas_per_sm,),
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True),
       interpret=interpret,
       name=(("jmoe_gg_gated" if gated else "jmoe_gg") + ("_ws" if cfg.warp_specialized else "")
-            + ("_rt" if rhs_t else "")),
+            + ("_2cta" if cfg.ctas_per_sm == 2 else "") + ("_rt" if rhs_t else "")),
       **extra,
   )
 
@@ -610,11 +629,11 @@ def row_alloc(m: int, *block_ms: int) -> int:
 
 
 def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, gated, act,
-         kernel_name, meta=None, keep_rows=False, rhs_t=False, skip_invalid=False):
+         kernel_name, meta=None, keep_rows=False, rhs_t=False, slot_experts=None):
   """meta: precomputed tile_metadata(group_sizes, M, block_m) (shared by GEMM1 and GEMM2).
   keep_rows: return all kernel rows (see row_alloc) instead of slicing back to M.
-  rhs_t: rhs is [E, N, K] (used transposed). skip_invalid: tasks whose meta expert is outside
-  [0, E) are skipped (their rows are unwritten)."""
+  rhs_t: rhs is [E, N, K] (used transposed). slot_experts [S] int32 (decode, instead of meta):
+  row s < S is one task of expert slot_experts[s]; outside [0, E): skipped, row unwritten."""
   m, k = lhs.shape
   # transposed-rhs GEMMs (the backward's d lhs) have their own tuned table
   table = kernel_name + ("_rt" if rhs_t else "")
@@ -638,15 +657,17 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
       row_scale = jnp.pad(row_scale, (0, m_pad - m))
   if bias is not None:
     bias = bias.astype(jnp.float32)
-  if meta is None:
-    meta = tile_metadata(group_sizes, m, bm)
-  meta, ntasks = meta
-  t_max = meta.shape[1]
+  if slot_experts is not None:  # the task count is static: ntasks is not read
+    meta, ntasks = slot_experts.astype(jnp.int32), jnp.zeros((1,), jnp.int32)
+  else:
+    meta, ntasks = tile_metadata(group_sizes, m, bm) if meta is None else meta
+  t_max = meta.shape[-1]
   interp, nsm = _compat.launch_params(interpret)
   kern = _build_kernel(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, num_groups=e,
                        dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg, gated=gated, act=act,
                        has_scale=row_scale is not None, has_bias=bias is not None, t_max=t_max,
-                       num_sms=nsm, interpret=interp, rhs_t=rhs_t, skip_invalid=skip_invalid)
+                       num_sms=nsm, interpret=interp, rhs_t=rhs_t,
+                       slot_tasks=0 if slot_experts is None else slot_experts.shape[0])
   args = [meta, ntasks, lhs, rhs]
   if row_scale is not None:
     args.append(row_scale)

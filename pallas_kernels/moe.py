@@ -42,7 +42,7 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
     926 vs 1263 µs), xla below (1 token: 2.1 vs 2.6 µs).
   layout: "sorted" (moe_align + grouped tiles: each expert's weights stream once),
     "per_slot" (decode: no sort; one task per (slot, column tile) reading slot s's row of
-    x[s // k] and its expert's weights, then a sum over k: 5 kernels instead of ~15; an
+    x[s // k] and its expert's weights, then a sum over k: 4 kernels instead of ~15; an
     expert streams once per slot routed to it) or "auto": per_slot when 4 * T * k < E (slots
     rarely share an expert). H200, 1 token: qwen3 32.8 vs 41.4 µs, deepseek-v3 176 vs 192;
     mixtral (2 slots, 8 experts: sorted) 183 vs 180; at 16 tokens per_slot loses (qwen3 277
@@ -61,7 +61,7 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   if config2 is None:
     config2 = gg.get_config("grouped_gemm", m, hdim, n, e, x.dtype)
   if layout == "auto":
-    layout = "per_slot" if 4 * m < e else "sorted"
+    layout = "per_slot" if 4 * m <= e else "sorted"
   if layout == "fused_decode":
     if act.is_gated:
       from pallas_kernels.decode import fused_experts_decode  # noqa: PLC0415
@@ -95,22 +95,12 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   return _perm.gather_sum(y, inv, out_dtype=x.dtype)
 
 
-def _slot_metadata(ids, valid):
-  """One grouped-GEMM task per slot s: (expert, tile from row s rounded down to 8, rows
-  [s, s + 1)); an empty slot (an EP-remote expert) gets expert -1, which the kernel skips
-  (`skip_invalid`), so it streams no weights and no compaction pass is needed. One list serves
-  any block_m (>= 8). Returns (meta [4, m] int32, num_tasks [1])."""
-  m = ids.shape[0]
-  slot = jnp.arange(m, dtype=jnp.int32)
-  meta = jnp.stack([jnp.where(valid, ids, -1), slot - slot % 8, slot, slot + 1])
-  return meta.astype(jnp.int32), jnp.full((1,), m, jnp.int32)
-
-
 def _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config1, config2,
               interpret):
   """fused_experts without the sort: row s of the slot-major [T*k, ...] arrays is slot s.
-  Five launches: the task list, the token gather, GEMM1, GEMM2 (f32 rows) and one reduction
-  that applies the router weights and sums over k."""
+  Four launches: the token gather, GEMM1, GEMM2 (f32 rows) and one reduction that applies the
+  router weights and sums over k. The kernels take the slot ids as their task list (one task
+  per slot; an empty or EP-remote slot, id outside [0, E), is skipped and streams nothing)."""
   t, k = topk_ids.shape
   e = w13.shape[0]
   m = t * k
@@ -120,14 +110,13 @@ def _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config
   tok = jnp.minimum(jnp.arange(m_alloc, dtype=jnp.int32) // k, t - 1)
   xs = jnp.take(x, tok, axis=0)
   no_groups = jnp.zeros((e,), jnp.int32)  # the tasks come from the metadata alone
-  meta = _slot_metadata(ids, valid)
   gg._validate(xs, w13, no_groups, None, w13_bias, w13.shape[2], gated=act.is_gated)
   h = gg._run(xs, w13, no_groups, None, w13_bias, None, config1, interpret, act.is_gated, act,
-              "", meta=meta, skip_invalid=True)
+              "", slot_experts=ids)
   gg._validate(h, w2, no_groups, None, w2_bias, w2.shape[2])
   # f32 rows, weighted in the reduction: the router weight needs no padded scale vector
   y = gg._run(h, w2, no_groups, None, w2_bias, jnp.float32, config2, interpret, False, None, "",
-              meta=meta, skip_invalid=True)
+              slot_experts=ids)
   w = topk_weights.reshape(m, 1).astype(jnp.float32)
   y = jnp.where(valid[:, None], y[:m] * w, 0.0)  # empty slots: rows unwritten
   return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)

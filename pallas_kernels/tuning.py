@@ -29,6 +29,7 @@ SWEEP_G2 = (  # GEMM2 (row scale), large M
       grid_tile_width=4),
     C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
       grid_tile_width=2),
+    C(block_m=128, block_n=128, block_k=64, num_stages=3, warp_specialized=False, ctas_per_sm=2),
 )
 SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
     C(block_m=64, block_n=128, block_k=128, num_stages=6, wg_split="n"),
@@ -38,6 +39,10 @@ SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
     # decode: deeper weight pipelines (stages are fitted to shared memory)
     C(block_m=64, block_n=64, block_k=64, num_stages=8, warp_specialized=False),
     C(block_m=64, block_n=128, block_k=64, num_stages=8, wg_split="n"),
+    # two CTAs per SM: one's pipeline fill / epilogue hides behind the other's loads
+    C(block_m=64, block_n=128, block_k=64, num_stages=4, warp_specialized=False, ctas_per_sm=2),
+    C(block_m=64, block_n=64, block_k=128, num_stages=4, warp_specialized=False, ctas_per_sm=2),
+    C(block_m=128, block_n=128, block_k=64, num_stages=3, warp_specialized=False, ctas_per_sm=2),
 )
 
 

@@ -135,3 +135,33 @@ def axis_size(axis_name: Optional[str]) -> int:
   if axis_name is None:
     return 1
   return jax.lax.axis_size(axis_name)
+
+
+def pack_rows(*cols: jax.Array) -> tuple[jax.Array, tuple]:
+  """Columns with one leading row axis [n, ...] (any dtypes) -> (uint8 [n, bytes per row],
+  layout), so rows of several arrays travel in one collective (fp8 dispatch: the e4m3 row,
+  its scales, ids and weights in one ragged all-to-all instead of four launches)."""
+  n = cols[0].shape[0]
+  parts, layout = [], []
+  for c in cols:
+    if c.shape[0] != n:
+      raise ValueError(f"pack_rows: every column needs {n} rows, got shape {c.shape}")
+    b = jax.lax.bitcast_convert_type(c, jnp.uint8).reshape(n, -1)
+    parts.append(b)
+    layout.append((jnp.dtype(c.dtype), c.shape[1:], b.shape[1]))
+  return jnp.concatenate(parts, axis=1), tuple(layout)
+
+
+def unpack_rows(buf: jax.Array, layout: tuple) -> list[jax.Array]:
+  """The inverse of `pack_rows`: uint8 [n, bytes] -> the columns, in their dtypes and shapes."""
+  n = buf.shape[0]
+  out, at = [], 0
+  for dtype, shape, width in layout:
+    b = buf[:, at:at + width]
+    at += width
+    if dtype.itemsize > 1:
+      b = b.reshape((n,) + shape + (dtype.itemsize,))
+    else:
+      b = b.reshape((n,) + shape)
+    out.append(jax.lax.bitcast_convert_type(b, dtype))
+  return out

@@ -285,22 +285,24 @@ class RaggedA2A(EPPrepareFinalize):
                                                              unique_indices=True)
     # a group keeps its first C slots: its kept count is min(count, C)
     counts = jnp.minimum(counts0[:nkeys], cap).reshape(ep, el).astype(jnp.int32)
-    x_send = a1q[order // k]  # [T*k, H], grouped by destination then local expert
+    src = order // k  # [T*k] token of each send row, grouped by destination then local expert
     counts_all = jax.lax.all_gather(counts, self.expert_axis)  # [src, dst, el]
     cnt = counts_all.sum(-1)  # [src, dst]
     in_off = collectives.exclusive_cumsum(cnt, axis=1)  # offset in the sender's buffer
     out_off = collectives.exclusive_cumsum(cnt, axis=0)  # offset in the receiver's buffer
     me = self.rank()
     r = self.recv_rows(t, k, el)
-    recv = collectives.ragged_all_to_all(
-        x_send, jnp.zeros((r,) + x_send.shape[1:], x_send.dtype), in_off[me], cnt[me],
-        out_off[me], cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
-    scale = None
-    if a1_scale is not None:  # per-token scales travel with their rows (fp8 dispatch)
-      s_send = a1_scale[order // k]
-      scale = collectives.ragged_all_to_all(
-          s_send, jnp.zeros((r,) + s_send.shape[1:], s_send.dtype), in_off[me], cnt[me],
-          out_off[me], cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
+
+    def send(v):
+      return collectives.ragged_all_to_all(
+          v, jnp.zeros((r,) + v.shape[1:], v.dtype), in_off[me], cnt[me], out_off[me],
+          cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
+
+    if a1_scale is None:
+      recv, scale = send(a1q[src]), None
+    else:  # per-token scales (fp8 dispatch) ride in the same rows: one collective
+      wire, layout = collectives.pack_rows(a1q[src], a1_scale[src])
+      recv, scale = collectives.unpack_rows(send(wire), layout)
     self.last_dropped = self._count_dropped(jnp.sum(valid & ~kept).astype(jnp.int32))
     dropped = self.last_dropped
 
@@ -372,15 +374,23 @@ class RaggedDedupA2A(EPPrepareFinalize):
     out_off = collectives.exclusive_cumsum(cnt, axis=0)  # offset in the receiver
     me = self.rank()
 
-    def send(v, fill):
+    def send(v, fill):  # fill: a scalar or a row, for the rows nobody sends
       return collectives.ragged_all_to_all(
           v, jnp.full((n,) + v.shape[1:], fill, v.dtype), in_off[me], cnt[me], out_off[me],
           cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
 
-    recv = send(x_send, 0)
-    recv_ids = send(ids_send, -1)  # rows nobody sent keep -1: no expert computes them
-    recv_w = send(w_send, 0)
-    scale = None if a1_scale is None else send(a1_scale[tok], 0)
+    if a1_scale is None:
+      recv = send(x_send, 0)
+      recv_ids = send(ids_send, -1)  # rows nobody sent keep -1: no expert computes them
+      recv_w = send(w_send, 0)
+      scale = None
+    else:  # fp8 dispatch: rows, ids, weights and scales packed into one collective
+      cols = (x_send, ids_send, w_send, a1_scale[tok])
+      fills = (0, -1, 0, 0)  # the ids of rows nobody sent stay -1, as above
+      wire, layout = collectives.pack_rows(*cols)
+      fill, _ = collectives.pack_rows(*[jnp.full((1,) + c.shape[1:], f, c.dtype)
+                                        for c, f in zip(cols, fills)])
+      recv, recv_ids, recv_w, scale = collectives.unpack_rows(send(wire, fill), layout)
     self.last_dropped = self._count_dropped(jnp.int32(0))
     dropped = self.last_dropped
 

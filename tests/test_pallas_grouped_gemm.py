@@ -9,6 +9,8 @@ Shapes are tiny: interpretation is slow (seconds per kernel call).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -30,6 +32,8 @@ C = gg.GroupedGemmConfig
 # Small configs (one per kernel structure): plain pipeline, warp-specialized split n / split m.
 CFG_PLAIN = C(block_m=64, block_n=64, block_k=32, num_stages=2, warp_specialized=False)
 CFG_WS_N = C(block_m=64, block_n=128, block_k=32, num_stages=2, wg_split="n")
+CFG_2CTA = C(block_m=64, block_n=64, block_k=32, num_stages=2, warp_specialized=False,
+             ctas_per_sm=2)  # two CTAs share the items (the interpreter runs both)
 CFG_WS_M = C(block_m=128, block_n=64, block_k=32, num_stages=3, wg_split="m", grid_minor="m",
              grid_tile_width=1)
 
@@ -192,7 +196,8 @@ def test_transposed_rhs_reads_its_own_tuned_table(rng, monkeypatch):
   assert _rel(out, _oracle(lhs, rhs, [10, 0, 30])) < TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("cfg", [CFG_WS_N, CFG_WS_M], ids=["ws_split_n", "ws_split_m"])
+@pytest.mark.parametrize("cfg", [CFG_WS_N, CFG_WS_M, CFG_2CTA],
+                         ids=["ws_split_n", "ws_split_m", "two_ctas"])
 def test_grouped_gemm_warp_specialized(rng, cfg):
   m, k, n, e = 200, 96, 128, 4
   lhs, rhs = _data(rng, m, k, n, e, jnp.bfloat16)
@@ -293,6 +298,15 @@ def test_validation_errors():
     C(block_m=96)
   with pytest.raises(ValueError, match="block_n % 128"):
     C(block_m=64, block_n=64, wg_split="n")
+  with pytest.raises(ValueError, match="ctas_per_sm=3"):
+    C(ctas_per_sm=3, warp_specialized=False)
+  with pytest.raises(ValueError, match="warp_specialized=False"):
+    C(ctas_per_sm=2)
+  # two CTAs per SM: stages refitted to half the shared memory
+  fit = gg._fit_stages(C(block_m=64, block_n=128, block_k=64, num_stages=8,
+                         warp_specialized=False, ctas_per_sm=2), 2, 2, 1)
+  assert gg._smem_bytes(fit, 2, 2, 1) <= gg._SMEM_PER_SM // 2 < gg._smem_bytes(
+      dataclasses.replace(fit, num_stages=fit.num_stages + 1), 2, 2, 1)
 
 
 # ----------------------------------------------------------------------------- permute
@@ -451,35 +465,25 @@ def test_fused_decode_rejects_what_it_cannot_run(rng):
     dc.DecodeConfig(block_n=96)
 
 
-def test_per_slot_metadata_marks_empty_slots():
-  ids = jnp.asarray([3, -1, 0, -1, 2, 9, 1, 1, 0], jnp.int32)  # 9 >= E: empty too
-  valid = (ids >= 0) & (ids < 4)
-  meta, ntasks = pmoe._slot_metadata(ids, valid)
-  meta, ntasks = np.asarray(meta), int(np.asarray(ntasks)[0])
-  assert ntasks == 9  # one task per slot; the kernel skips expert -1 (no compaction pass)
-  want = [(3, 0, 0, 1), (-1, 0, 1, 2), (0, 0, 2, 3), (-1, 0, 3, 4), (2, 0, 4, 5), (-1, 0, 5, 6),
-          (1, 0, 6, 7), (1, 0, 7, 8), (0, 8, 8, 9)]
-  assert [tuple(int(v) for v in meta[:, t]) for t in range(ntasks)] == want
-
-
 @pytest.mark.parametrize("cfg", [CFG_PLAIN, CFG_WS_N], ids=["plain", "ws"])
-def test_grouped_gemm_skips_invalid_tasks(rng, cfg):
-  # per-slot tasks whose expert is outside [0, E) run nothing: their rows stay unwritten (NaN
-  # in the interpreter), every other row equals the reference
-  m, k, n, e = 64, 64, 128, 3
+def test_grouped_gemm_slot_tasks(rng, cfg):
+  # decode task list = the slot ids: row s is one task of expert ids[s]; a slot whose expert is
+  # outside [0, E) (empty: -1, EP-remote: E) runs nothing and its row stays unwritten (NaN in
+  # the interpreter); every other row equals the reference, rows 8+ included (tile shift)
+  m, k, n, e = 72, 64, 128, 3
   lhs, rhs = _data(rng, m, k, n, e, jnp.bfloat16)
-  experts = np.array([2, -1, 0, 3, 1, 1, -7, 0] + [-1] * (m - 8), np.int32)
-  slot = np.arange(m, dtype=np.int32)
-  meta = jnp.asarray(np.stack([experts, slot - slot % 8, slot, slot + 1]), jnp.int32)
+  ids = rng.integers(0, e, m).astype(np.int32)
+  ids[[1, 6, 9, 70]] = [-1, e, -7, -1]
   fn = lambda lhs, rhs, interpret: gg._run(
       lhs, rhs, jnp.zeros((e,), jnp.int32), None, None, jnp.float32, cfg, interpret, False, None,
-      "", meta=(meta, jnp.full((1,), m, jnp.int32)), skip_invalid=True)
+      "", slot_experts=jnp.asarray(ids))
   out = _call(fn, lhs, rhs)
   ref = np.einsum("mk,mkn->mn", np.asarray(lhs, np.float64),
-                  np.asarray(rhs, np.float64)[np.clip(experts, 0, e - 1)])
-  ok = (experts >= 0) & (experts < e)
+                  np.asarray(rhs, np.float64)[np.clip(ids, 0, e - 1)])
+  ok = (ids >= 0) & (ids < e)
+  assert np.isfinite(out[ok]).all(), "a slot's row was not written"
   assert _rel(out[ok], ref[ok]) < 1e-2
-  assert np.isnan(out[~ok]).all(), "a skipped task wrote its row"
+  assert np.isnan(out[~ok]).all(), "a skipped slot wrote its row"
 
 
 # ----------------------------------------------------------------------------- training path

@@ -360,6 +360,38 @@ def test_fp8_dispatch_refuses_gradients_and_bad_dtypes(prob):
     parallel("e8", dispatch_dtype="fp16")
 
 
+@pytest.mark.parametrize("a2a", ["ragged_a2a", "ragged_dedup"])
+def test_fp8_dispatch_weight_gradients(prob, a2a):
+  """Tokens that are not differentiated may travel in fp8: the weight gradients equal the
+  bf16-dispatch layer's on the fp8-rounded tokens (the packed wire carries rows, scales, ids
+  and weights in one collective)."""
+  p, _ = prob
+  x_dq = dequantize_rows_fp8(*quantize_rows_fp8(p["x"]), p["x"].dtype)
+
+  def grads(x, dtype):
+    loss = lambda w13, w2: jmoe.fused_moe(x, w13, w2, p["tw"], p["ti"], a2a_backend=a2a,
+                                          parallel=parallel("e8", dispatch_dtype=dtype)).sum()
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(p["w13"], p["w2"])
+
+  for got, want in zip(grads(p["x"], "fp8"), grads(x_dq, None)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               **TOL)
+
+
+@pytest.mark.parametrize("dtypes", [(jnp.float8_e4m3fn, jnp.float32, jnp.int32, jnp.float32),
+                                    (jnp.bfloat16, jnp.int8), (jnp.float16,)])
+def test_pack_rows_round_trip(dtypes):
+  rng = np.random.default_rng(len(dtypes))
+  cols = [jnp.asarray(rng.normal(size=(7, 3 + i)) * 50).astype(d) for i, d in enumerate(dtypes)]
+  buf, layout = collectives.pack_rows(*cols)
+  assert buf.dtype == jnp.uint8 and buf.shape == (7, sum(c[0].nbytes for c in cols))
+  for got, want in zip(collectives.unpack_rows(buf, layout), cols):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  with pytest.raises(ValueError, match="every column needs 7 rows"):
+    collectives.pack_rows(cols[0], cols[0][:3])
+
+
 # --------------------------------------------------------------------------------------------
 # the ragged all-to-all emulation
 

@@ -41,8 +41,10 @@ def quantize_rows_fp8(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   channels (per row when H is not a multiple of 128): scale = max |a| / 448, so every block
   uses e4m3's full range; an all-zero block gets scale 1. a ~= q * scale.
 
-  Forward only: differentiating through it raises (the transposed dispatch would carry the
-  gradient in fp8 without scales)."""
+  Forward only: differentiating with respect to `a` raises at trace time (the transposed
+  dispatch would carry the gradient in fp8 without scales, and the packed wire is bytes). The
+  check sits in the forward rule, which JAX runs only when `a` is being differentiated: the
+  dispatch packs q into uint8 rows, whose zero cotangent would never reach a backward rule."""
   return _quantize_rows_fp8(a)
 
 
@@ -58,12 +60,12 @@ def _quantize_rows_fp8(a):
 
 
 def _quantize_rows_fp8_fwd(a):
-  return _quantize_rows_fp8(a), None
-
-
-def _quantize_rows_fp8_bwd(_, __):
   raise ValueError("dispatch_dtype='fp8' (ParallelConfig) is a forward-only dispatch format: "
                    "train with dispatch_dtype=None")
+
+
+def _quantize_rows_fp8_bwd(_, __):  # pragma: no cover (the forward rule raises first)
+  raise AssertionError("unreachable")
 
 
 quantize_rows_fp8.defvjp(_quantize_rows_fp8_fwd, _quantize_rows_fp8_bwd)

@@ -4,6 +4,8 @@
 #                                         # decode buckets) for qwen3 at 1, 4, 1024 tokens and
 #                                         # mixtral at 4, then the block at 1 and 4 tokens
 #                                         # (per_slot: 4 launches) and qwen3 at 1024 vs torch
+#   bash benchmarks/gpu_round5.sh final   # one H200: the block table on the tuned tables (1..16384
+#                                         # tokens, torch._grouped_mm in the same run) + jmoe bench
 #   bash benchmarks/gpu_round5.sh ep      # 2+ H200s: the EP layer (own process per preset),
 #                                         # then comm (bf16 / fp8 dispatch) + dispatch profile
 # NVLink multicast stays off (KINDS.md).
@@ -26,6 +28,11 @@ case ${1:-decode} in
       --iters 4 --no-torch --budget-s 100
     step 90 env OUT=$OUT/q1024 python3 $B --stages block --presets qwen3-30b-a3b --tokens 1024 \
       --iters 4 --budget-s 80 ;;
+  final)
+    step 330 env OUT=$OUT/block python3 $B --stages ceiling,block --presets $P \
+      --tokens 1,4,64,1024,16384 --iters 4 --budget-s 310
+    step 100 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
+      --json $OUT/jmoe_bench.json ;;
   ep)
     E=benchmarks/bench_ep_multigpu.py
     for p in deepseek-v3 qwen3-30b-a3b; do

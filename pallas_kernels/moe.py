@@ -43,12 +43,14 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   layout: "sorted" (moe_align + grouped tiles: each expert's weights stream once),
     "per_slot" (decode: no sort; one task per (slot, column tile) reading slot s's row of
     x[s // k] and its expert's weights, then a sum over k: 4 kernels instead of ~15; an
-    expert streams once per slot routed to it) or "auto": per_slot when 4 * T * k < E (slots
-    rarely share an expert). H200, 1 token: qwen3 32.8 vs 41.4 µs, deepseek-v3 176 vs 192;
-    mixtral (2 slots, 8 experts: sorted) 183 vs 180; at 16 tokens per_slot loses (qwen3 277
-    vs 201, mixtral 2509 vs 653). "fused_decode": pallas_kernels.decode, GEMM1 + activation +
-    GEMM2 in one kernel per (slot, intermediate block); gated activations only (else per_slot).
-    Slower than per_slot on an H200 (qwen3 T=1 37.3 vs 34.7 µs), so "auto" never picks it.
+    expert streams once per slot routed to it) or "auto": per_slot when 4 * T * k <= E (slots
+    rarely share an expert), else sorted. H200 (2026-11-29, tuned tables): qwen3 1 token 25.4
+    µs (sorted 43.7), 4 tokens 77.0 (sorted 99.4); deepseek-v3 1 / 4 tokens 167 / 631;
+    mixtral 1 token 172; at 16 tokens per_slot loses (qwen3 277 vs 201, mixtral 2509 vs 653).
+    "fused_decode": pallas_kernels.decode, GEMM1 + activation + GEMM2 in one kernel per
+    (slot, intermediate block); gated activations only (else per_slot). Slower than per_slot
+    on an H200 (qwen3 T=1 37.3 vs 34.7 µs before per_slot's 4-kernel form), so "auto" never
+    picks it.
   """
   act = as_activation(activation)
   t, k = topk_ids.shape

@@ -9,11 +9,7 @@
 #                                        # `python -m jmoe bench`
 #   bash benchmarks/gpu_round3.sh decode # (next session) the one-kernel decode block against
 #                                        # per_slot and sorted, first in a process of its own
-set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-/tmp/gpu_round3}; mkdir -p $OUT
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-step() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout $lim "$@" 2>&1 | grep -v "^W0000\|^I0000"; return ${PIPESTATUS[0]}; }
+NAME=gpu_round3; source benchmarks/gpu_env.sh
 B=benchmarks/bench_grouped_gemm.py
 P=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3
 case ${1:-fwd} in

@@ -8,13 +8,7 @@
 #                                         # tokens, torch._grouped_mm in the same run) + jmoe bench
 #   bash benchmarks/gpu_round5.sh ep      # 2+ H200s: the EP layer (own process per preset),
 #                                         # then comm (bf16 / fp8 dispatch) + dispatch profile
-# NVLink multicast stays off (KINDS.md).
-set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/gpu_round5}; mkdir -p $OUT
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-step() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout $lim "$@" 2>&1 | grep -v "^W0000\|^I0000\|^E0000\|^WARNING"; return ${PIPESTATUS[0]}; }
+NAME=gpu_round5; source benchmarks/gpu_env.sh
 B=benchmarks/bench_grouped_gemm.py
 P=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3
 case ${1:-decode} in

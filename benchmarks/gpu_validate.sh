@@ -3,11 +3,8 @@
 # EP with Pallas experts + attribution of the EP paths' local cost, `python -m jmoe bench`'s GPU
 # path). Each step has its own time limit so one failure does not hide the rest.
 # Usage (device tool): bash benchmarks/gpu_validate.sh
-set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-/tmp/gpu_validate}; mkdir -p $OUT/k $OUT/ep
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-step() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout $lim "$@" 2>&1 | grep -v "^W0000\|^I0000"; return ${PIPESTATUS[0]}; }
+NAME=gpu_validate; source benchmarks/gpu_env.sh
+mkdir -p $OUT/k $OUT/ep
 step ${T_KERN:-200} env OUT=$OUT/k python3 benchmarks/bench_grouped_gemm.py --stages ${KSTAGES:-train,batched} \
   --train-presets ${TRAIN_PRESETS:-mixtral-8x7b,qwen3-30b-a3b} --presets mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 \
   --budget-s 180 --iters 3

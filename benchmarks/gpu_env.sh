@@ -1,0 +1,15 @@
+# Sourced by the benchmarks/gpu_*.sh device scripts: the environment every device call uses
+# and `step`, which runs one command under its own time limit (so one failure does not hide
+# the rest) without the runtime's log spam. Usage: NAME=gpu_roundN; source benchmarks/gpu_env.sh
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# NVLink multicast stays off (KINDS.md); harmless on one GPU
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/$NAME}; mkdir -p $OUT
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+step() {
+  local lim=$1; shift
+  echo "=== $* (limit ${lim}s)"
+  timeout $lim "$@" 2>&1 | grep -v "^W0000\|^I0000\|^E0000\|^WARNING"
+  return ${PIPESTATUS[0]}
+}

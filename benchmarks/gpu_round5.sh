@@ -6,6 +6,9 @@
 #                                         # (per_slot: 4 launches) and qwen3 at 1024 vs torch
 #   bash benchmarks/gpu_round5.sh final   # one H200: the block table on the tuned tables (1..16384
 #                                         # tokens, torch._grouped_mm in the same run) + jmoe bench
+#   bash benchmarks/gpu_round5.sh xi      # one H200: the cross-item pipeline checked and timed in
+#                                         # its own process; if correct, qwen3 1024 re-tuned with it
+#                                         # among the candidates, then the block
 #   bash benchmarks/gpu_round5.sh ep      # 2+ H200s: the EP layer (own process per preset),
 #                                         # then comm (bf16 / fp8 dispatch) + dispatch profile
 NAME=gpu_round5; source benchmarks/gpu_env.sh
@@ -27,6 +30,13 @@ case ${1:-decode} in
       --tokens 1,4,64,1024,16384 --iters 4 --budget-s 310
     step 100 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
+  xi)
+    step 100 python3 benchmarks/check_cross_item.py --json $OUT/check_cross_item.json || exit 1
+    step 140 python3 -m jmoe tune --preset qwen3-30b-a3b --tokens 1024 \
+      --tables grouped_gemm_gated,grouped_gemm --iters 5
+    cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_gated.json $OUT/
+    step 60 env OUT=$OUT/q1024 python3 $B --stages block --presets qwen3-30b-a3b --tokens 64,1024 \
+      --iters 4 --budget-s 50 ;;
   ep)
     E=benchmarks/bench_ep_multigpu.py
     for p in deepseek-v3 qwen3-30b-a3b; do

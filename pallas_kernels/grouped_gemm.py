@@ -67,6 +67,10 @@ class GroupedGemmConfig:
   ctas_per_sm: 2 runs two CTAs per SM, each with half the shared memory (stages refitted), so
     one CTA's pipeline fill and epilogue hide behind the other's loads (short contractions,
     decode). One warpgroup only (two warp-specialized CTAs would not fit the registers).
+  cross_item: one software pipeline over all of a CTA's work items (grid (items, K steps)), so
+    the next item's first tiles load while the current one finishes and stores: no pipeline
+    fill per item. One warpgroup only; the decode slot-task path keeps the per-item loop (a
+    skipped slot must not load weights).
   """
 
   block_m: int = 128
@@ -78,8 +82,11 @@ class GroupedGemmConfig:
   grid_minor: str = "n"
   grid_tile_width: int = 1
   ctas_per_sm: int = 1
+  cross_item: bool = False
 
   def __post_init__(self):
+    if self.cross_item and self.warp_specialized:
+      raise ValueError("cross_item=True needs warp_specialized=False")
     if self.ctas_per_sm not in (1, 2):
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
     if self.ctas_per_sm == 2 and self.warp_specialized:
@@ -347,6 +354,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
     ladder.append(1 << int(math.log2(r)))
     r //= 2
   n_rhs = 2 if gated else 1
+  num_ctas = num_sms * cfg.ctas_per_sm
+  cross_item = cfg.cross_item and not slot_tasks  # a skipped slot must not load weights
   _cast = _compat.layout_cast(interpret)
   width = cfg.grid_tile_width if n_tiles % cfg.grid_tile_width == 0 else 1
 
@@ -461,6 +470,73 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       hi = meta_ref[3, task]
       return e, row, lo, hi, ni
 
+    def run_cross_item():
+      """One pipeline over (this CTA's items, K steps): items lin = cta + i * num_ctas. The
+      index maps read each item's expert / row / column tile from the task list, the body zeroes
+      the accumulators at an item's first step and runs the epilogue at its last."""
+      cta = lax.axis_index("sm")
+      mine = lax.div(num_items - cta + num_ctas - 1, num_ctas)
+
+      def item(i):
+        return task_info(cta + i * num_ctas)
+
+      def lhs_index(i, kk):
+        _, row, _, _, _ = item(i)
+        return row, kk
+
+      def rhs_index(j):
+        def index(i, kk):
+          e, _, _, _, ni = item(i)
+          col = ni + j * (n_out // bn)
+          return (e, col, kk) if rhs_t else (e, kk, col)
+        return index
+
+      rhs_block = (None, bn, bk) if rhs_t else (None, bk, bn)
+      specs = [plgpu.BlockSpec((pl.Element(bm), bk), lhs_index, transforms=transforms,
+                               delay_release=1)]
+      specs += [plgpu.BlockSpec(rhs_block, rhs_index(j), transforms=transforms,
+                                delay_release=1) for j in range(n_rhs)]
+
+      # GPU interpret mode cannot store into a wgmma accumulator (no wgmma_accumulator_store
+      # rule in jax 0.10-0.11): there an item's starting value is kept in SMEM and subtracted.
+      emulate_reset = interpret is not None
+
+      def scope(*acc_refs, bases=()):
+        def step(idx, a_smem, *b_smems):
+          i, kk = idx
+
+          @pl.when(kk == 0)
+          def _reset():
+            for j, acc in enumerate(acc_refs):
+              if emulate_reset:
+                bases[j][...] = acc[...]
+              else:
+                acc[...] = jnp.zeros((tile_m, tile_n), jnp.float32)
+
+          for acc, b in zip(acc_refs, b_smems):
+            plgpu.wgmma(acc, a_smem, b_operand(b))
+          plgpu.wgmma_wait(n_rhs)
+
+          @pl.when(kk == k_iters - 1)
+          def _store():
+            plgpu.wgmma_wait(0)
+            e, row, lo, hi, ni = item(i)
+            vals = [a[...] for a in acc_refs]
+            if emulate_reset:
+              vals = [v - b[...] for v, b in zip(vals, bases)]
+            epilogue(vals, 0, e, row, lo, hi, ni)
+
+        @pl.when(mine > 0)
+        def _run():
+          plgpu.emit_pipeline(step, grid=(mine, k_iters), in_specs=specs,
+                              max_concurrent_steps=cfg.num_stages)(lhs_ref, *[rhs_ref] * n_rhs)
+      accs = [plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)]
+      if emulate_reset:  # REGS and SMEM allocations need their own scopes
+        pl.run_scoped(lambda *bases: pl.run_scoped(functools.partial(scope, bases=bases), *accs),
+                      *[plgpu.SMEM((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
+      else:
+        pl.run_scoped(scope, *accs)
+
     if cfg.warp_specialized:
       def mma_body(_, a_smem, *refs):
         b_refs, accs = refs[:n_rhs], refs[n_rhs]
@@ -515,14 +591,17 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
           epilogue([a[...] for a in acc_refs], 0, e, row, lo, hi, ni)
         pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
 
-    @plgpu.nd_loop((num_items,), collective_axes="sm")
-    def _loop(info):
-      (lin,) = info.index
-      e, row, lo, hi, ni = task_info(lin)
+    if cross_item:
+      run_cross_item()
+    else:
+      @plgpu.nd_loop((num_items,), collective_axes="sm")
+      def _loop(info):
+        (lin,) = info.index
+        e, row, lo, hi, ni = task_info(lin)
 
-      @when_valid(e)
-      def _item():
-        compute_item(e, row, lo, hi, ni)
+        @when_valid(e)
+        def _item():
+          compute_item(e, row, lo, hi, ni)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
@@ -549,12 +628,13 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       body,
       out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype),
       scratch_types=scratch,
-      grid=(num_sms * cfg.ctas_per_sm,),
+      grid=(num_ctas,),
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True),
       interpret=interpret,
       name=(("jmoe_gg_gated" if gated else "jmoe_gg") + ("_ws" if cfg.warp_specialized else "")
-            + ("_2cta" if cfg.ctas_per_sm == 2 else "") + ("_rt" if rhs_t else "")),
+            + ("_2cta" if cfg.ctas_per_sm == 2 else "") + ("_xi" if cross_item else "")
+            + ("_rt" if rhs_t else "")),
       **extra,
   )
 

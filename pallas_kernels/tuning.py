@@ -18,6 +18,8 @@ SWEEP_G1 = (  # gated GEMM1, large M
       grid_tile_width=8),
     C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
       grid_tile_width=2),
+    C(block_m=64, block_n=128, block_k=64, num_stages=4, warp_specialized=False,
+      cross_item=True),
 )
 SWEEP_G2 = (  # GEMM2 (row scale), large M
     C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
@@ -30,6 +32,8 @@ SWEEP_G2 = (  # GEMM2 (row scale), large M
     C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
       grid_tile_width=2),
     C(block_m=128, block_n=128, block_k=64, num_stages=3, warp_specialized=False, ctas_per_sm=2),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, warp_specialized=False,
+      cross_item=True),
 )
 SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
     C(block_m=64, block_n=128, block_k=128, num_stages=6, wg_split="n"),
@@ -43,6 +47,12 @@ SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
     C(block_m=64, block_n=128, block_k=64, num_stages=4, warp_specialized=False, ctas_per_sm=2),
     C(block_m=64, block_n=64, block_k=128, num_stages=4, warp_specialized=False, ctas_per_sm=2),
     C(block_m=128, block_n=128, block_k=64, num_stages=3, warp_specialized=False, ctas_per_sm=2),
+    # one pipeline across a CTA's items: the next item's tiles load during this one's store
+    C(block_m=64, block_n=128, block_k=64, num_stages=4, warp_specialized=False, cross_item=True),
+    C(block_m=128, block_n=128, block_k=64, num_stages=4, warp_specialized=False,
+      cross_item=True),
+    C(block_m=64, block_n=128, block_k=64, num_stages=4, warp_specialized=False, ctas_per_sm=2,
+      cross_item=True),
 )
 
 

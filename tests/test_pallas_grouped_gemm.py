@@ -34,6 +34,9 @@ CFG_PLAIN = C(block_m=64, block_n=64, block_k=32, num_stages=2, warp_specialized
 CFG_WS_N = C(block_m=64, block_n=128, block_k=32, num_stages=2, wg_split="n")
 CFG_2CTA = C(block_m=64, block_n=64, block_k=32, num_stages=2, warp_specialized=False,
              ctas_per_sm=2)  # two CTAs share the items (the interpreter runs both)
+CFG_XI = C(block_m=64, block_n=64, block_k=32, num_stages=3, warp_specialized=False,
+           cross_item=True)  # one pipeline over all of a CTA's items
+CFG_XI_2CTA = dataclasses.replace(CFG_XI, ctas_per_sm=2)
 CFG_WS_M = C(block_m=128, block_n=64, block_k=32, num_stages=3, wg_split="m", grid_minor="m",
              grid_tile_width=1)
 
@@ -228,6 +231,37 @@ def test_grouped_gemm_edge_cases(rng, case):
   assert out.shape == (m, n)
   assert np.isfinite(out[:tot]).all()
   assert _rel(out[:tot], ref[:tot]) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("cfg", [CFG_XI, CFG_XI_2CTA], ids=["one_cta", "two_ctas"])
+def test_grouped_gemm_cross_item_pipeline(rng, cfg):
+  # several items per CTA through one pipeline: zero-row experts, a tile straddling groups,
+  # an expert over two row tiles, rows past the total unwritten; plain (bias, scale), gated
+  # and transposed-rhs (interpret: an XLA transpose) kernels
+  m, k, n, e = 200, 96, 128, 5
+  gs = np.array([20, 0, 3, 100, 0])
+  tot = gs.sum()
+  lhs, rhs = _data(rng, m, k, n, e, jnp.bfloat16)
+  bias = rng.standard_normal((e, n)).astype(np.float32)
+  scale = rng.uniform(0.1, 1.0, size=m).astype(np.float32)
+  out = _call(gg.grouped_gemm, lhs, rhs, jnp.asarray(gs, jnp.int32), row_scale=scale, bias=bias,
+              out_dtype=jnp.float32, config=cfg)
+  ref = np.asarray(gg.grouped_gemm_reference(lhs, rhs, jnp.asarray(gs), row_scale=scale,
+                                             bias=bias, out_dtype=jnp.float32))
+  assert np.isfinite(out[:tot]).all(), "a row inside the groups was not written"
+  assert _rel(out[:tot], ref[:tot]) < 1e-5
+  assert np.isnan(out[tot:]).all(), "rows past sum(group_sizes) are documented as unwritten"
+  _, w13 = _data(rng, m, k, n, e, jnp.bfloat16, cols=2 * n)
+  act = Activation("silu")
+  out = _call(gg.grouped_gemm_gated, lhs, w13, jnp.asarray(gs, jnp.int32), activation=act,
+              config=cfg)
+  ref = _oracle(lhs, w13, gs, act=act, gated=True)
+  assert _rel(out[:tot], ref[:tot]) < TOL[jnp.bfloat16]
+  out = _call(gg.grouped_gemm, lhs, jnp.swapaxes(rhs, 1, 2), jnp.asarray(gs, jnp.int32),
+              transpose_rhs=True, config=cfg)
+  assert _rel(out[:tot], _oracle(lhs, rhs, gs)[:tot]) < TOL[jnp.bfloat16]
+  with pytest.raises(ValueError, match="cross_item=True needs warp_specialized=False"):
+    C(cross_item=True)
 
 
 @pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh", "swigluoai"])

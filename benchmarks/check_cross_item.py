@@ -4,6 +4,14 @@ against the per-item kernel of the same tile. Exits 1 on a mismatch or a failure
 can gate tuning on it.
 
   PYTHONPATH=$PWD python3 benchmarks/check_cross_item.py [--json out.json]
+
+H200, jax 0.11.2, 2026-11-29 (device µs; all correct, 1.7e-3 relative to the f32 reference):
+  qwen3 GEMM1 1024 tokens  64x128: per-item 228.9, cross-item 282.1;  128x128: 655.8, 613.5
+  qwen3 GEMM2 1024 tokens  64x128: 158.8, 149.5;  128x128: 134.4, 124.4
+  qwen3 GEMM2   64 tokens  64x128: 113.2, 106.6;  128x128: 121.5, 113.1
+The one-warpgroup GEMM2 gains 6-8 %, the gated GEMM1 loses (64x128); neither beats the
+warp-specialized per-item kernels the tuned tables use there (GEMM1 208, GEMM2 117 µs at
+1024 tokens inside the block). A mixtral row (K = 14336) made the run pass its 100 s limit.
 """
 from __future__ import annotations
 
@@ -25,7 +33,6 @@ PROBLEMS = (  # (name, E, top-k, tokens, K, N, gated)
     ("qwen3 GEMM1 T=1024", 128, 8, 1024, 2048, 768, True),
     ("qwen3 GEMM2 T=1024", 128, 8, 1024, 768, 2048, False),
     ("qwen3 GEMM2 T=64", 128, 8, 64, 768, 2048, False),
-    ("mixtral GEMM2 T=1024", 8, 2, 1024, 14336, 4096, False),
 )
 TILES = (C(block_m=64, block_n=128, block_k=64, num_stages=4, warp_specialized=False),
          C(block_m=128, block_n=128, block_k=64, num_stages=4, warp_specialized=False))

@@ -70,7 +70,9 @@ class GroupedGemmConfig:
   cross_item: one software pipeline over all of a CTA's work items (grid (items, K steps)), so
     the next item's first tiles load while the current one finishes and stores: no pipeline
     fill per item. One warpgroup only; the decode slot-task path keeps the per-item loop (a
-    skipped slot must not load weights).
+    skipped slot must not load weights). H200: correct; one-warpgroup GEMM2 6-8 % faster than
+    per-item, gated GEMM1 slower, and neither beats the warp-specialized per-item kernels
+    (benchmarks/check_cross_item.py), so only tuning picks it.
   """
 
   block_m: int = 128

@@ -6,9 +6,10 @@
 #                                         # (per_slot: 4 launches) and qwen3 at 1024 vs torch
 #   bash benchmarks/gpu_round5.sh final   # one H200: the block table on the tuned tables (1..16384
 #                                         # tokens, torch._grouped_mm in the same run) + jmoe bench
-#   bash benchmarks/gpu_round5.sh xi      # one H200: the cross-item pipeline checked and timed in
-#                                         # its own process; if correct, qwen3 1024 re-tuned with it
-#                                         # among the candidates, then the block
+#   bash benchmarks/gpu_round5.sh xi      # one H200: the cross-item GEMMs (one-warpgroup: one
+#                                         # pipeline; warp-specialized: chained pipelines) checked
+#                                         # and timed against the block's configs in their own
+#                                         # process; winners into the tables; then the block
 #   bash benchmarks/gpu_round5.sh ep      # 2+ H200s: the EP layer (own process per preset),
 #                                         # then comm (bf16 / fp8 dispatch) + dispatch profile
 NAME=gpu_round5; source benchmarks/gpu_env.sh
@@ -31,9 +32,8 @@ case ${1:-decode} in
     step 100 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
   xi)
-    step 100 python3 benchmarks/check_cross_item.py --json $OUT/check_cross_item.json || exit 1
-    step 140 python3 -m jmoe tune --preset qwen3-30b-a3b --tokens 1024 \
-      --tables grouped_gemm_gated,grouped_gemm --iters 5
+    step 120 python3 benchmarks/check_cross_item.py --json $OUT/check_cross_item.json \
+      --write-tables || exit 1
     cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_gated.json $OUT/
     step 60 env OUT=$OUT/q1024 python3 $B --stages block --presets qwen3-30b-a3b --tokens 64,1024 \
       --iters 4 --budget-s 50 ;;

@@ -67,12 +67,14 @@ class GroupedGemmConfig:
   ctas_per_sm: 2 runs two CTAs per SM, each with half the shared memory (stages refitted), so
     one CTA's pipeline fill and epilogue hide behind the other's loads (short contractions,
     decode). One warpgroup only (two warp-specialized CTAs would not fit the registers).
-  cross_item: one software pipeline over all of a CTA's work items (grid (items, K steps)), so
-    the next item's first tiles load while the current one finishes and stores: no pipeline
-    fill per item. One warpgroup only; the decode slot-task path keeps the per-item loop (a
-    skipped slot must not load weights). H200: correct; one-warpgroup GEMM2 6-8 % faster than
-    per-item, gated GEMM1 slower, and neither beats the warp-specialized per-item kernels
-    (benchmarks/check_cross_item.py), so only tuning picks it.
+  cross_item: the next work item's first tiles load while the current one finishes and
+    stores: no pipeline fill per item. One warpgroup: one software pipeline over all of a
+    CTA's (item, K step) pairs. Warp specialized: the items' pipelines are chained (Pallas'
+    pipeline_state START / STEADY / STOP), so the memory warpgroup runs ahead into the next
+    item; this needs the K steps to be a multiple of the stages (stages are lowered to a
+    divisor, else the items run unchained). The decode slot-task path keeps the per-item loop
+    (a skipped slot must not load weights). H200, one warpgroup: correct; GEMM2 6-8 % faster
+    than per-item, gated GEMM1 slower (benchmarks/check_cross_item.py).
   """
 
   block_m: int = 128
@@ -87,8 +89,6 @@ class GroupedGemmConfig:
   cross_item: bool = False
 
   def __post_init__(self):
-    if self.cross_item and self.warp_specialized:
-      raise ValueError("cross_item=True needs warp_specialized=False")
     if self.ctas_per_sm not in (1, 2):
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
     if self.ctas_per_sm == 2 and self.warp_specialized:
@@ -335,6 +335,27 @@ def kernel_activation(act: Activation, gate, up=None):
 # ============================================================================ kernel
 
 
+class _ChainState:
+  """Pallas' `pipeline_state` of item i of a CTA's n chained pipelines, as the pipeline reads
+  it (`state == START` gates the prologue loads, `state == STOP` the final drain): traced
+  booleans, so a lone item can be both START and STOP, which no single enum value is."""
+
+  def __init__(self, i, n):
+    self.first, self.last = i == 0, i == n - 1
+
+  def __eq__(self, other):
+    states = plgpu.PipelinePipeline
+    if other == states.START:
+      return self.first
+    if other == states.STOP:
+      return self.last
+    if other == states.STEADY:
+      return ~(self.first | self.last)
+    return NotImplemented
+
+  __hash__ = None
+
+
 def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg: GroupedGemmConfig,
                   gated: bool, act: Activation | None, has_scale: bool, has_bias: bool,
                   t_max: int, num_sms: int, interpret, rhs_t: bool = False,
@@ -358,6 +379,11 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
   n_rhs = 2 if gated else 1
   num_ctas = num_sms * cfg.ctas_per_sm
   cross_item = cfg.cross_item and not slot_tasks  # a skipped slot must not load weights
+  stages = cfg.num_stages
+  if cross_item and cfg.warp_specialized:  # chained pipelines: K steps a multiple of stages
+    stages = next((s for s in range(stages, 1, -1) if k_iters % s == 0), 0)
+    cross_item = stages > 0
+    stages = stages or cfg.num_stages
   _cast = _compat.layout_cast(interpret)
   width = cfg.grid_tile_width if n_tiles % cfg.grid_tile_width == 0 else 1
 
@@ -531,7 +557,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
         @pl.when(mine > 0)
         def _run():
           plgpu.emit_pipeline(step, grid=(mine, k_iters), in_specs=specs,
-                              max_concurrent_steps=cfg.num_stages)(lhs_ref, *[rhs_ref] * n_rhs)
+                              max_concurrent_steps=stages)(lhs_ref, *[rhs_ref] * n_rhs)
       accs = [plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)]
       if emulate_reset:  # REGS and SMEM allocations need their own scopes
         pl.run_scoped(lambda *bases: pl.run_scoped(functools.partial(scope, bases=bases), *accs),
@@ -554,14 +580,15 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
         plgpu.wgmma_wait(0)
         return accs
 
-      def make_pipeline(body_fn, ctx):
+      def make_pipeline(body_fn, ctx, state=None):
         specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms)]
         specs += [rhs_spec() for _ in range(n_rhs)]
         return plgpu.emit_pipeline_warp_specialized(
             body_fn, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg",
-            num_compute_wgs=2, max_concurrent_steps=cfg.num_stages, compute_context=ctx)
+            num_compute_wgs=2, max_concurrent_steps=stages, compute_context=ctx,
+            pipeline_state=state)
 
-      def compute_item(e, row, lo, hi, ni):
+      def compute_item(e, row, lo, hi, ni, state=None):
         def compute_context(eval_pipeline):
           def scope(*acc_refs):
             accs = eval_pipeline(tuple(acc_refs))
@@ -571,8 +598,21 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
                                  for _ in range(n_rhs)])
 
         b_views = rhs_views(rhs_ref.at[e], ni)
-        make_pipeline(mma_body, compute_context)(
+        make_pipeline(mma_body, compute_context, state)(
             lhs_ref.at[pl.ds(row, bm), :], *b_views, allocations=pipeline_allocs)
+
+      def run_chained():
+        """The CTA's items (lin = cta + i * num_ctas) as one chain of pipelines: the first
+        starts it (prologue loads), the last drains it, and in between the memory warpgroup
+        runs ahead into the next item. One call site (a WS pipeline traced at two sites leaks
+        tracers), so the state is dynamic: `_ChainState`."""
+        cta = lax.axis_index("sm")
+        n = lax.div(num_items - cta + num_ctas - 1, num_ctas)
+
+        @pl.loop(0, n)
+        def _items(i):
+          e, row, lo, hi, ni = task_info(cta + i * num_ctas)
+          compute_item(e, row, lo, hi, ni, _ChainState(i, n))
 
     else:
       def compute_item(e, row, lo, hi, ni):
@@ -594,7 +634,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
         pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
 
     if cross_item:
-      run_cross_item()
+      run_chained() if cfg.warp_specialized else run_cross_item()
     else:
       @plgpu.nd_loop((num_items,), collective_axes="sm")
       def _loop(info):
@@ -618,7 +658,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
     specs += [rhs_spec() for _ in range(n_rhs)]
     pipe = plgpu.emit_pipeline_warp_specialized(
         ignore, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg",
-        num_compute_wgs=2, max_concurrent_steps=cfg.num_stages, compute_context=ignore)
+        num_compute_wgs=2, max_concurrent_steps=stages, compute_context=ignore)
     lhs_aval = jax.ShapeDtypeStruct((bm, k), dtype)
     rhs_aval = jax.ShapeDtypeStruct((bn, k) if rhs_t else (k, bn), dtype)
     scratch.append(pipe.get_allocations(lhs_aval, *([rhs_aval] * n_rhs)))

@@ -37,6 +37,8 @@ CFG_2CTA = C(block_m=64, block_n=64, block_k=32, num_stages=2, warp_specialized=
 CFG_XI = C(block_m=64, block_n=64, block_k=32, num_stages=3, warp_specialized=False,
            cross_item=True)  # one pipeline over all of a CTA's items
 CFG_XI_2CTA = dataclasses.replace(CFG_XI, ctas_per_sm=2)
+CFG_XI_WS = C(block_m=64, block_n=128, block_k=32, num_stages=3, wg_split="n",
+              cross_item=True)  # warp specialized: the items' pipelines chained
 CFG_WS_M = C(block_m=128, block_n=64, block_k=32, num_stages=3, wg_split="m", grid_minor="m",
              grid_tile_width=1)
 
@@ -233,7 +235,8 @@ def test_grouped_gemm_edge_cases(rng, case):
   assert _rel(out[:tot], ref[:tot]) < TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("cfg", [CFG_XI, CFG_XI_2CTA], ids=["one_cta", "two_ctas"])
+@pytest.mark.parametrize("cfg", [CFG_XI, CFG_XI_2CTA, CFG_XI_WS],
+                         ids=["one_cta", "two_ctas", "warp_specialized"])
 def test_grouped_gemm_cross_item_pipeline(rng, cfg):
   # several items per CTA through one pipeline: zero-row experts, a tile straddling groups,
   # an expert over two row tiles, rows past the total unwritten; plain (bias, scale), gated
@@ -260,8 +263,10 @@ def test_grouped_gemm_cross_item_pipeline(rng, cfg):
   out = _call(gg.grouped_gemm, lhs, jnp.swapaxes(rhs, 1, 2), jnp.asarray(gs, jnp.int32),
               transpose_rhs=True, config=cfg)
   assert _rel(out[:tot], _oracle(lhs, rhs, gs)[:tot]) < TOL[jnp.bfloat16]
-  with pytest.raises(ValueError, match="cross_item=True needs warp_specialized=False"):
-    C(cross_item=True)
+  # a lone work item (one expert, one row tile, one column tile): start and end of its chain
+  one = np.array([0, 40, 0, 0, 0])
+  out = _call(gg.grouped_gemm, lhs[:40], rhs, jnp.asarray(one, jnp.int32), config=cfg)
+  assert _rel(out, _oracle(lhs[:40], rhs, one)) < TOL[jnp.bfloat16]
 
 
 @pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh", "swigluoai"])

@@ -269,6 +269,16 @@ def test_grouped_gemm_cross_item_pipeline(rng, cfg):
   assert _rel(out, _oracle(lhs[:40], rhs, one)) < TOL[jnp.bfloat16]
 
 
+def test_chain_state_reads_as_the_pipeline_reads_it():
+  # item i of n: the prologue runs for the first item, the drain for the last, both for a lone one
+  P = gg.plgpu.PipelinePipeline
+  for i, n, want in [(0, 1, (True, False, True)), (0, 3, (True, False, False)),
+                     (1, 3, (False, True, False)), (2, 3, (False, False, True))]:
+    st = gg._ChainState(jnp.int32(i), jnp.int32(n))
+    assert (bool(st == P.START), bool(st == P.STEADY), bool(st == P.STOP)) == want
+    assert st is not None and not isinstance(st, P)  # the pipeline's dynamic-state branch
+
+
 @pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh", "swigluoai"])
 def test_grouped_gemm_gated_activations(rng, name):
   m, k, n, e = 96, 32, 64, 3

@@ -32,7 +32,7 @@ case ${1:-decode} in
     step 100 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
   xi)
-    step 120 python3 benchmarks/check_cross_item.py --json $OUT/check_cross_item.json \
+    step 240 python3 benchmarks/check_cross_item.py --json $OUT/check_cross_item.json \
       --write-tables || exit 1
     cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_gated.json $OUT/
     step 60 env OUT=$OUT/q1024 python3 $B --stages block --presets qwen3-30b-a3b --tokens 64,1024 \

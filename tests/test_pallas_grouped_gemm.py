@@ -473,6 +473,21 @@ def test_fused_experts_per_slot_layout(rng, t):
     pmoe.fused_experts(x, w13, w2, tw, ti, layout="scattered")
 
 
+def test_per_slot_with_cross_item_configs_runs_per_item(rng):
+  # a cross-item config handed to the decode layout: slot tasks keep the per-item loop (a
+  # skipped slot must not load weights), so the result still matches and skipped rows stay 0
+  t, k, e, h, n = 3, 2, 4, 64, 128
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  w13, w2, _, _ = _moe_weights(rng, e, h, n)
+  tw = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+  ti = jnp.asarray([[0, -1], [3, e], [1, 1]], jnp.int32)
+  out = _call(pmoe.fused_experts, x, w13, w2, tw, ti, layout="per_slot",
+              config1=CFG_XI, config2=CFG_XI_WS)
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti), np.float32)
+  assert np.isfinite(out).all()
+  assert _rel(out, ref) < 2e-2
+
+
 @given(st.integers(1, 5), st.integers(1, 3), st.integers(0, 2**31 - 1))
 @settings(max_examples=5, deadline=None)
 def test_per_slot_layout_property(t, k, seed):

@@ -499,12 +499,17 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       hi = meta_ref[3, task]
       return e, row, lo, hi, ni
 
+    def my_items():
+      """(this CTA's index, how many items it runs): items lin = cta + i * num_ctas, as in the
+      per-item nd_loop."""
+      cta = lax.axis_index("sm")
+      return cta, lax.div(num_items - cta + num_ctas - 1, num_ctas)
+
     def run_cross_item():
       """One pipeline over (this CTA's items, K steps): items lin = cta + i * num_ctas. The
       index maps read each item's expert / row / column tile from the task list, the body zeroes
       the accumulators at an item's first step and runs the epilogue at its last."""
-      cta = lax.axis_index("sm")
-      mine = lax.div(num_items - cta + num_ctas - 1, num_ctas)
+      cta, mine = my_items()
 
       def item(i):
         return task_info(cta + i * num_ctas)
@@ -607,8 +612,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
         starts it (prologue loads), the last drains it, and in between the memory warpgroup
         runs ahead into the next item. One call site (a WS pipeline traced at two sites leaks
         tracers), so the state is dynamic: `_ChainState`."""
-        cta = lax.axis_index("sm")
-        n = lax.div(num_items - cta + num_ctas - 1, num_ctas)
+        cta, n = my_items()
 
         @pl.loop(0, n)
         def _items(i):

@@ -318,11 +318,13 @@ def stage_block(args):
     if have_torch:
       import torch
       tw13, tw2 = torch.from_dlpack(w13), torch.from_dlpack(w2)
-    for T in [int(t) for t in args.tokens.split(",")]:
+    for T, route in [(int(t), r) for t in args.tokens.split(",")
+                     for r in args.route_impls.split(",")]:
       if time.time() - T0 > args.budget_s:
         log(f"[block] budget reached, skipping {pname} T={T}")
         break
-      rec = dict(preset=pname, T=T, permute_impl=PERMUTE_IMPL, layout=args.layout, **p)
+      rec = dict(preset=pname, T=T, permute_impl=PERMUTE_IMPL, layout=args.layout,
+                 route_impl=route, **p)
       c1_, c2_ = block_configs(args, p, T)
       rec["configs"] = [c.to_json() if c else None for c in (c1_, c2_)]
       try:
@@ -337,7 +339,8 @@ def stage_block(args):
         c1, c2 = block_configs(args, p, T)
         f0 = jax.jit(lambda x, tw, ti, w13, w2, c1=c1, c2=c2: pmoe.fused_experts(
             x, w13, w2, tw, ti, activation="silu", config1=c1, config2=c2,
-            interpret=INTERPRET, permute_impl=PERMUTE_IMPL, layout=args.layout))
+            interpret=INTERPRET, permute_impl=PERMUTE_IMPL, layout=args.layout,
+            route_impl=route))
         sets = [s_ + (w13, w2) for s_ in sets]
         f = f0
         t = time.time()
@@ -353,7 +356,7 @@ def stage_block(args):
         rec.update(jmoe_us=us, jmoe_samples=samples, kernels=pk)
         rec["tflops"] = flops / us / 1e6
         rec["ratio_floor"] = us / rec["floor_us"]
-        if have_torch:
+        if have_torch and route == args.route_impls.split(",")[0]:  # once per (preset, T)
           try:
             tsets = [(torch.from_dlpack(x_), tw13, tw2, torch.from_dlpack(w_),
                       torch.from_dlpack(i_).long()) for x_, w_, i_, _, _ in sets]
@@ -364,7 +367,7 @@ def stage_block(args):
             rec["ratio_torch"] = us / tus
           except Exception as e:  # noqa: BLE001
             err(f"torch {pname} T={T}", e)
-        log(f"[block] {pname:14s} T={T:6d} err={rec['err']:.2e} jmoe={us:9.1f}us "
+        log(f"[block] {pname:14s} T={T:6d} route={route:7s} err={rec['err']:.2e} jmoe={us:9.1f}us "
             f"torch={rec.get('torch_us', float('nan')):9.1f}us floor={rec['floor_us']:8.1f}us "
             f"x_floor={rec['ratio_floor']:.2f} x_torch={rec.get('ratio_torch', float('nan')):.2f} "
             f"compile={rec['compile_s']:.0f}s")
@@ -626,6 +629,8 @@ def main():
   ap.add_argument("--layout", default="auto",
                   choices=["auto", "sorted", "per_slot", "fused_decode"],
                   help="fused_experts layout for the block stage (per_slot: decode, no sort)")
+  ap.add_argument("--route-impls", default="auto",
+                  help="comma list of fused_experts route_impl values, each timed (sorted layout)")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test (GPU interpret mode)")
   args = ap.parse_args()
   global INTERPRET, PERMUTE_IMPL

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import permute as _perm
+from pallas_kernels import route as _route
 from pallas_kernels.activations import Activation, as_activation
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.grouped_gemm import GroupedGemmConfig
@@ -26,13 +27,14 @@ def _auto_gather_impl(m: int, hdim: int) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "config1", "config2", "interpret",
-                                             "permute_impl", "layout"))
+                                             "permute_impl", "layout", "route_impl"))
 def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
                   topk_ids: jax.Array, *, activation: Activation | str = "silu",
                   w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
                   config1: GroupedGemmConfig | None = None,
                   config2: GroupedGemmConfig | None = None, interpret: Any = False,
-                  permute_impl: str = "auto", layout: str = "auto") -> jax.Array:
+                  permute_impl: str = "auto", layout: str = "auto",
+                  route_impl: str = "auto") -> jax.Array:
   """out[t] = sum_j topk_weights[t, j] * (act(x[t] @ w13[e] + b13[e]) @ w2[e] + b2[e]), e = ids[t, j].
 
   x [T, H] bf16/f16; w13 [E, H, 2N] (gated) or [E, H, N] (``*_no_mul``); w2 [E, N, H];
@@ -51,6 +53,10 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
     (slot, intermediate block); gated activations only (else per_slot). Slower than per_slot
     on an H200 (qwen3 T=1 37.3 vs 34.7 µs before per_slot's 4-kernel form), so "auto" never
     picks it.
+  route_impl (sorted layout): "kernels" (pallas_kernels.route: moe_align, both GEMMs' tile
+    lists and the token gather in two kernels), "xla" (moe_align + tile_metadata in jnp, ~16
+    small XLA kernels, then permute_impl's gather) or "auto": "kernels" where route.supports
+    the shape (<= 16384 slots) and the Triton lowering imports, else "xla".
   """
   act = as_activation(activation)
   t, k = topk_ids.shape
@@ -76,25 +82,36 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   if layout != "sorted":
     raise ValueError(f"layout={layout!r} must be 'auto', 'sorted', 'per_slot' or "
                      "'fused_decode'")
-  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
   # Allocate at least one row tile so the kernels never need padding or slicing copies; the
   # extra rows (and rows past sum(group_sizes)) are garbage that gather_sum never reads.
   m_alloc = gg.row_alloc(m, config1.block_m, config2.block_m)
-  order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
-  if permute_impl == "auto":
-    permute_impl = _auto_gather_impl(m, hdim)
-  xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret)
-  scale = _perm.permute_weights(topk_weights, order)
-  meta1 = gg.tile_metadata(group_sizes, m_alloc, config1.block_m)
-  meta2 = meta1 if config2.block_m == config1.block_m else gg.tile_metadata(
-      group_sizes, m_alloc, config2.block_m)
+  if route_impl == "auto":
+    route_impl = "kernels" if _route.available() and _route.supports(m, hdim) else "xla"
+  if route_impl == "kernels":
+    bms = (config1.block_m,) if config2.block_m == config1.block_m else (
+        config1.block_m, config2.block_m)
+    xs, inv, group_sizes, metas = _route.route(x, topk_ids, e, m_alloc, bms,
+                                               interpret=interpret)
+    meta1, meta2 = metas[0], metas[-1]
+  elif route_impl == "xla":
+    sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
+    order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
+    if permute_impl == "auto":
+      permute_impl = _auto_gather_impl(m, hdim)
+    xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret)
+    meta1 = gg.tile_metadata(group_sizes, m_alloc, config1.block_m)
+    meta2 = meta1 if config2.block_m == config1.block_m else gg.tile_metadata(
+        group_sizes, m_alloc, config2.block_m)
+  else:
+    raise ValueError(f"route_impl={route_impl!r} must be 'auto', 'kernels' or 'xla'")
   gg._validate(xs, w13, group_sizes, None, w13_bias, n13, gated=act.is_gated)
   h = gg._run(xs, w13, group_sizes, None, w13_bias, None, config1, interpret, act.is_gated, act,
               "", meta=meta1)
-  gg._validate(h, w2, group_sizes, scale, w2_bias, w2.shape[2])
-  y = gg._run(h, w2, group_sizes, scale, w2_bias, None, config2, interpret, False, None, "",
+  gg._validate(h, w2, group_sizes, None, w2_bias, w2.shape[2])
+  y = gg._run(h, w2, group_sizes, None, w2_bias, None, config2, interpret, False, None, "",
               meta=meta2)
-  return _perm.gather_sum(y, inv, out_dtype=x.dtype)
+  # the router weights are applied in the reduction (no sorted copy of them, no row scale)
+  return _perm.gather_sum(y, inv, topk_weights, out_dtype=x.dtype)
 
 
 def _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config1, config2,

@@ -141,16 +141,23 @@ def permute_weights(topk_weights: jax.Array, sort_order: jax.Array) -> jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
-def gather_sum(y: jax.Array, inv: jax.Array, *, out_dtype=None) -> jax.Array:
-  """out[t] = sum_j y[inv[t, j]] over slots with inv >= 0, accumulated in f32. No atomics.
+def gather_sum(y: jax.Array, inv: jax.Array, weights: jax.Array | None = None, *,
+               out_dtype=None) -> jax.Array:
+  """out[t] = sum_j w[t, j] * y[inv[t, j]] over slots with inv >= 0, accumulated in f32. No
+  atomics; one fused gather-reduce.
 
-  y [M, H] (rows in sorted-slot order), inv [T, k] from moe_align. Returns [T, H] in out_dtype
-  (default y.dtype). Rows of y that no valid slot points at (e.g. past sum(group_sizes)) are never
-  read, so they may hold anything (the grouped GEMM leaves them unwritten).
+  y [M, H] (rows in sorted-slot order), inv [T, k] from moe_align, weights [T, k] (the router
+  weights; None: 1). Returns [T, H] in out_dtype (default y.dtype). Rows of y that no valid slot
+  points at (e.g. past sum(group_sizes)) are never read, so they may hold anything (the grouped
+  GEMM leaves them unwritten).
   """
   if y.ndim != 2 or inv.ndim != 2:
     raise ValueError(f"y must be [M, H] and inv [T, k]; got {y.shape}, {inv.shape}")
+  if weights is not None and weights.shape != inv.shape:
+    raise ValueError(f"weights must have inv's shape {inv.shape}, got {weights.shape}")
   g = jnp.take(y, jnp.maximum(inv, 0), axis=0, mode="clip").astype(jnp.float32)  # [T, k, H]
+  if weights is not None:
+    g = g * weights.astype(jnp.float32)[:, :, None]
   g = jnp.where((inv >= 0)[:, :, None], g, 0.0)
   return jnp.sum(g, axis=1).astype(out_dtype or y.dtype)
 

@@ -1,0 +1,237 @@
+"""Routing in two kernels: moe_align + tile metadata + the token gather, for the sorted layout.
+
+The jnp path (permute.moe_align, grouped_gemm.tile_metadata, permute.gather_rows) is ~16 small
+XLA kernels plus a row-copy kernel: at qwen3 / 1024 tokens on an H200 that is ~25 µs of launches
+(1-2 µs each) around 11 µs of copying. Here it is two kernels:
+
+1. ``block_counts`` (grid: one program per block of 256 slots): each slot's rank among the
+   same-expert slots of its block, and the block's per-expert counts.
+2. ``scatter_rows`` (grid: blocks x column chunks): every program sums the (small) block-count
+   table into expert offsets, computes its block's sorted positions
+   ``pos = offset[e] + slots of e in earlier blocks + rank``, and copies its slots' token rows
+   (its column chunk) to those positions. Program (0, 0) also writes the inverse permutation's
+   complement (``inv``), the group sizes and the GEMMs' tile work lists.
+
+Positions are those of a stable sort (the same as moe_align's), so results match the jnp path
+exactly. Both kernels are Pallas with the Triton lowering: they need vector gathers/scatters and
+reductions over arbitrary register tensors, which Mosaic GPU (warpgroup-level arrays, TMA) does
+not express. The Triton lowering is deprecated since jax 0.11; ``available()`` says whether it
+imports, and callers fall back to the jnp path when it does not.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+BLOCK = 256          # slots per block (kernel 1's [256, 256] rank compare)
+_ROWS = 32           # rows copied per inner step of kernel 2
+_MAX_SLOTS = 16384   # above this the jnp path (its sort/count kernels amortize; 64 blocks here)
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def available() -> bool:
+  """Whether the Pallas Triton lowering imports (deprecated in jax 0.11, may be removed)."""
+  try:
+    from jax.experimental.pallas import triton as _  # noqa: F401
+    return True
+  except Exception:  # ImportError or a removal shim raising on import
+    return False
+
+
+def supports(num_slots: int, hdim: int) -> bool:
+  """Whether route() takes this problem (slots; token row width)."""
+  return 0 < num_slots <= _MAX_SLOTS and hdim % 64 == 0
+
+
+def _compiler_params(num_warps: int):
+  from jax.experimental.pallas import triton as pltriton
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+def _block_counts(keys: jax.Array, ep: int, interpret: bool):
+  """keys [nb * BLOCK] int32 (E for an empty slot) -> (rank [nb * BLOCK], counts [nb, ep])."""
+  nb = keys.shape[0] // BLOCK
+
+  def body(key_ref, rank_ref, cnt_ref):
+    key = key_ref[...]
+    i = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+    j = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+    same_before = (key[:, None] == key[None, :]) & (j < i)
+    rank_ref[...] = jnp.sum(same_before.astype(jnp.int32), axis=1)
+    experts = lax.broadcasted_iota(jnp.int32, (BLOCK, ep), 1)
+    cnt_ref[...] = jnp.sum((key[:, None] == experts).astype(jnp.int32), axis=0)[None, :]
+
+  return pl.pallas_call(
+      body,
+      out_shape=(jax.ShapeDtypeStruct((nb * BLOCK,), jnp.int32),
+                 jax.ShapeDtypeStruct((nb, ep), jnp.int32)),
+      grid=(nb,),
+      in_specs=[pl.BlockSpec((BLOCK,), lambda b: (b,))],
+      out_specs=(pl.BlockSpec((BLOCK,), lambda b: (b,)),
+                 pl.BlockSpec((1, ep), lambda b: (b, 0))),
+      compiler_params=_compiler_params(8),
+      interpret=interpret,
+      name="jmoe_route_block_counts",
+  )(keys)
+
+
+def _tile_lists(starts, sizes, block_m: int, tp: int):
+  """Tile work list of groups at rows [starts, starts + sizes) for one block_m, as
+  grouped_gemm.tile_metadata_from_bounds computes it: ([group, tile, lo, hi] rows [tp] each,
+  num_tasks scalar). starts/sizes [ep] (zero sizes past the real groups)."""
+  ep = starts.shape[0]
+  base = starts - lax.rem(starts, 8)
+  ntiles = jnp.where(sizes > 0, (starts + sizes - base + block_m - 1) // block_m, 0)
+  tile_end = jnp.cumsum(ntiles)
+  tile_start = tile_end - ntiles
+  t = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+  # the group of task t: groups whose tasks all end at or before t
+  g = jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1)
+  g = jnp.minimum(g, ep - 1)
+  onehot = lax.broadcasted_iota(jnp.int32, (tp, ep), 1) == g[:, None]
+  pick = lambda v: jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
+  tile = pick(base) + (t - pick(tile_start)) * block_m
+  lo = jnp.maximum(pick(starts), tile)
+  hi = jnp.minimum(pick(starts + sizes), tile + block_m)
+  num_tasks = jnp.sum(ntiles)
+  valid = t < num_tasks
+  return [jnp.where(valid, v, 0) for v in (g, tile, lo, hi)], num_tasks
+
+
+def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
+          block_ms: Sequence[int], *, interpret: Any = False):
+  """Sort token slots by expert and gather their token rows.
+
+  Args:
+    x: [T, H] tokens (H a multiple of 64).
+    topk_ids: [T, k] int expert ids; ids outside [0, num_experts) are empty slots.
+    num_experts: E.
+    m_alloc: rows of the gathered array (>= T * k, see grouped_gemm.row_alloc).
+    block_ms: the row-tile heights whose tile work lists to build (GEMM1's, GEMM2's).
+  Returns:
+    xs [m_alloc, H]: row p is the token of the slot at sorted position p; rows at and past the
+      number of valid slots are unwritten.
+    inv [T, k] int32: sorted position of each slot, -1 for an empty slot.
+    group_sizes [E] int32.
+    metas: one (meta [4, tasks], num_tasks [1]) per entry of block_ms, in the format of
+      grouped_gemm.tile_metadata (tasks >= cdiv(m_alloc, block_m) + E - 1).
+  """
+  t, k = topk_ids.shape
+  n = t * k
+  hdim = x.shape[1]
+  e = num_experts
+  if not supports(n, hdim):
+    raise ValueError(f"route: {n} slots / H={hdim} not supported (<= {_MAX_SLOTS} slots, "
+                     "H a multiple of 64)")
+  if m_alloc < n:
+    raise ValueError(f"m_alloc={m_alloc} < T*k={n}")
+  interpret = bool(interpret)
+  nb = -(-n // BLOCK)
+  # per-expert count columns; the empty-slot key E is counted only when E < ep, and never read
+  ep = _pow2(e)
+  ids = topk_ids.reshape(n).astype(jnp.int32)
+  keys = jnp.where((ids >= 0) & (ids < e), ids, e)
+  keys = jnp.pad(keys, (0, nb * BLOCK - n), constant_values=e)
+  rank, counts = _block_counts(keys, ep, interpret)
+  nbp = _pow2(nb)
+  if nbp != nb:
+    counts = jnp.pad(counts, ((0, nbp - nb), (0, 0)))
+  tps = tuple(_pow2(-(-m_alloc // bm) + e - 1) for bm in block_ms)
+  hc = _col_chunk(hdim, nb)
+  n_hc = hdim // hc
+
+  def body(key_ref, rank_ref, cnt_ref, x_ref, xs_ref, inv_ref, gs_ref, *meta_refs):
+    b = pl.program_id(0)
+    c = pl.program_id(1)
+    cnt = cnt_ref[...]                                                 # [nbp, ep]
+    blk = lax.broadcasted_iota(jnp.int32, (nbp, ep), 0)
+    before = jnp.sum(jnp.where(blk < b, cnt, 0), axis=0)               # [ep]
+    total = jnp.sum(cnt, axis=0)
+    offsets = jnp.cumsum(total) - total
+    base = offsets + before
+    experts = lax.broadcasted_iota(jnp.int32, (_ROWS, ep), 1)
+    cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
+
+    def copy(r, carry):
+      r0 = pl.multiple_of(b * BLOCK + r * _ROWS, _ROWS)
+      key = key_ref[pl.ds(r0, _ROWS)]
+      pos = jnp.sum(jnp.where(key[:, None] == experts, base[None, :], 0), axis=1)
+      pos = pos + rank_ref[pl.ds(r0, _ROWS)]
+      slot = r0 + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
+      live = key < e
+      tok = jnp.where(live, slot // k, 0)
+      rows = x_ref[tok, cols]
+      # a dead slot's masked store aims at the last row, which no live slot can reach
+      dst = jnp.where(live, pos, m_alloc - 1)
+      _store(xs_ref, (dst, cols), rows, live[:, None], interpret)
+
+      @pl.when(c == 0)
+      def _():
+        _store(inv_ref, (pl.ds(r0, _ROWS),), jnp.where(live, pos, -1), None, interpret)
+      return carry
+
+    lax.fori_loop(0, BLOCK // _ROWS, copy, 0)
+
+    @pl.when((b == 0) & (c == 0))
+    def _():
+      gs_ref[...] = total
+      sizes = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, total, 0)
+      for bm, tp, m_ref, nt_ref in zip(block_ms, tps, meta_refs[0::2], meta_refs[1::2]):
+        rows, num_tasks = _tile_lists(offsets, sizes, bm, tp)
+        for i, v in enumerate(rows):
+          m_ref[i, :] = v
+        nt_ref[...] = jnp.broadcast_to(num_tasks, (8,))
+
+  out_shape = [jax.ShapeDtypeStruct((m_alloc, hdim), x.dtype),
+               jax.ShapeDtypeStruct((nb * BLOCK,), jnp.int32),
+               jax.ShapeDtypeStruct((ep,), jnp.int32)]
+  for tp in tps:
+    out_shape += [jax.ShapeDtypeStruct((4, tp), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32)]
+  whole = lambda shape: pl.BlockSpec(shape, lambda b, c: (0,) * len(shape))
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  outs = pl.pallas_call(
+      body,
+      out_shape=tuple(out_shape),
+      grid=(nb, n_hc),
+      in_specs=[any_spec, any_spec, whole((nbp, ep)), any_spec],
+      out_specs=tuple([any_spec, any_spec, whole((ep,))]
+                      + [s for tp in tps for s in (whole((4, tp)), whole((8,)))]),
+      compiler_params=_compiler_params(4),
+      interpret=interpret,
+      name="jmoe_route_scatter_rows",
+  )(keys, rank, counts, x)
+  xs, inv, gs = outs[:3]
+  metas = [(outs[3 + 2 * i], outs[4 + 2 * i][:1]) for i in range(len(tps))]
+  return xs, inv[:n].reshape(t, k), gs[:e], metas
+
+
+def _store(ref, idx, val, mask, interpret):
+  """Masked (scatter) store: Triton's masked store on the GPU; in interpret mode, where
+  pl.store's mask has no discharge rule for array indices, a read-modify-write."""
+  if mask is None:
+    ref[idx] = val
+  elif interpret:
+    ref[idx] = jnp.where(mask, val, ref[idx])
+  else:
+    from jax.experimental.pallas import triton as pltriton
+    pltriton.store(ref.at[idx], val, mask=mask) if hasattr(pltriton, "store") else pl.store(
+        ref, idx, val, mask=mask)
+
+
+def _col_chunk(hdim: int, nb: int) -> int:
+  """Columns per program: a power of two dividing hdim, at most 512 (a [32, 512] row step in
+  registers), halved until there are >= 2 programs per SM (the copy is bandwidth-bound), >= 64."""
+  hc = 64
+  while hc < 512 and hdim % (2 * hc) == 0:
+    hc *= 2
+  while hc > 64 and nb * (hdim // hc) < 264:
+    hc //= 2
+  return hc

@@ -4,7 +4,7 @@ The jnp path (permute.moe_align, grouped_gemm.tile_metadata, permute.gather_rows
 XLA kernels plus a row-copy kernel: at qwen3 / 1024 tokens on an H200 that is ~25 µs of launches
 (1-2 µs each) around 11 µs of copying. Here it is two kernels:
 
-1. ``block_counts`` (grid: one program per block of 256 slots): each slot's rank among the
+1. ``block_counts`` (grid: one program per block of 128 slots): each slot's rank among the
    same-expert slots of its block, and the block's per-expert counts.
 2. ``scatter_rows`` (grid: blocks x column chunks): every program sums the (small) block-count
    table into expert offsets, computes its block's sorted positions
@@ -28,9 +28,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-BLOCK = 256          # slots per block (kernel 1's [256, 256] rank compare)
-_ROWS = 32           # rows copied per inner step of kernel 2
-_MAX_SLOTS = 16384   # above this the jnp path (its sort/count kernels amortize; 64 blocks here)
+BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
+_ROWS = 32           # slots per inner step of both kernels
+_TASKS = 32          # tile-list entries per tile-list program of kernel 2
+_MAX_SLOTS = 8192    # above this the jnp path (its sort/count kernels amortize; and kernel 2
+                     # sums the whole [blocks, experts] count table in every program)
 
 
 def _pow2(n: int) -> int:
@@ -57,17 +59,23 @@ def _compiler_params(num_warps: int):
 
 
 def _block_counts(keys: jax.Array, ep: int, interpret: bool):
-  """keys [nb * BLOCK] int32 (E for an empty slot) -> (rank [nb * BLOCK], counts [nb, ep])."""
+  """keys [nb * BLOCK] int32 (E for an empty slot) -> (rank [nb * BLOCK], counts [nb, ep]):
+  each slot's rank among the same-key slots before it in its block, and per-block key counts.
+  No register tensor exceeds [BLOCK, BLOCK]."""
   nb = keys.shape[0] // BLOCK
 
   def body(key_ref, rank_ref, cnt_ref):
+    # one compare-reduce per output (a chain of small reductions costs ~1 µs each in a CTA)
     key = key_ref[...]
     i = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
     j = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
     same_before = (key[:, None] == key[None, :]) & (j < i)
     rank_ref[...] = jnp.sum(same_before.astype(jnp.int32), axis=1)
-    experts = lax.broadcasted_iota(jnp.int32, (BLOCK, ep), 1)
-    cnt_ref[...] = jnp.sum((key[:, None] == experts).astype(jnp.int32), axis=0)[None, :]
+    ec = min(ep, BLOCK)
+    for q in range(ep // ec):
+      experts = q * ec + lax.broadcasted_iota(jnp.int32, (BLOCK, ec), 1)
+      cnt_ref[:, pl.ds(q * ec, ec)] = jnp.sum((key[:, None] == experts).astype(jnp.int32),
+                                             axis=0)[None, :]
 
   return pl.pallas_call(
       body,
@@ -77,26 +85,26 @@ def _block_counts(keys: jax.Array, ep: int, interpret: bool):
       in_specs=[pl.BlockSpec((BLOCK,), lambda b: (b,))],
       out_specs=(pl.BlockSpec((BLOCK,), lambda b: (b,)),
                  pl.BlockSpec((1, ep), lambda b: (b, 0))),
-      compiler_params=_compiler_params(8),
+      compiler_params=_compiler_params(4),
       interpret=interpret,
       name="jmoe_route_block_counts",
   )(keys)
 
 
-def _tile_lists(starts, sizes, block_m: int, tp: int):
-  """Tile work list of groups at rows [starts, starts + sizes) for one block_m, as
-  grouped_gemm.tile_metadata_from_bounds computes it: ([group, tile, lo, hi] rows [tp] each,
-  num_tasks scalar). starts/sizes [ep] (zero sizes past the real groups)."""
+def _tile_lists(starts, sizes, block_m: int, t0, tc: int):
+  """Tasks [t0, t0 + tc) of the tile work list of groups at rows [starts, starts + sizes) for
+  one block_m, as grouped_gemm.tile_metadata_from_bounds computes it: ([group, tile, lo, hi]
+  rows [tc] each, num_tasks scalar). starts/sizes [ep] (zero sizes past the real groups)."""
   ep = starts.shape[0]
   base = starts - lax.rem(starts, 8)
   ntiles = jnp.where(sizes > 0, (starts + sizes - base + block_m - 1) // block_m, 0)
   tile_end = jnp.cumsum(ntiles)
   tile_start = tile_end - ntiles
-  t = lax.broadcasted_iota(jnp.int32, (tp,), 0)
+  t = t0 + lax.broadcasted_iota(jnp.int32, (tc,), 0)
   # the group of task t: groups whose tasks all end at or before t
   g = jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1)
   g = jnp.minimum(g, ep - 1)
-  onehot = lax.broadcasted_iota(jnp.int32, (tp, ep), 1) == g[:, None]
+  onehot = lax.broadcasted_iota(jnp.int32, (tc, ep), 1) == g[:, None]
   pick = lambda v: jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
   tile = pick(base) + (t - pick(tile_start)) * block_m
   lo = jnp.maximum(pick(starts), tile)
@@ -144,7 +152,9 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
   nbp = _pow2(nb)
   if nbp != nb:
     counts = jnp.pad(counts, ((0, nbp - nb), (0, 0)))
-  tps = tuple(_pow2(-(-m_alloc // bm) + e - 1) for bm in block_ms)
+  # tile-list programs: _TASKS tasks each, per block_m (grid rows nb + q of column 0)
+  chunks = [-(-(-(-m_alloc // bm) + e - 1) // _TASKS) for bm in block_ms]
+  first_chunk = [nb + sum(chunks[:i]) for i in range(len(chunks))]
   hc = _col_chunk(hdim, nb)
   n_hc = hdim // hc
 
@@ -153,63 +163,75 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
     c = pl.program_id(1)
     cnt = cnt_ref[...]                                                 # [nbp, ep]
     blk = lax.broadcasted_iota(jnp.int32, (nbp, ep), 0)
-    before = jnp.sum(jnp.where(blk < b, cnt, 0), axis=0)               # [ep]
+    before = jnp.sum(jnp.where(blk < b, cnt, 0), axis=0)  # slots per expert in blocks before b
     total = jnp.sum(cnt, axis=0)
     offsets = jnp.cumsum(total) - total
-    base = offsets + before
-    experts = lax.broadcasted_iota(jnp.int32, (_ROWS, ep), 1)
-    cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
 
-    def copy(r, carry):
-      r0 = pl.multiple_of(b * BLOCK + r * _ROWS, _ROWS)
-      key = key_ref[pl.ds(r0, _ROWS)]
-      pos = jnp.sum(jnp.where(key[:, None] == experts, base[None, :], 0), axis=1)
-      pos = pos + rank_ref[pl.ds(r0, _ROWS)]
-      slot = r0 + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
-      live = key < e
-      tok = jnp.where(live, slot // k, 0)
-      rows = x_ref[tok, cols]
-      # a dead slot's masked store aims at the last row, which no live slot can reach
-      dst = jnp.where(live, pos, m_alloc - 1)
-      _store(xs_ref, (dst, cols), rows, live[:, None], interpret)
+    @pl.when(b < nb)
+    def _copy_block():
+      base = offsets + before
+      experts = lax.broadcasted_iota(jnp.int32, (_ROWS, ep), 1)
+      cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
 
-      @pl.when(c == 0)
-      def _():
-        _store(inv_ref, (pl.ds(r0, _ROWS),), jnp.where(live, pos, -1), None, interpret)
-      return carry
+      def copy(r, carry):
+        r0 = pl.multiple_of(b * BLOCK + r * _ROWS, _ROWS)
+        key = key_ref[pl.ds(r0, _ROWS)]
+        pos = jnp.sum(jnp.where(key[:, None] == experts, base[None, :], 0), axis=1)
+        pos = pos + rank_ref[pl.ds(r0, _ROWS)]
+        slot = r0 + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
+        live = key < e
+        tok = jnp.where(live, slot // k, 0)
+        rows = x_ref[tok, cols]
+        # a dead slot's masked store aims at the last row, which no live slot can reach
+        dst = jnp.where(live, pos, m_alloc - 1)
+        _store(xs_ref, (dst, cols), rows, live[:, None], interpret)
 
-    lax.fori_loop(0, BLOCK // _ROWS, copy, 0)
+        @pl.when(c == 0)
+        def _():
+          inv_ref[pl.ds(r0, _ROWS)] = jnp.where(live, pos, -1)
+        return carry
 
-    @pl.when((b == 0) & (c == 0))
-    def _():
-      gs_ref[...] = total
-      sizes = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, total, 0)
-      for bm, tp, m_ref, nt_ref in zip(block_ms, tps, meta_refs[0::2], meta_refs[1::2]):
-        rows, num_tasks = _tile_lists(offsets, sizes, bm, tp)
+      lax.fori_loop(0, BLOCK // _ROWS, copy, 0)
+
+    sizes = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, total, 0)
+    for bm, q0, nq, m_ref, nt_ref in zip(block_ms, first_chunk, chunks, meta_refs[0::2],
+                                         meta_refs[1::2]):
+      @pl.when((b >= q0) & (b < q0 + nq) & (c == 0))
+      def _tiles(bm=bm, q0=q0, m_ref=m_ref, nt_ref=nt_ref):
+        t0 = pl.multiple_of((b - q0) * _TASKS, _TASKS)
+        rows, num_tasks = _tile_lists(offsets, sizes, bm, t0, _TASKS)
         for i, v in enumerate(rows):
-          m_ref[i, :] = v
-        nt_ref[...] = jnp.broadcast_to(num_tasks, (8,))
+          m_ref[i, pl.ds(t0, _TASKS)] = v
+
+        @pl.when(b == q0)
+        def _():
+          nt_ref[...] = jnp.broadcast_to(num_tasks, (8,))
+
+    @pl.when((b == nb) & (c == 0))
+    def _sizes():
+      gs_ref[...] = total
 
   out_shape = [jax.ShapeDtypeStruct((m_alloc, hdim), x.dtype),
                jax.ShapeDtypeStruct((nb * BLOCK,), jnp.int32),
                jax.ShapeDtypeStruct((ep,), jnp.int32)]
-  for tp in tps:
-    out_shape += [jax.ShapeDtypeStruct((4, tp), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32)]
+  for nq in chunks:
+    out_shape += [jax.ShapeDtypeStruct((4, nq * _TASKS), jnp.int32),
+                  jax.ShapeDtypeStruct((8,), jnp.int32)]
   whole = lambda shape: pl.BlockSpec(shape, lambda b, c: (0,) * len(shape))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   outs = pl.pallas_call(
       body,
       out_shape=tuple(out_shape),
-      grid=(nb, n_hc),
-      in_specs=[any_spec, any_spec, whole((nbp, ep)), any_spec],
+      grid=(nb + sum(chunks), n_hc),
+      in_specs=[any_spec, any_spec, any_spec, any_spec],
       out_specs=tuple([any_spec, any_spec, whole((ep,))]
-                      + [s for tp in tps for s in (whole((4, tp)), whole((8,)))]),
+                      + [s for _ in chunks for s in (any_spec, whole((8,)))]),
       compiler_params=_compiler_params(4),
       interpret=interpret,
       name="jmoe_route_scatter_rows",
   )(keys, rank, counts, x)
   xs, inv, gs = outs[:3]
-  metas = [(outs[3 + 2 * i], outs[4 + 2 * i][:1]) for i in range(len(tps))]
+  metas = [(outs[3 + 2 * i], outs[4 + 2 * i][:1]) for i in range(len(chunks))]
   return xs, inv[:n].reshape(t, k), gs[:e], metas
 
 
@@ -228,10 +250,11 @@ def _store(ref, idx, val, mask, interpret):
 
 def _col_chunk(hdim: int, nb: int) -> int:
   """Columns per program: a power of two dividing hdim, at most 512 (a [32, 512] row step in
-  registers), halved until there are >= 2 programs per SM (the copy is bandwidth-bound), >= 64."""
+  registers), halved until there is a program per SM (every program also sums the count table,
+  so more, narrower programs cost more), at least 64."""
   hc = 64
   while hc < 512 and hdim % (2 * hc) == 0:
     hc *= 2
-  while hc > 64 and nb * (hdim // hc) < 264:
+  while hc > 64 and nb * (hdim // hc) < 132:
     hc //= 2
   return hc

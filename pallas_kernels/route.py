@@ -58,37 +58,54 @@ def _compiler_params(num_warps: int):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-def _block_counts(keys: jax.Array, ep: int, interpret: bool):
-  """keys [nb * BLOCK] int32 (E for an empty slot) -> (rank [nb * BLOCK], counts [nb, ep]):
-  each slot's rank among the same-key slots before it in its block, and per-block key counts.
-  No register tensor exceeds [BLOCK, BLOCK]."""
-  nb = keys.shape[0] // BLOCK
+def _load_keys(ids_ref, start, size: int, n: int, e: int):
+  """Expert keys of slots [start, start + size): the id, or e for an empty slot (id outside
+  [0, e)) and for slots past n. A gather load at clamped indices: no out-of-bounds access."""
+  slot = start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+  ids = ids_ref[jnp.minimum(slot, n - 1)]
+  return jnp.where((slot < n) & (ids >= 0) & (ids < e), ids, e)
 
-  def body(key_ref, rank_ref, cnt_ref):
-    # one compare-reduce per output (a chain of small reductions costs ~1 µs each in a CTA)
-    key = key_ref[...]
-    i = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
-    j = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-    same_before = (key[:, None] == key[None, :]) & (j < i)
-    rank_ref[...] = jnp.sum(same_before.astype(jnp.int32), axis=1)
-    ec = min(ep, BLOCK)
+
+def _ranks(key, block, row0: int | jax.Array):
+  """Rank of each slot of `key` (slots row0 + i of the block) among the slots of `block` with
+  the same key before it: [len(key)]."""
+  i = row0 + lax.broadcasted_iota(jnp.int32, (key.shape[0], block.shape[0]), 0)
+  j = lax.broadcasted_iota(jnp.int32, (key.shape[0], block.shape[0]), 1)
+  return jnp.sum(((key[:, None] == block[None, :]) & (j < i)).astype(jnp.int32), axis=1)
+
+
+def _counts(key, e0: int, ec: int):
+  """How many entries of `key` equal each of e0 .. e0 + ec - 1: [ec] (one compare-reduce)."""
+  experts = e0 + lax.broadcasted_iota(jnp.int32, (key.shape[0], ec), 1)
+  return jnp.sum((key[:, None] == experts).astype(jnp.int32), axis=0)
+
+
+def _block_counts(ids: jax.Array, e: int, ep: int, interpret: bool):
+  """ids [n] int32 -> (rank [nb * BLOCK], counts [nb, ep]): each slot's rank among the
+  same-key slots before it in its block of BLOCK slots, and per-block key counts. One
+  compare-reduce per output (a chain of small reductions costs ~1 µs each in a program)."""
+  n = ids.shape[0]
+  nb = -(-n // BLOCK)
+
+  def body(ids_ref, rank_ref, cnt_ref):
+    key = _load_keys(ids_ref, pl.program_id(0) * BLOCK, BLOCK, n, e)
+    rank_ref[...] = _ranks(key, key, 0)
+    ec = min(ep, BLOCK)  # [BLOCK, <= BLOCK] compares: Triton's 1-D concatenate does not lower
     for q in range(ep // ec):
-      experts = q * ec + lax.broadcasted_iota(jnp.int32, (BLOCK, ec), 1)
-      cnt_ref[:, pl.ds(q * ec, ec)] = jnp.sum((key[:, None] == experts).astype(jnp.int32),
-                                             axis=0)[None, :]
+      cnt_ref[:, pl.ds(q * ec, ec)] = _counts(key, q * ec, ec)[None, :]
 
   return pl.pallas_call(
       body,
       out_shape=(jax.ShapeDtypeStruct((nb * BLOCK,), jnp.int32),
                  jax.ShapeDtypeStruct((nb, ep), jnp.int32)),
       grid=(nb,),
-      in_specs=[pl.BlockSpec((BLOCK,), lambda b: (b,))],
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
       out_specs=(pl.BlockSpec((BLOCK,), lambda b: (b,)),
                  pl.BlockSpec((1, ep), lambda b: (b, 0))),
       compiler_params=_compiler_params(4),
       interpret=interpret,
       name="jmoe_route_block_counts",
-  )(keys)
+  )(ids)
 
 
 def _tile_lists(starts, sizes, block_m: int, t0, tc: int):
@@ -146,25 +163,36 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
   # per-expert count columns; the empty-slot key E is counted only when E < ep, and never read
   ep = _pow2(e)
   ids = topk_ids.reshape(n).astype(jnp.int32)
-  keys = jnp.where((ids >= 0) & (ids < e), ids, e)
-  keys = jnp.pad(keys, (0, nb * BLOCK - n), constant_values=e)
-  rank, counts = _block_counts(keys, ep, interpret)
+  # one block: kernel 2 ranks and counts its slots itself (decode: one routing kernel)
+  one_block = nb == 1
+  if not one_block:
+    rank, counts = _block_counts(ids, e, ep, interpret)
   nbp = _pow2(nb)
-  if nbp != nb:
-    counts = jnp.pad(counts, ((0, nbp - nb), (0, 0)))
   # tile-list programs: _TASKS tasks each, per block_m (grid rows nb + q of column 0)
   chunks = [-(-(-(-m_alloc // bm) + e - 1) // _TASKS) for bm in block_ms]
   first_chunk = [nb + sum(chunks[:i]) for i in range(len(chunks))]
   hc = _col_chunk(hdim, nb)
   n_hc = hdim // hc
 
-  def body(key_ref, rank_ref, cnt_ref, x_ref, xs_ref, inv_ref, gs_ref, *meta_refs):
+  def body(*refs):
+    if one_block:
+      (ids_ref, x_ref, xs_ref, inv_ref, gs_ref), meta_refs = refs[:5], refs[5:]
+    else:
+      (ids_ref, rank_ref, cnt_ref, x_ref, xs_ref, inv_ref, gs_ref), meta_refs = (refs[:7],
+                                                                                refs[7:])
     b = pl.program_id(0)
     c = pl.program_id(1)
-    cnt = cnt_ref[...]                                                 # [nbp, ep]
-    blk = lax.broadcasted_iota(jnp.int32, (nbp, ep), 0)
-    before = jnp.sum(jnp.where(blk < b, cnt, 0), axis=0)  # slots per expert in blocks before b
-    total = jnp.sum(cnt, axis=0)
+    if one_block:
+      block = _load_keys(ids_ref, 0, BLOCK, n, e)
+      total = _counts(block, 0, ep)
+      before = jnp.zeros_like(total)
+    else:
+      blk = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
+      cnt = cnt_ref[jnp.minimum(blk, nb - 1), :]                       # [nbp, ep]
+      blk = lax.broadcasted_iota(jnp.int32, (nbp, ep), 0)
+      cnt = jnp.where(blk < nb, cnt, 0)
+      before = jnp.sum(jnp.where(blk < b, cnt, 0), axis=0)  # slots per expert in blocks before b
+      total = jnp.sum(cnt, axis=0)
     offsets = jnp.cumsum(total) - total
 
     @pl.when(b < nb)
@@ -175,9 +203,9 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
 
       def copy(r, carry):
         r0 = pl.multiple_of(b * BLOCK + r * _ROWS, _ROWS)
-        key = key_ref[pl.ds(r0, _ROWS)]
+        key = _load_keys(ids_ref, r0, _ROWS, n, e)
         pos = jnp.sum(jnp.where(key[:, None] == experts, base[None, :], 0), axis=1)
-        pos = pos + rank_ref[pl.ds(r0, _ROWS)]
+        pos = pos + (_ranks(key, block, r * _ROWS) if one_block else rank_ref[pl.ds(r0, _ROWS)])
         slot = r0 + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
         live = key < e
         tok = jnp.where(live, slot // k, 0)
@@ -205,7 +233,7 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
 
         @pl.when(b == q0)
         def _():
-          nt_ref[...] = jnp.broadcast_to(num_tasks, (8,))
+          nt_ref[...] = jnp.broadcast_to(num_tasks, (1,))
 
     @pl.when((b == nb) & (c == 0))
     def _sizes():
@@ -216,22 +244,22 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
                jax.ShapeDtypeStruct((ep,), jnp.int32)]
   for nq in chunks:
     out_shape += [jax.ShapeDtypeStruct((4, nq * _TASKS), jnp.int32),
-                  jax.ShapeDtypeStruct((8,), jnp.int32)]
+                  jax.ShapeDtypeStruct((1,), jnp.int32)]
   whole = lambda shape: pl.BlockSpec(shape, lambda b, c: (0,) * len(shape))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   outs = pl.pallas_call(
       body,
       out_shape=tuple(out_shape),
       grid=(nb + sum(chunks), n_hc),
-      in_specs=[any_spec, any_spec, any_spec, any_spec],
+      in_specs=[any_spec] * (2 if one_block else 4),
       out_specs=tuple([any_spec, any_spec, whole((ep,))]
-                      + [s for _ in chunks for s in (any_spec, whole((8,)))]),
+                      + [s for _ in chunks for s in (any_spec, whole((1,)))]),
       compiler_params=_compiler_params(4),
       interpret=interpret,
       name="jmoe_route_scatter_rows",
-  )(keys, rank, counts, x)
+  )(*((ids, x) if one_block else (ids, rank, counts, x)))
   xs, inv, gs = outs[:3]
-  metas = [(outs[3 + 2 * i], outs[4 + 2 * i][:1]) for i in range(len(chunks))]
+  metas = [(outs[3 + 2 * i], outs[4 + 2 * i]) for i in range(len(chunks))]
   return xs, inv[:n].reshape(t, k), gs[:e], metas
 
 

@@ -1,0 +1,129 @@
+"""CPU tests of pallas_kernels.route (the two routing kernels), in Pallas interpret mode.
+
+route() must give exactly what the jnp path gives: moe_align's stable order (checked against
+its NumPy reference), grouped_gemm.tile_metadata's work lists for every block_m asked for, and
+the token rows in sorted order. Rows past the valid slots are never written: the interpreter
+starts output buffers uninitialized (NaN), and those rows must still be NaN.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import grouped_gemm as gg
+from pallas_kernels import moe as pmoe
+from pallas_kernels import permute as perm
+from pallas_kernels import route
+
+pytestmark = pytest.mark.skipif(not route.available(),
+                                reason="the Pallas Triton lowering does not import")
+
+
+def _check_route(x, ids, e, block_ms):
+  """Runs route() in interpret mode and checks every output against the jnp path."""
+  t, k = ids.shape
+  n = t * k
+  m_alloc = gg.row_alloc(n, *block_ms)
+  xs, inv, gs, metas = route.route(jnp.asarray(x), jnp.asarray(ids), e, m_alloc, block_ms,
+                                   interpret=True)
+  order, gs_ref, inv_ref = perm.moe_align_reference(ids, e)
+  np.testing.assert_array_equal(np.asarray(gs), gs_ref)
+  np.testing.assert_array_equal(np.asarray(inv), inv_ref)
+  nv = int(gs_ref.sum())
+  xs = np.asarray(xs, np.float32)
+  np.testing.assert_array_equal(xs[:nv], np.asarray(x, np.float32)[order[:nv] // k])
+  assert np.isnan(xs[nv:]).all(), "rows past the valid slots were written"
+  assert len(metas) == len(block_ms)
+  for bm, (meta, num_tasks) in zip(block_ms, metas):
+    meta_ref, nt_ref = gg.tile_metadata(jnp.asarray(gs_ref), m_alloc, bm)
+    q = int(nt_ref[0])
+    assert num_tasks.shape == (1,) and int(num_tasks[0]) == q
+    assert meta.shape[1] >= meta_ref.shape[1]  # the kernels accept any task capacity >= bound
+    np.testing.assert_array_equal(np.asarray(meta)[:, :q], np.asarray(meta_ref)[:, :q])
+  return nv
+
+
+def _tokens(rng, t, h):
+  return jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("t,k,e,h,block_ms,case", [
+    (1, 8, 128, 128, (64,), "random"),          # T=1 (decode): one block, one kernel
+    (3, 2, 8, 64, (64, 128), "random"),         # two tile lists
+    (70, 2, 8, 64, (64,), "random"),            # 140 slots: two blocks, the last one partial
+    (100, 8, 100, 128, (64, 128), "random"),    # E not a power of two, 7 blocks
+    (96, 4, 16, 64, (64,), "one_expert"),       # every slot on one expert (3 blocks)
+    (40, 2, 16, 64, (128,), "zero_experts"),    # experts 0-7 get no slots
+    (5, 2, 8, 64, (64,), "all_empty"),          # every slot empty (EP: all experts remote)
+    (130, 1, 4, 64, (64,), "out_of_range"),     # ids >= E and < 0 are empty slots
+])
+def test_route_matches_jnp_path(rng, t, k, e, h, block_ms, case):
+  ids = rng.integers(0, e, (t, k)).astype(np.int32)
+  if case == "random":
+    ids[rng.random((t, k)) < 0.1] = -1
+  elif case == "one_expert":
+    ids[:] = e - 1
+  elif case == "zero_experts":
+    ids = rng.integers(e // 2, e, (t, k)).astype(np.int32)
+  elif case == "all_empty":
+    ids[:] = -1
+  elif case == "out_of_range":
+    ids[::3] = e + rng.integers(0, 5, ids[::3].shape)
+    ids[1::3] = -rng.integers(1, 5, ids[1::3].shape)
+  nv = _check_route(_tokens(rng, t, h), ids, e, block_ms)
+  assert nv == int(((ids >= 0) & (ids < e)).sum())
+
+
+@settings(max_examples=6)
+@given(st.data())
+def test_route_property(data):
+  t = data.draw(st.integers(1, 90), label="T")
+  k = data.draw(st.sampled_from([1, 2, 4]), label="k")
+  e = data.draw(st.sampled_from([3, 8, 32]), label="E")
+  seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(-1, e + 1, (t, k)).astype(np.int32)  # empty slots at both ends
+  _check_route(_tokens(rng, t, 64), ids, e, (64,))
+
+
+def test_route_rejects_bad_input(rng):
+  x = _tokens(rng, 4, 64)
+  ids = jnp.zeros((4, 2), jnp.int32)
+  with pytest.raises(ValueError, match="m_alloc"):
+    route.route(x, ids, 8, 4, (64,), interpret=True)
+  with pytest.raises(ValueError, match="H=96"):
+    route.route(_tokens(rng, 4, 96), ids, 8, 64, (64,), interpret=True)
+  assert not route.supports(route._MAX_SLOTS + 1, 64)
+  assert not route.supports(0, 64)
+
+
+@pytest.mark.parametrize("t", [5, 150])
+def test_fused_experts_route_kernels_equal_xla_route(rng, t):
+  """Both routings feed the GEMMs the same rows in the same order: outputs are identical."""
+  from pallas_kernels import _compat
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable")
+  k, e, h, n = 2, 4, 64, 64
+  x = _tokens(rng, t, h)
+  w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((e, n, h)) / 8, jnp.bfloat16)
+  tw, ti = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((t, e)))), k)
+  ti = ti.at[0, 1].set(-1)
+  cfg = gg.GroupedGemmConfig(block_m=64, block_n=64, block_k=32, num_stages=2,
+                             warp_specialized=False)
+  outs = {}
+  for impl in ("kernels", "xla"):
+    outs[impl] = np.asarray(pmoe.fused_experts(
+        x, w13, w2, tw, ti, layout="sorted", route_impl=impl, config1=cfg, config2=cfg,
+        interpret=_compat.interpret_params(detect_races=True)), np.float32)
+    assert not _compat.races_found()
+  np.testing.assert_array_equal(outs["kernels"], outs["xla"])
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti), np.float32)
+  assert np.linalg.norm(outs["kernels"] - ref) / np.linalg.norm(ref) < 2e-2
+  with pytest.raises(ValueError, match="route_impl"):
+    pmoe.fused_experts(x, w13, w2, tw, ti, layout="sorted", route_impl="sort")

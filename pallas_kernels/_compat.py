@@ -74,6 +74,31 @@ def compiler_params(**kw) -> plgpu.CompilerParams:
   return plgpu.CompilerParams(**kw)
 
 
+def _manual_axis_type(like):
+  try:
+    return getattr(jax.typeof(like), "mat", None)
+  except Exception:  # pragma: no cover (not a jax value)
+    return None
+
+
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """A ``pl.pallas_call`` output type that varies over shard_map's manual axes as `like` does
+  (``shard_map(check_vma=True)`` requires it; outside shard_map the type is empty)."""
+  mat = _manual_axis_type(like)
+  if mat is not None:
+    try:
+      return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    except TypeError:  # a jax without the keyword
+      pass
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def varying_axes(x) -> frozenset:
+  """The shard_map manual axes `x` varies over (empty outside shard_map)."""
+  mat = _manual_axis_type(x)
+  return frozenset(getattr(mat, "varying", ()) or ())
+
+
 # ----------------------------------------------------------------------------- interpret mode
 
 def _interpret_module():

@@ -24,13 +24,13 @@ pytestmark = pytest.mark.skipif(not route.available(),
                                 reason="the Pallas Triton lowering does not import")
 
 
-def _check_route(x, ids, e, block_ms):
+def _check_route(x, ids, e, block_ms, **kw):
   """Runs route() in interpret mode and checks every output against the jnp path."""
   t, k = ids.shape
   n = t * k
   m_alloc = gg.row_alloc(n, *block_ms)
   xs, inv, gs, metas = route.route(jnp.asarray(x), jnp.asarray(ids), e, m_alloc, block_ms,
-                                   interpret=True)
+                                   interpret=True, **kw)
   order, gs_ref, inv_ref = perm.moe_align_reference(ids, e)
   np.testing.assert_array_equal(np.asarray(gs), gs_ref)
   np.testing.assert_array_equal(np.asarray(inv), inv_ref)
@@ -77,6 +77,15 @@ def test_route_matches_jnp_path(rng, t, k, e, h, block_ms, case):
     ids[1::3] = -rng.integers(1, 5, ids[1::3].shape)
   nv = _check_route(_tokens(rng, t, h), ids, e, block_ms)
   assert nv == int(((ids >= 0) & (ids < e)).sum())
+
+
+@pytest.mark.parametrize("one_kernel_blocks", [0, 8])
+def test_route_one_and_two_kernels(rng, one_kernel_blocks):
+  # 3 blocks: two kernels (block counts, then scatter) or one (every program counts every block);
+  # 0 also sends a single block through the two-kernel form
+  for t, k, e in [(150, 2, 8), (3, 2, 8)]:
+    ids = rng.integers(-1, e + 1, (t, k)).astype(np.int32)
+    _check_route(_tokens(rng, t, 64), ids, e, (64, 128), one_kernel_blocks=one_kernel_blocks)
 
 
 @settings(max_examples=6)

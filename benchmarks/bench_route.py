@@ -1,0 +1,101 @@
+"""The routing step alone on the GPU: pallas_kernels.route (one kernel vs two) against the jnp
+path (moe_align + tile_metadata + the token gather), CUPTI device time, outputs checked equal.
+
+    python benchmarks/bench_route.py --json OUT.json [--presets ...] [--tokens ...]
+
+Per (preset, T): µs and kernel count of each variant; route's one-kernel form (kernel 2 counts
+every block itself) is timed at one_kernel_blocks = number of blocks, the two-kernel form at 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jmoe import timing  # noqa: E402
+from pallas_kernels import grouped_gemm as gg  # noqa: E402
+from pallas_kernels import moe as pmoe  # noqa: E402
+from pallas_kernels import permute as perm  # noqa: E402
+from pallas_kernels import route  # noqa: E402
+
+PRESETS = {"mixtral-8x7b": (8, 2, 4096), "qwen3-30b-a3b": (128, 8, 2048),
+           "deepseek-v3": (256, 8, 7168)}  # E, k, H
+
+
+def jnp_route(x, ids, e, m_alloc, bm):
+  sort_order, gs, inv = perm.moe_align(ids, e)
+  n = ids.size
+  order = jnp.pad(sort_order, (0, m_alloc - n)) if m_alloc > n else sort_order
+  impl = pmoe._auto_gather_impl(n, x.shape[1])
+  xs = perm.permute_rows(x, order, ids.shape[1], impl=impl)
+  return xs, inv, gs, [gg.tile_metadata(gs, m_alloc, bm)]
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
+  ap.add_argument("--tokens", default="16,64,128,256,1024")
+  ap.add_argument("--block-m", type=int, default=128)
+  ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args()
+  rows = []
+  print(f"jax {jax.__version__} {jax.devices()[0].device_kind}")
+  print(f"{'preset':14s} {'T':>5s} {'blocks':>6s} {'jnp':>14s} {'route 2 kern':>14s} "
+        f"{'route 1 kern':>14s}  outputs")
+  for pname in args.presets.split(","):
+    e, k, h = PRESETS[pname]
+    for t in [int(v) for v in args.tokens.split(",")]:
+      n = t * k
+      if not route.supports(n, h):
+        continue
+      m_alloc = gg.row_alloc(n, args.block_m)
+      nb = -(-n // route.BLOCK)
+      sets = []
+      for i in range(3):
+        k1, k2 = jax.random.split(jax.random.key(10 + i))
+        x = jax.random.normal(k1, (t, h), jnp.float32).astype(jnp.bfloat16)
+        _, ids = jax.lax.top_k(jax.random.normal(k2, (t, e)), k)
+        sets.append((x, ids.astype(jnp.int32)))
+      fns = {
+          "jnp": jax.jit(lambda x, i: jnp_route(x, i, e, m_alloc, args.block_m)),
+          "two": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, (args.block_m,),
+                                                  one_kernel_blocks=0)),
+          "one": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, (args.block_m,),
+                                                  one_kernel_blocks=nb)),
+      }
+      rec = dict(preset=pname, T=t, slots=n, blocks=nb)
+      ref = jax.block_until_ready(fns["jnp"](*sets[0]))
+      nv = int(jnp.sum(ref[2]))
+      same = []
+      for name, f in fns.items():
+        out = jax.block_until_ready(f(*sets[0]))
+        q = int(ref[3][0][1][0])
+        same.append(bool(np.array_equal(np.asarray(out[0][:nv]), np.asarray(ref[0][:nv]))
+                         and np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))
+                         and np.array_equal(np.asarray(out[3][0][0])[:, :q],
+                                            np.asarray(ref[3][0][0])[:, :q])))
+        us, _, kernels = timing.device_time(f, sets, iters=args.iters)
+        rec[name] = dict(us=us, kernels=kernels)
+      rec["outputs_equal"] = all(same)
+      rows.append(rec)
+      cell = lambda r: f"{r['us']:8.1f} ({len(r['kernels']):2d})"
+      print(f"{pname:14s} {t:5d} {nb:6d} {cell(rec['jnp']):>14s} {cell(rec['two']):>14s} "
+            f"{cell(rec['one']):>14s}  {'equal' if rec['outputs_equal'] else 'DIFFER'}",
+            flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows), f,
+                indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -4,6 +4,7 @@ benchmarks): permute -> GEMM1 + activation -> GEMM2 (x router weight, + bias) ->
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -16,6 +17,8 @@ from pallas_kernels.activations import Activation, as_activation
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.grouped_gemm import GroupedGemmConfig
 
+
+log = logging.getLogger(__name__)
 
 _PALLAS_GATHER_MIN_SLOTS = 1024
 
@@ -95,6 +98,8 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
     in_shard_map = bool(_compat.varying_axes(topk_ids) | _compat.varying_axes(x))
     route_impl = "kernels" if (_route.available() and _route.supports(m, hdim)
                                and not (interpret and in_shard_map)) else "xla"
+    log.debug("fused_experts: route_impl=%s (%d slots, H=%d, triton lowering %s)", route_impl,
+              m, hdim, "available" if _route.available() else "unavailable")
   if route_impl == "kernels":
     bms = (config1.block_m,) if config2.block_m == config1.block_m else (
         config1.block_m, config2.block_m)

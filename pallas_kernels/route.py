@@ -43,6 +43,7 @@ def _pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
   """Whether the Pallas Triton lowering imports (deprecated in jax 0.11, may be removed)."""
   try:
@@ -282,8 +283,7 @@ def _store(ref, idx, val, mask, interpret):
     ref[idx] = jnp.where(mask, val, ref[idx])
   else:
     from jax.experimental.pallas import triton as pltriton
-    pltriton.store(ref.at[idx], val, mask=mask) if hasattr(pltriton, "store") else pl.store(
-        ref, idx, val, mask=mask)
+    pltriton.store(ref.at[idx], val, mask=mask)
 
 
 def _col_chunk(hdim: int, nb: int) -> int:

@@ -55,7 +55,7 @@ def main():
     e, k, h = PRESETS[pname]
     for t in [int(v) for v in args.tokens.split(",")]:
       n = t * k
-      if not route.supports(n, h):
+      if not route.supports(n, h, e):
         continue
       m_alloc = gg.row_alloc(n, args.block_m)
       nb = -(-n // route.BLOCK)

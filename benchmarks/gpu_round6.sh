@@ -7,10 +7,11 @@
 #                                         # kernels / jnp), the block table on the defaults (1..16384
 #                                         # tokens, torch._grouped_mm in the same run), the
 #                                         # training ratio (1024 tokens), jmoe bench
+#   bash benchmarks/gpu_round6.sh xt      # one H200: the cross-tile tgmm checked and timed
+#                                         # against training's configs (winners into tgmm.json),
+#                                         # then the training ratio again
 #   bash benchmarks/gpu_round6.sh ep      # 2 H200s: the EP layer per preset (own process), now
 #                                         # with the routing kernels inside the shard_map
-#   bash benchmarks/gpu_round6.sh xi      # one H200: session 5's cross-item check (winners into
-#                                         # the tables), then the qwen3 block at 64 / 1024 tokens
 NAME=gpu_round6; source benchmarks/gpu_env.sh
 B=benchmarks/bench_grouped_gemm.py
 P=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3
@@ -66,15 +67,15 @@ PY
       --json $OUT/jmoe_bench.json
     step 120 env OUT=$OUT/train python3 $B --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b \
       --iters 3 --budget-s 100 ;;
+  xt)
+    step 130 python3 benchmarks/check_cross_tile.py --json $OUT/check_cross_tile.json \
+      --write-tables || exit 1
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 110 env OUT=$OUT/train python3 $B --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b \
+      --iters 3 --budget-s 90 ;;
   ep)
     for p in qwen3-30b-a3b deepseek-v3; do
       step 240 python3 benchmarks/bench_ep_multigpu.py --stages layer --layer-presets $p \
         --out $OUT --tag layer_$p --backends allgather,ragged_a2a,ragged_dedup
     done ;;
-  xi)
-    step 240 python3 benchmarks/check_cross_item.py --json $OUT/check_cross_item.json \
-      --write-tables || exit 1
-    cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_gated.json $OUT/
-    step 60 env OUT=$OUT/q1024 python3 $B --stages block --presets qwen3-30b-a3b --tokens 64,1024 \
-      --iters 4 --budget-s 50 ;;
 esac

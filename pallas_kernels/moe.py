@@ -60,7 +60,8 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   route_impl (sorted layout): "kernels" (pallas_kernels.route: moe_align, both GEMMs' tile
     lists and the token gather in two kernels, one up to 128 slots), "xla" (moe_align +
     tile_metadata in jnp, ~16 small XLA kernels, then permute_impl's gather) or "auto":
-    "kernels" where route.supports the shape (<= 8192 slots) and the Triton lowering imports,
+    "kernels" where route.supports the shape (<= 8192 slots, <= 256 experts) and the Triton
+    lowering imports,
     else "xla" (and "xla" in interpret mode inside shard_map, where the interpreter's vma
     check rejects the kernels' gathers). H200 (2026-11-29): qwen3 1024 tokens 348.5 vs 363.6 µs (routing 17.9 vs ~35
     µs of kernels), 64 tokens 289.1 vs 299.5; mixtral 64 tokens 665.7 vs 679.5.
@@ -96,7 +97,7 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
     # interpret mode cannot run them inside shard_map(check_vma=True) (the interpreter's
     # gathers mix varying refs and invarying indices); the GPU lowering has no such check
     in_shard_map = bool(_compat.varying_axes(topk_ids) | _compat.varying_axes(x))
-    route_impl = "kernels" if (_route.available() and _route.supports(m, hdim)
+    route_impl = "kernels" if (_route.available() and _route.supports(m, hdim, e)
                                and not (interpret and in_shard_map)) else "xla"
     log.debug("fused_experts: route_impl=%s (%d slots, H=%d, triton lowering %s)", route_impl,
               m, hdim, "available" if _route.available() else "unavailable")

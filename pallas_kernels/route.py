@@ -37,6 +37,7 @@ _TASKS = 32          # tile-list entries per tile-list program of kernel 2
 ONE_KERNEL_BLOCKS = 1  # route()'s default: one kernel up to this many blocks
 _MAX_SLOTS = 8192    # above this the jnp path (its sort/count kernels amortize; and kernel 2
                      # sums the whole [blocks, experts] count table in every program)
+_MAX_EXPERTS = 256   # measured up to deepseek-v3's 256; more widens every [rows, E] one-hot
 
 
 def _pow2(n: int) -> int:
@@ -53,9 +54,9 @@ def available() -> bool:
     return False
 
 
-def supports(num_slots: int, hdim: int) -> bool:
-  """Whether route() takes this problem (slots; token row width)."""
-  return 0 < num_slots <= _MAX_SLOTS and hdim % 64 == 0
+def supports(num_slots: int, hdim: int, num_experts: int) -> bool:
+  """Whether route() takes this problem (slots, token row width, experts)."""
+  return 0 < num_slots <= _MAX_SLOTS and hdim % 64 == 0 and 0 < num_experts <= _MAX_EXPERTS
 
 
 def _compiler_params(num_warps: int):
@@ -162,9 +163,9 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
   n = t * k
   hdim = x.shape[1]
   e = num_experts
-  if not supports(n, hdim):
-    raise ValueError(f"route: {n} slots / H={hdim} not supported (<= {_MAX_SLOTS} slots, "
-                     "H a multiple of 64)")
+  if not supports(n, hdim, e):
+    raise ValueError(f"route: {n} slots / H={hdim} / {e} experts not supported (<= "
+                     f"{_MAX_SLOTS} slots, H a multiple of 64, <= {_MAX_EXPERTS} experts)")
   if m_alloc < n:
     raise ValueError(f"m_alloc={m_alloc} < T*k={n}")
   interpret = bool(interpret)

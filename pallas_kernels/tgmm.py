@@ -46,6 +46,10 @@ class TgmmConfig:
   # loads and its epilogue store every few steps; a second CTA (shared memory halved: stages
   # are refitted) computes meanwhile.
   ctas_per_sm: int = 1
+  # True: a CTA's output tiles run as one pipeline over their (tile, row block) steps (a step
+  # list built on device), so the next tile's first blocks load while the current one finishes
+  # and no pipeline fills per tile (at qwen3 / 1024 tokens a tile has 1-3 row blocks).
+  cross_tile: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -90,6 +94,9 @@ def get_tgmm_config(m: int, k: int, n: int, num_groups: int, dtype) -> TgmmConfi
 
 
 def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, interpret):
+  if cfg.cross_tile:
+    return _build_tgmm_cross_tile(m=m, k=k, n=n, e=e, dtype=dtype, out_dtype=out_dtype, cfg=cfg,
+                                  num_ctas=num_sms, interpret=interpret)
   bk, bn, br = cfg.block_k, cfg.block_n, cfg.block_r
   k_tiles, n_tiles = k // bk, n // bn
   itemsize = jnp.dtype(dtype).itemsize
@@ -119,25 +126,7 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, inter
           (j,) = idx
           r0 = (first_blk + j) * br
 
-          # Zero the lhs rows of the block that belong to a neighbouring expert (first/last
-          # block): their products vanish whatever dy holds there (finite: other experts'
-          # rows, or rows past the total that gmm's backward zeroes).
-          @pl.when((r0 < start) | (r0 + br > end))
-          def _mask():
-            xshape, xdim = ((br, bk), 0) if tik else ((bk, br), 1)
-            rows_x = _cast(lax.broadcasted_iota(jnp.int32, xshape, xdim), plgpu.Layout.WGMMA)
-            ok_x = (rows_x + r0 >= start) & (rows_x + r0 < end)
-            x_smem[...] = jnp.where(ok_x, x_smem[...], jnp.zeros_like(x_smem[...]))
-            plgpu.commit_smem()
-
-          # The array's last block may reach past M: TMA fills those rows with zeros on the
-          # GPU, the interpreter with NaN (0 * NaN = NaN), so dy is masked there too.
-          @pl.when(r0 + br > m)
-          def _mask_tail():
-            rows_y = _cast(lax.broadcasted_iota(jnp.int32, (br, bn), 0), plgpu.Layout.WGMMA)
-            dy_smem[...] = jnp.where(rows_y + r0 < m, dy_smem[...], jnp.zeros_like(dy_smem[...]))
-            plgpu.commit_smem()
-
+          _block_masks(x_smem, dy_smem, r0, start, end, m, br, bk, bn, tik, _cast)
           a = plgpu.transpose_ref(x_smem, (1, 0)) if tik else x_smem
           plgpu.wgmma(acc_ref, a, dy_smem)
           # one wgmma stays in flight; delay_release keeps its SMEM slots until the next step
@@ -172,12 +161,164 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, inter
       out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
       scratch_types=[plgpu.SMEM((bk, bn), out_dtype,
                                 transforms=tf(bn, jnp.dtype(out_dtype).itemsize))],
-      grid=(num_sms * (1 if interpret else cfg.ctas_per_sm),),
+      grid=(num_sms,),
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(),
       interpret=interpret,
       name="jmoe_tgmm" + ("_2cta" if cfg.ctas_per_sm == 2 else ""),
   )
+
+
+def _block_masks(x_smem, dy_smem, r0, start, end, m, br, bk, bn, tik, cast):
+  """Zero the lhs rows of a row block that belong to a neighbouring expert (first/last block:
+  their products vanish whatever dy holds there) and, for the array's last block reaching past
+  M, the dy rows there (TMA fills them with zeros on the GPU, the interpreter with NaN)."""
+  @pl.when((r0 < start) | (r0 + br > end))
+  def _mask():
+    xshape, xdim = ((br, bk), 0) if tik else ((bk, br), 1)
+    rows_x = cast(lax.broadcasted_iota(jnp.int32, xshape, xdim), plgpu.Layout.WGMMA)
+    ok_x = (rows_x + r0 >= start) & (rows_x + r0 < end)
+    x_smem[...] = jnp.where(ok_x, x_smem[...], jnp.zeros_like(x_smem[...]))
+    plgpu.commit_smem()
+
+  @pl.when(r0 + br > m)
+  def _mask_tail():
+    rows_y = cast(lax.broadcasted_iota(jnp.int32, (br, bn), 0), plgpu.Layout.WGMMA)
+    dy_smem[...] = jnp.where(rows_y + r0 < m, dy_smem[...], jnp.zeros_like(dy_smem[...]))
+    plgpu.commit_smem()
+
+
+def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas,
+                           interpret):
+  """tgmm with one pipeline per CTA over its steps (see step_list): operands
+  (starts, ends, cta_first_step, cta_num_steps, step_item, step_block, lhs, dout)."""
+  bk, bn, br = cfg.block_k, cfg.block_n, cfg.block_r
+  k_tiles, n_tiles = k // bk, n // bn
+  last_blk = pl.cdiv(m, br) - 1
+  tik = cfg.transpose_in_kernel
+  _cast = _compat.layout_cast(interpret)
+  # GPU interpret mode cannot store into a wgmma accumulator (as in grouped_gemm's cross-item
+  # pipeline): there a tile's starting value is kept in SMEM and subtracted.
+  emulate_reset = interpret is not None
+
+  def tf(minor, isz=jnp.dtype(dtype).itemsize):
+    return _compat.smem_transforms(minor, isz)
+
+  def body(starts_ref, ends_ref, first_ref, count_ref, item_ref, blk_ref, lhs_ref, dout_ref,
+           out_ref, o_smem, *bases):
+    cta = lax.axis_index("sm")
+    s0 = first_ref[cta]
+    num_steps = count_ref[cta]
+
+    def info(s):
+      lin = item_ref[s0 + s]
+      g = lax.div(lin, jnp.int32(k_tiles * n_tiles))
+      rem = lax.rem(lin, jnp.int32(k_tiles * n_tiles))
+      start, end = starts_ref[g], ends_ref[g]
+      nblk = jnp.where(end > start, lax.div(end - 1, jnp.int32(br)) - lax.div(start, jnp.int32(br))
+                       + 1, 0)
+      # an expert without rows still has one (fully masked) step: its tile is written as zeros
+      blk = jnp.minimum(lax.div(start, jnp.int32(br)) + blk_ref[s0 + s], last_blk)
+      return (g, lax.div(rem, jnp.int32(n_tiles)), lax.rem(rem, jnp.int32(n_tiles)), start, end,
+              blk, blk_ref[s0 + s], jnp.maximum(nblk, 1))
+
+    def x_index(s):
+      _, ki, _, _, _, blk, _, _ = info(s)
+      return (blk, ki) if tik else (ki, blk)
+
+    def dy_index(s):
+      _, _, ni, _, _, blk, _, _ = info(s)
+      return blk, ni
+
+    def acc_scope(acc_ref):
+      def step(idx, x_smem, dy_smem):
+        (s,) = idx
+        g, ki, ni, start, end, blk, j, steps = info(s)
+
+        @pl.when(j == 0)
+        def _reset():
+          if emulate_reset:
+            bases[0][...] = acc_ref[...]
+          else:
+            acc_ref[...] = jnp.zeros((bk, bn), jnp.float32)
+
+        _block_masks(x_smem, dy_smem, blk * br, start, end, m, br, bk, bn, tik, _cast)
+        a = plgpu.transpose_ref(x_smem, (1, 0)) if tik else x_smem
+        plgpu.wgmma(acc_ref, a, dy_smem)
+        plgpu.wgmma_wait(1)
+
+        @pl.when(j == steps - 1)
+        def _store():
+          plgpu.wgmma_wait(0)
+          acc = acc_ref[...]
+          if emulate_reset:
+            acc = acc - bases[0][...]
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read it
+          o_smem[...] = acc.astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)])
+
+      plgpu.emit_pipeline(
+          step, grid=(num_steps,),
+          in_specs=[
+              plgpu.BlockSpec((br, bk) if tik else (bk, br), x_index,
+                              transforms=tf(bk if tik else br), delay_release=1),
+              plgpu.BlockSpec((br, bn), dy_index, transforms=tf(bn), delay_release=1),
+          ],
+          max_concurrent_steps=cfg.num_stages,
+      )(lhs_ref, dout_ref)
+      plgpu.wgmma_wait(0)
+
+    @pl.when(num_steps > 0)
+    def _run():
+      pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  scratch = [plgpu.SMEM((bk, bn), out_dtype, transforms=tf(bn, jnp.dtype(out_dtype).itemsize))]
+  if emulate_reset:
+    scratch.append(plgpu.SMEM((bk, bn), jnp.float32))
+  return _compat.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
+      scratch_types=scratch,
+      grid=(num_ctas,),
+      grid_names=("sm",),
+      compiler_params=_compat.compiler_params(),
+      interpret=interpret,
+      name="jmoe_tgmm_xt" + ("_2cta" if cfg.ctas_per_sm == 2 else ""),
+  )
+
+
+def step_list(starts, ends, *, m: int, k_tiles: int, n_tiles: int, block_r: int,
+              num_ctas: int):
+  """The cross-tile tgmm's work split, built on device (no host sync).
+
+  Output tiles (items) lin = (g * k_tiles + ki) * n_tiles + ni go round-robin to the CTAs (CTA c
+  takes lin = c, c + num_ctas, ...); item lin has max(1, row blocks of expert g) steps. Returns
+  (cta_first_step [C], cta_num_steps [C], step_item [S], step_block [S]) with the steps of CTA c
+  at [cta_first_step[c], + cta_num_steps[c]) of the step arrays, in item order, step_block the
+  row block index within the expert. S = k_tiles * n_tiles * (cdiv(m, block_r) + E), a static
+  bound (an expert's rows span at most one block more than their count).
+  """
+  e = starts.shape[0]
+  nblk = jnp.where(ends > starts, (ends - 1) // block_r - starts // block_r + 1, 0)
+  steps_g = jnp.maximum(nblk, 1).astype(jnp.int32)
+  num_items = e * k_tiles * n_tiles
+  per_cta = -(-num_items // num_ctas)
+  slot = jnp.arange(num_ctas * per_cta, dtype=jnp.int32)     # CTA-major: c * per_cta + i
+  lin = (slot % per_cta) * num_ctas + slot // per_cta
+  valid = lin < num_items
+  steps = jnp.where(valid, steps_g[jnp.minimum(lin, num_items - 1) // (k_tiles * n_tiles)], 0)
+  ends_incl = jnp.cumsum(steps)
+  first = ends_incl - steps
+  cta_first = first.reshape(num_ctas, per_cta)[:, 0]
+  cta_steps = jnp.sum(steps.reshape(num_ctas, per_cta), axis=1, dtype=jnp.int32)
+  s_max = k_tiles * n_tiles * (-(-m // block_r) + e)
+  s = jnp.arange(s_max, dtype=jnp.int32)
+  owner = jnp.minimum(jnp.searchsorted(ends_incl, s, side="right"), num_ctas * per_cta - 1)
+  return (cta_first.astype(jnp.int32), cta_steps, lin[owner].astype(jnp.int32),
+          (s - first[owner]).astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "config", "interpret"))
@@ -221,9 +362,16 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   ends = jnp.minimum(jnp.cumsum(gs), m).astype(jnp.int32)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
   interp, nsm = _compat.launch_params(interpret)
-  kern = _build_tgmm(m=lhs.shape[0], k=k, n=n, e=e, dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg,
-                     num_sms=nsm, interpret=interp)
-  return kern(starts, ends, lhs if cfg.transpose_in_kernel else lhs.T, dout)
+  num_ctas = nsm * (1 if interpret else cfg.ctas_per_sm)
+  mp = lhs.shape[0]
+  kern = _build_tgmm(m=mp, k=k, n=n, e=e, dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg,
+                     num_sms=num_ctas, interpret=interp)
+  operands = (lhs if cfg.transpose_in_kernel else lhs.T, dout)
+  if cfg.cross_tile:
+    steps = step_list(starts, ends, m=mp, k_tiles=k // bk, n_tiles=n // bn, block_r=cfg.block_r,
+                      num_ctas=num_ctas)
+    return kern(starts, ends, *steps, *operands)
+  return kern(starts, ends, *operands)
 
 
 def tgmm_reference(lhs, dout, group_sizes):

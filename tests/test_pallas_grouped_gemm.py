@@ -574,20 +574,47 @@ def test_grouped_gemm_slot_tasks(rng, cfg):
 # ----------------------------------------------------------------------------- training path
 
 
+@pytest.mark.parametrize("cross_tile", [False, True], ids=["per_tile", "cross_tile"])
 @pytest.mark.parametrize("sizes", [[30, 0, 70, 5, 0], [30, 0, 70, 50, 0]],
                          ids=["rows_past_total", "total_is_m_not_block_multiple"])
-def test_tgmm(rng, sizes):
+def test_tgmm(rng, sizes, cross_tile):
   from pallas_kernels import tgmm as tg
   m, k, n = 150, 128, 128
   gs = jnp.array(sizes, jnp.int32)  # empty experts -> zeros; rows past the total ignored
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
-  cfg = tg.TgmmConfig(block_k=64, block_n=64, block_r=64, num_stages=2)
+  cfg = tg.TgmmConfig(block_k=64, block_n=64, block_r=64, num_stages=2, cross_tile=cross_tile)
   out = _call(tg.tgmm, x, dy, gs, config=cfg, out_dtype=jnp.float32)
   ref = np.asarray(tg.tgmm_reference(x, dy, gs))
   assert np.isfinite(out).all()
   assert _rel(out, ref) < 1e-5
   assert (out[1] == 0).all() and (out[4] == 0).all()
+
+
+@settings(max_examples=20)
+@given(sizes=st.lists(st.integers(0, 150), min_size=1, max_size=6),
+       tiles=st.tuples(st.integers(1, 3), st.integers(1, 3)), num_ctas=st.integers(1, 7))
+def test_tgmm_step_list(sizes, tiles, num_ctas):
+  """Every CTA's steps are its round-robin output tiles in order, each with max(1, row blocks
+  of its expert) consecutive block indices; the static step bound holds."""
+  from pallas_kernels import tgmm as tg
+  br = 64
+  m = max(sum(sizes), 1) + 10
+  k_tiles, n_tiles = tiles
+  gs = np.asarray(sizes, np.int64)
+  ends = np.cumsum(gs)
+  starts = ends - gs
+  first, count, item, blk = map(np.asarray, tg.step_list(
+      jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32), m=m, k_tiles=k_tiles,
+      n_tiles=n_tiles, block_r=br, num_ctas=num_ctas))
+  per_item = k_tiles * n_tiles
+  nblk = [max(1, (e_ - 1) // br - s_ // br + 1 if e_ > s_ else 0) for s_, e_ in zip(starts, ends)]
+  for c in range(num_ctas):
+    want = [(lin, j) for lin in range(c, len(sizes) * per_item, num_ctas)
+            for j in range(nblk[lin // per_item])]
+    got = list(zip(item[first[c]:first[c] + count[c]], blk[first[c]:first[c] + count[c]]))
+    assert got == want
+  assert count.sum() <= item.shape[0]
 
 
 def test_tgmm_config_validation_and_smem_fit():

@@ -107,8 +107,12 @@ def test_route_rejects_bad_input(rng):
     route.route(x, ids, 8, 4, (64,), interpret=True)
   with pytest.raises(ValueError, match="H=96"):
     route.route(_tokens(rng, 4, 96), ids, 8, 64, (64,), interpret=True)
-  assert not route.supports(route._MAX_SLOTS + 1, 64)
-  assert not route.supports(0, 64)
+  with pytest.raises(ValueError, match="512 experts"):
+    route.route(x, ids, 512, 64, (64,), interpret=True)
+  assert route.supports(route._MAX_SLOTS, 64, 256)
+  assert not route.supports(route._MAX_SLOTS + 1, 64, 8)
+  assert not route.supports(0, 64, 8)
+  assert not route.supports(8, 64, route._MAX_EXPERTS + 1)
 
 
 @pytest.mark.parametrize("t", [5, 150])
@@ -136,3 +140,29 @@ def test_fused_experts_route_kernels_equal_xla_route(rng, t):
   assert np.linalg.norm(outs["kernels"] - ref) / np.linalg.norm(ref) < 2e-2
   with pytest.raises(ValueError, match="route_impl"):
     pmoe.fused_experts(x, w13, w2, tw, ti, layout="sorted", route_impl="sort")
+
+
+def test_fused_experts_falls_back_to_jnp_routing(rng, monkeypatch, caplog):
+  """Without the Triton lowering (deprecated in jax 0.11), "auto" routes in jnp and says so."""
+  import logging
+  from pallas_kernels import _compat
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable")
+  route.available.cache_clear()
+  monkeypatch.setattr(route, "available", lambda: False)
+  called = []
+  monkeypatch.setattr(route, "route", lambda *a, **k: called.append(1))
+  t, k, e, h, n = 7, 2, 4, 64, 64  # shapes no other test traces (fused_experts is jitted)
+  x = _tokens(rng, t, h)
+  w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((e, n, h)) / 8, jnp.bfloat16)
+  tw, ti = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((t, e)))), k)
+  cfg = gg.GroupedGemmConfig(block_m=64, block_n=64, block_k=32, num_stages=2,
+                             warp_specialized=False)
+  with caplog.at_level(logging.DEBUG, logger="pallas_kernels.moe"):
+    out = pmoe.fused_experts(x, w13, w2, tw, ti, layout="sorted", config1=cfg, config2=cfg,
+                             interpret=_compat.interpret_params(detect_races=True))
+  assert not called
+  assert "route_impl=xla" in caplog.text and "unavailable" in caplog.text
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti), np.float32)
+  assert np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref) < 2e-2

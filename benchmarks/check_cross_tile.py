@@ -6,6 +6,11 @@ device µs. With --write-tables a correct cross-tile config >= 2 % faster goes i
 Exits 1 on a mismatch or a failure.
 
   PYTHONPATH=$PWD python3 benchmarks/check_cross_tile.py [--json out.json] [--write-tables]
+
+H200, jax 0.11.2, 2026-11-29 (device µs; per-tile 2 CTAs/SM -> cross-tile 2 CTAs -> cross-tile
+1 CTA 4 stages; every output bit-identical to the per-tile kernel's, 1.7e-3 from f32):
+  qwen3 dW13 348.7 -> 448.9 -> 523.3;  dW2 183.7 -> 259.0 -> 290.4
+  mixtral dW13 1425.8 -> 1918.7 -> 1968.1;  dW2 656.9 -> 903.4 -> 1008.8
 """
 from __future__ import annotations
 

@@ -48,7 +48,13 @@ class TgmmConfig:
   ctas_per_sm: int = 1
   # True: a CTA's output tiles run as one pipeline over their (tile, row block) steps (a step
   # list built on device), so the next tile's first blocks load while the current one finishes
-  # and no pipeline fills per tile (at qwen3 / 1024 tokens a tile has 1-3 row blocks).
+  # and no pipeline fills per tile (at qwen3 / 1024 tokens a tile has 1-3 row blocks). Correct
+  # (bit-identical to per-tile) but slower on an H200 (2026-11-29, 1024 tokens, µs, same
+  # config: qwen3 dW13 348.7 -> 448.9, dW2 183.7 -> 259.0; mixtral dW13 1425.8 -> 1918.7, dW2
+  # 656.9 -> 903.4; benchmarks/check_cross_tile.py), so no table uses it. Each step's index
+  # maps chain four dependent global-memory loads (step -> tile -> expert -> row range), which
+  # the per-tile kernel does once per tile; staging the step list in shared memory is the next
+  # thing to try.
   cross_tile: bool = False
 
   def __post_init__(self):

@@ -1,5 +1,6 @@
 """The contiguous MoE expert block on the Pallas kernels (a convenience for jmoe's Experts and the
-benchmarks): permute -> GEMM1 + activation -> GEMM2 (x router weight, + bias) -> gather-sum.
+benchmarks): route (sort by expert + token gather) -> GEMM1 + activation -> GEMM2 (+ bias) ->
+gather-sum x router weight.
 """
 from __future__ import annotations
 
@@ -61,10 +62,12 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
     lists and the token gather in two kernels, one up to 128 slots), "xla" (moe_align +
     tile_metadata in jnp, ~16 small XLA kernels, then permute_impl's gather) or "auto":
     "kernels" where route.supports the shape (<= 8192 slots, <= 256 experts) and the Triton
-    lowering imports,
-    else "xla" (and "xla" in interpret mode inside shard_map, where the interpreter's vma
-    check rejects the kernels' gathers). H200 (2026-11-29): qwen3 1024 tokens 348.5 vs 363.6 µs (routing 17.9 vs ~35
-    µs of kernels), 64 tokens 289.1 vs 299.5; mixtral 64 tokens 665.7 vs 679.5.
+    lowering imports, else "xla" (also in interpret mode inside shard_map, where the
+    interpreter's vma check rejects the kernels' gathers). H200 (2026-11-29): qwen3 1024
+    tokens 348.5 vs 363.6 µs (routing 17.9 vs ~35 µs of kernels), 64 tokens 289.1 vs 299.5;
+    mixtral 64 tokens 665.7 vs 679.5.
+  The router weights are applied in the final gather-sum (the sorted layout) or reduction
+  (per_slot), in f32, not in GEMM2's epilogue: no sorted copy of the weights is needed.
   """
   act = as_activation(activation)
   t, k = topk_ids.shape

@@ -1,6 +1,6 @@
-"""Experts on the Pallas Mosaic GPU grouped-GEMM kernels (Hopper): permute, GEMM1 with the
-activation fused, GEMM2 with the router weight and bias fused, gather-sum. They weight and
-reduce themselves, so finalize has nothing left to do.
+"""Experts on the Pallas Mosaic GPU grouped-GEMM kernels (Hopper): routing (sort + token
+gather), GEMM1 with the activation fused, GEMM2 with the bias fused, a gather-sum that applies
+the router weights. They weight and reduce themselves, so finalize has nothing left to do.
 
 Runs on sm90 GPUs; on other machines only in Pallas' GPU interpret mode (slow: tests), which
 `JMOE_PALLAS_INTERPRET=1` or `PallasExperts(interpret=True)` turns on.

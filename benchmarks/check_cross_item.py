@@ -18,9 +18,7 @@ Second version (the block's own configs, warp specialized: chained pipelines; al
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import sys
 
 import jax
@@ -28,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe import timing
-from jmoe.tune import TuneResult, default_config_dir, write_tables
+import check_common  # benchmarks/, the script's own directory
+from jmoe.tune import TuneResult
 from pallas_kernels import _compat
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels import permute
@@ -55,12 +54,8 @@ def _reference(xs, w, gs, gated):
 
 
 def main() -> int:
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--json", default=None)
-  ap.add_argument("--iters", type=int, default=5)
-  ap.add_argument("--write-tables", action="store_true")
-  args = ap.parse_args()
-  rows, ok, better = [], True, []
+  args = check_common.parse_args(__doc__.split("\n")[0])
+  rows, better = [], []
   for name, e, k, t, kdim, n, gated in PROBLEMS:
     keys = jax.random.split(jax.random.key(t + e), 4)
     x = jax.random.normal(keys[0], (t, kdim), jnp.float32).astype(jnp.bfloat16)
@@ -83,18 +78,16 @@ def main() -> int:
     for cross in (False, True):
       cfg = dataclasses.replace(base, cross_item=cross)
       rec = dict(problem=name, config=cfg.to_json())
-      try:
+
+      def measure(rec, cfg=cfg):
         f = run(cfg)
         out = np.asarray(f(xs, gs, w), np.float32)[:tot]
-        err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-        rec.update(err=err, us=timing.device_time(f, [(xs, gs, w)], iters=args.iters)[0])
-        ok &= err < 1e-2
-        if err < 1e-2:
-          timed[cross] = rec["us"]
-      except Exception as exc:  # noqa: BLE001 (a config that does not lower is a finding)
-        rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        ok = False
-      rows.append(rec)
+        rec["err"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        rec["us"] = timing.device_time(f, [(xs, gs, w)], iters=args.iters)[0]
+        return rec["err"] < 1e-2
+
+      if check_common.run_variant(rec, measure, rows):
+        timed[cross] = rec["us"]
       tag = (f"{cfg.block_m}x{cfg.block_n} {'ws' if cfg.warp_specialized else '1wg'} "
              f"{'cross-item' if cross else 'per-item  '}")
       print(f"{name:20s} {tag}: " + (f"{rec['us']:8.1f} us  err {rec['err']:.1e}"
@@ -103,15 +96,7 @@ def main() -> int:
       key = gg._tuned_key(e, n, kdim, jnp.bfloat16, _compat.device_kind(), gg._m_bucket(t * k))
       better.append(TuneResult(table, key, dataclasses.replace(base, cross_item=True).to_json(),
                                timed[True], 2, 0))
-  if args.write_tables and better:
-    note = f"check_cross_item.py, jax {jax.__version__}"
-    for path in write_tables(better, default_config_dir(), note):
-      print(f"wrote {path}")
-  if args.json:
-    with open(args.json, "w") as fh:
-      json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows), fh,
-                indent=1)
-  return 0 if ok else 1
+  return check_common.finish(args, "check_cross_item.py", rows, better)
 
 
 if __name__ == "__main__":

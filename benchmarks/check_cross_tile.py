@@ -14,9 +14,7 @@ H200, jax 0.11.2, 2026-11-29 (device µs; per-tile 2 CTAs/SM -> cross-tile 2 CTA
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import sys
 
 import jax
@@ -24,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe import timing
-from jmoe.tune import TuneResult, default_config_dir, write_tables
+import check_common  # benchmarks/, the script's own directory
+from jmoe.tune import TuneResult
 from pallas_kernels import _compat
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels import permute
@@ -51,12 +50,8 @@ def _rel(a, b):
 
 
 def main() -> int:
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--json", default=None)
-  ap.add_argument("--iters", type=int, default=5)
-  ap.add_argument("--write-tables", action="store_true")
-  args = ap.parse_args()
-  rows, ok, better = [], True, []
+  args = check_common.parse_args(__doc__.split("\n")[0])
+  rows, better = [], []
   for name, e, k, t, kdim, n in SHAPES:
     keys = jax.random.split(jax.random.key(t + e + n), 3)
     m = t * k
@@ -75,26 +70,22 @@ def main() -> int:
     per_tile_out, timed = None, {}
     for cfg in variants:
       rec = dict(problem=name, config=cfg.to_json())
-      try:
-        f = jax.jit(lambda a, b, g, cfg=cfg: tg.tgmm(a, b, g, config=cfg))
+
+      def measure(rec, cfg=cfg):
+        nonlocal per_tile_out
+        f = jax.jit(lambda a, b, g: tg.tgmm(a, b, g, config=cfg))
         out = f(x, dy, gs)
-        err = max(_rel(np.asarray(out[g], np.float32), ref[g]) for g in probe)
-        rec["err_f32"] = err
+        rec["err_f32"] = max(_rel(np.asarray(out[g], np.float32), ref[g]) for g in probe)
         if per_tile_out is None:
           per_tile_out = out
         else:
           rec["diff_vs_per_tile"] = float(jnp.max(jnp.abs(
               out.astype(jnp.float32) - per_tile_out.astype(jnp.float32))))
         rec["us"] = timing.device_time(f, [(x, dy, gs)], iters=args.iters)[0]
-        good = err < 1e-2 and rec.get("diff_vs_per_tile", 0.0) < 1e-2
-        ok &= good
-        if good:
-          timed[cfg] = rec["us"]
-        del out
-      except Exception as exc:  # noqa: BLE001 (a config that does not lower is a finding)
-        rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        ok = False
-      rows.append(rec)
+        return rec["err_f32"] < 1e-2 and rec.get("diff_vs_per_tile", 0.0) < 1e-2
+
+      if check_common.run_variant(rec, measure, rows):
+        timed[cfg] = rec["us"]
       tag = (f"{cfg.block_k}x{cfg.block_n} cps{cfg.ctas_per_sm} st{cfg.num_stages} "
              f"{'cross-tile' if cfg.cross_tile else 'per-tile  '}")
       print(f"{name:13s} {tag}: " + (
@@ -107,15 +98,7 @@ def main() -> int:
       if xt[best] < 0.98 * timed[base]:
         key = gg._tuned_key(e, n, kdim, jnp.bfloat16, _compat.device_kind(), gg._m_bucket(m))
         better.append(TuneResult("tgmm", key, best.to_json(), xt[best], len(variants), 0))
-  if args.write_tables and better:
-    for path in write_tables(better, default_config_dir(),
-                             f"check_cross_tile.py, jax {jax.__version__}"):
-      print(f"wrote {path}")
-  if args.json:
-    with open(args.json, "w") as fh:
-      json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows), fh,
-                indent=1)
-  return 0 if ok else 1
+  return check_common.finish(args, "check_cross_tile.py", rows, better)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""What the device check scripts (check_cross_item.py, check_cross_tile.py) share: their command
+line and their ending (winners into the tuned tables, the JSON record, the exit status)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+
+from jmoe.tune import default_config_dir, write_tables
+
+
+def parse_args(description: str) -> argparse.Namespace:
+  ap = argparse.ArgumentParser(description=description)
+  ap.add_argument("--json", default=None, help="write every timed variant here")
+  ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--write-tables", action="store_true",
+                  help="put the correct, faster configs into pallas_kernels/configs")
+  return ap.parse_args()
+
+
+def finish(args: argparse.Namespace, tool: str, rows: list, better: list) -> int:
+  """Writes the winners (jmoe.tune.TuneResult) when asked and the JSON record; 0 if every
+  variant ran and was correct, else 1 (so a device script can gate on it)."""
+  if args.write_tables and better:
+    for path in write_tables(better, default_config_dir(), f"{tool}, jax {jax.__version__}"):
+      print(f"wrote {path}")
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows), fh,
+                indent=1)
+  return 0 if all(r.get("correct") for r in rows) else 1
+
+
+def run_variant(rec: dict, measure, rows: list) -> bool:
+  """measure(rec) times one variant into rec and says whether it is correct (rec["correct"]);
+  rec is appended to rows. An exception (a config that does not lower is a finding) goes into
+  rec["error"] and counts as incorrect."""
+  rows.append(rec)
+  try:
+    rec["correct"] = bool(measure(rec))
+  except Exception as exc:  # noqa: BLE001
+    rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    rec["correct"] = False
+  return rec["correct"]

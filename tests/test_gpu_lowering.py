@@ -1,0 +1,77 @@
+"""The GPU programs lower on the CPU machine (jit(...).trace(...).lower(lowering_platforms=
+("cuda",))): the Mosaic GPU and Triton lowerings run here, at the presets' full sizes and with
+the H200's tuned tables in effect, so a kernel that only the GPU path would reject (a layout, a
+Triton op such as a 1-D concatenate, a shared-memory overrun at a tuned config) fails in CI
+rather than on the device. Nothing is executed.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _compat
+from pallas_kernels import moe as pmoe
+from pallas_kernels import route
+from pallas_kernels import tgmm as tg
+
+S = jax.ShapeDtypeStruct
+PRESETS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336),
+           "deepseek": (256, 8, 7168, 2048)}  # E, top-k, H, N
+
+
+@pytest.fixture
+def h200_tables(monkeypatch):
+  """Tuned-table lookups as on the H200 (device kind and jax minor version of the tables)."""
+  monkeypatch.setattr(_compat, "device_kind", lambda: "NVIDIA H200")
+  monkeypatch.setattr(_compat, "JAX_VERSION", (0, 11, 2))
+
+
+def _kernels(fn, *shapes) -> set:
+  text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  return set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
+
+
+@pytest.mark.parametrize("preset,t,expect", [
+    ("qwen3", 1, {"jmoe_gg_gated", "jmoe_gg_ws"}),                      # per_slot decode
+    ("qwen3", 1024, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),
+    ("mixtral", 4, {"jmoe_route_scatter_rows"}),                        # one routing kernel
+    ("deepseek", 64, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),
+])
+def test_fused_experts_lowers_for_gpu(h200_tables, preset, t, expect):
+  e, k, h, n = PRESETS[preset]
+  found = _kernels(lambda x, w13, w2, tw, ti: pmoe.fused_experts(x, w13, w2, tw, ti),
+                   S((t, h), jnp.bfloat16), S((e, h, 2 * n), jnp.bfloat16),
+                   S((e, n, h), jnp.bfloat16), S((t, k), jnp.float32), S((t, k), jnp.int32))
+  assert expect <= found, found
+  assert any(name.startswith("jmoe_gg_gated") for name in found), found
+  if t * k <= e // 4:  # the decode layout sorts nothing
+    assert not any("route" in name for name in found), found
+  if not route.available():  # pragma: no cover (a jax without the Triton lowering)
+    assert not any("route" in name for name in found)
+
+
+def test_training_path_lowers_for_gpu(h200_tables):
+  e, k, h, n = PRESETS["qwen3"]
+  t = 256
+
+  def loss(x, w13, w2, tw, ti):
+    return jnp.sum(pmoe.fused_experts_train(x, w13, w2, tw, ti).astype(jnp.float32))
+
+  found = _kernels(jax.grad(loss, argnums=(0, 1, 2, 3)), S((t, h), jnp.bfloat16),
+                   S((e, h, 2 * n), jnp.bfloat16), S((e, n, h), jnp.bfloat16),
+                   S((t, k), jnp.float32), S((t, k), jnp.int32))
+  assert any(name.startswith("jmoe_tgmm") for name in found), found
+  assert any(name.endswith("_rt") for name in found), found  # d lhs on transposed weights
+
+
+@pytest.mark.parametrize("cross_tile", [False, True])
+def test_tgmm_lowers_for_gpu(cross_tile):
+  cfg = tg.TgmmConfig(block_k=128, block_n=128, block_r=64, num_stages=2, ctas_per_sm=2,
+                      cross_tile=cross_tile)
+  found = _kernels(lambda a, b, g: tg.tgmm(a, b, g, config=cfg), S((8192, 2048), jnp.bfloat16),
+                   S((8192, 1536), jnp.bfloat16), S((128,), jnp.int32))
+  assert found == {"jmoe_tgmm_xt_2cta" if cross_tile else "jmoe_tgmm_2cta"}, found

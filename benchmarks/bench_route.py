@@ -23,20 +23,10 @@ import jax.numpy as jnp  # noqa: E402
 from jmoe import timing  # noqa: E402
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from pallas_kernels import moe as pmoe  # noqa: E402
-from pallas_kernels import permute as perm  # noqa: E402
 from pallas_kernels import route  # noqa: E402
 
 PRESETS = {"mixtral-8x7b": (8, 2, 4096), "qwen3-30b-a3b": (128, 8, 2048),
            "deepseek-v3": (256, 8, 7168)}  # E, k, H
-
-
-def jnp_route(x, ids, e, m_alloc, bm):
-  sort_order, gs, inv = perm.moe_align(ids, e)
-  n = ids.size
-  order = jnp.pad(sort_order, (0, m_alloc - n)) if m_alloc > n else sort_order
-  impl = pmoe._auto_gather_impl(n, x.shape[1])
-  xs = perm.permute_rows(x, order, ids.shape[1], impl=impl)
-  return xs, inv, gs, [gg.tile_metadata(gs, m_alloc, bm)]
 
 
 def main():
@@ -66,7 +56,7 @@ def main():
         _, ids = jax.lax.top_k(jax.random.normal(k2, (t, e)), k)
         sets.append((x, ids.astype(jnp.int32)))
       fns = {
-          "jnp": jax.jit(lambda x, i: jnp_route(x, i, e, m_alloc, args.block_m)),
+          "jnp": jax.jit(lambda x, i: pmoe.route_xla(x, i, e, m_alloc, (args.block_m,))),
           "two": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, (args.block_m,),
                                                   one_kernel_blocks=0)),
           "one": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, (args.block_m,),

@@ -277,26 +277,32 @@ def tile_metadata_from_bounds(starts: jax.Array, ends: jax.Array, block_m: int, 
   at 64 rows per expert that doubles the weight traffic). A tile may reach past the array end;
   the kernel shifts it back (its rows stay inside) and stores only [lo, hi).
   """
-  starts = starts.astype(jnp.int32)
-  ends = jnp.maximum(ends.astype(jnp.int32), starts)
+  rows, num_tasks = tile_rows(starts.astype(jnp.int32), ends.astype(jnp.int32), block_m,
+                              jnp.arange(t_max, dtype=jnp.int32))
+  return jnp.stack(rows), num_tasks.reshape(1)
+
+
+def tile_rows(starts: jax.Array, ends: jax.Array, block_m: int, t: jax.Array):
+  """Entries t [n] of tile_metadata_from_bounds' work list: ([group, tile, lo, hi] int32 [n]
+  each, num_tasks scalar); entries at and past num_tasks are zero. starts / ends int32 [G].
+  Only compare-reduces and one-hot picks (no gathers), so the routing kernels (Pallas on the
+  Triton lowering) build their tile lists with this same function."""
+  ends = jnp.maximum(ends, starts)
   g = starts.shape[0]
   base = starts - lax.rem(starts, 8)
   ntiles = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
   tile_end = jnp.cumsum(ntiles)
   tile_start = tile_end - ntiles
-  t = jnp.arange(t_max, dtype=jnp.int32)
   # group of task t = number of groups whose tasks all end at or before t (compare-sum: fuses)
-  e = jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1)
-  e = jnp.minimum(e, g - 1)
-  tile = base[e] + (t - tile_start[e]) * block_m
-  lo = jnp.maximum(starts[e], tile)
-  hi = jnp.minimum(ends[e], tile + block_m)
-  valid = t < tile_end[-1]
-  tile = jnp.where(valid, tile, 0)
-  lo = jnp.where(valid, lo, 0)
-  hi = jnp.where(valid, hi, 0)
-  meta = jnp.stack([e, tile, lo, hi]).astype(jnp.int32)
-  return meta, tile_end[-1:].astype(jnp.int32)
+  e = jnp.minimum(jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1), g - 1)
+  onehot = lax.broadcasted_iota(jnp.int32, (t.shape[0], g), 1) == e[:, None]
+  pick = lambda v: jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
+  tile = pick(base) + (t - pick(tile_start)) * block_m
+  lo = jnp.maximum(pick(starts), tile)
+  hi = jnp.minimum(pick(ends), tile + block_m)
+  num_tasks = jnp.sum(ntiles)
+  valid = t < num_tasks
+  return [jnp.where(valid, v, 0) for v in (e, tile, lo, hi)], num_tasks
 
 
 # ============================================================================ in-kernel activations

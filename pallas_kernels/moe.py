@@ -104,23 +104,17 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
                                and not (interpret and in_shard_map)) else "xla"
     log.debug("fused_experts: route_impl=%s (%d slots, H=%d, triton lowering %s)", route_impl,
               m, hdim, "available" if _route.available() else "unavailable")
+  if route_impl not in ("kernels", "xla"):
+    raise ValueError(f"route_impl={route_impl!r} must be 'auto', 'kernels' or 'xla'")
+  bms = (config1.block_m,) if config2.block_m == config1.block_m else (
+      config1.block_m, config2.block_m)
   if route_impl == "kernels":
-    bms = (config1.block_m,) if config2.block_m == config1.block_m else (
-        config1.block_m, config2.block_m)
     xs, inv, group_sizes, metas = _route.route(x, topk_ids, e, m_alloc, bms,
                                                interpret=interpret)
-    meta1, meta2 = metas[0], metas[-1]
-  elif route_impl == "xla":
-    sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
-    order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
-    if permute_impl == "auto":
-      permute_impl = _auto_gather_impl(m, hdim)
-    xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret)
-    meta1 = gg.tile_metadata(group_sizes, m_alloc, config1.block_m)
-    meta2 = meta1 if config2.block_m == config1.block_m else gg.tile_metadata(
-        group_sizes, m_alloc, config2.block_m)
   else:
-    raise ValueError(f"route_impl={route_impl!r} must be 'auto', 'kernels' or 'xla'")
+    xs, inv, group_sizes, metas = route_xla(x, topk_ids, e, m_alloc, bms,
+                                            permute_impl=permute_impl, interpret=interpret)
+  meta1, meta2 = metas[0], metas[-1]
   gg._validate(xs, w13, group_sizes, None, w13_bias, n13, gated=act.is_gated)
   h = gg._run(xs, w13, group_sizes, None, w13_bias, None, config1, interpret, act.is_gated, act,
               "", meta=meta1)
@@ -129,6 +123,23 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
               meta=meta2)
   # the router weights are applied in the reduction (no sorted copy of them, no row scale)
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=x.dtype)
+
+
+def route_xla(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
+              block_ms, *, permute_impl: str = "auto", interpret: Any = False):
+  """pallas_kernels.route.route's results from the jnp path: moe_align, the token gather
+  (permute_impl: "xla", "pallas" or "auto", see fused_experts) and tile_metadata per block_m.
+  Returns (xs [m_alloc, H], inv [T, k], group_sizes [E], [(meta, num_tasks) per block_m]); xs
+  rows past T*k repeat token 0."""
+  t, k = topk_ids.shape
+  m = t * k
+  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, num_experts)
+  order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
+  if permute_impl == "auto":
+    permute_impl = _auto_gather_impl(m, x.shape[1])
+  xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret)
+  metas = [gg.tile_metadata(group_sizes, m_alloc, bm) for bm in block_ms]
+  return xs, inv, group_sizes, metas
 
 
 def _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config1, config2,

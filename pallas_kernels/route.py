@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels import grouped_gemm as gg
 
 BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels
@@ -113,29 +114,6 @@ def _block_counts(ids: jax.Array, e: int, ep: int, interpret: bool):
       name="jmoe_route_block_counts",
   )
   return call(ids)
-
-
-def _tile_lists(starts, sizes, block_m: int, t0, tc: int):
-  """Tasks [t0, t0 + tc) of the tile work list of groups at rows [starts, starts + sizes) for
-  one block_m, as grouped_gemm.tile_metadata_from_bounds computes it: ([group, tile, lo, hi]
-  rows [tc] each, num_tasks scalar). starts/sizes [ep] (zero sizes past the real groups)."""
-  ep = starts.shape[0]
-  base = starts - lax.rem(starts, 8)
-  ntiles = jnp.where(sizes > 0, (starts + sizes - base + block_m - 1) // block_m, 0)
-  tile_end = jnp.cumsum(ntiles)
-  tile_start = tile_end - ntiles
-  t = t0 + lax.broadcasted_iota(jnp.int32, (tc,), 0)
-  # the group of task t: groups whose tasks all end at or before t
-  g = jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1)
-  g = jnp.minimum(g, ep - 1)
-  onehot = lax.broadcasted_iota(jnp.int32, (tc, ep), 1) == g[:, None]
-  pick = lambda v: jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
-  tile = pick(base) + (t - pick(tile_start)) * block_m
-  lo = jnp.maximum(pick(starts), tile)
-  hi = jnp.minimum(pick(starts + sizes), tile + block_m)
-  num_tasks = jnp.sum(ntiles)
-  valid = t < num_tasks
-  return [jnp.where(valid, v, 0) for v in (g, tile, lo, hi)], num_tasks
 
 
 def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
@@ -240,7 +218,8 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
       @pl.when((b >= q0) & (b < q0 + nq) & (c == 0))
       def _tiles(bm=bm, q0=q0, m_ref=m_ref, nt_ref=nt_ref):
         t0 = pl.multiple_of((b - q0) * _TASKS, _TASKS)
-        rows, num_tasks = _tile_lists(offsets, sizes, bm, t0, _TASKS)
+        rows, num_tasks = gg.tile_rows(offsets, offsets + sizes, bm,
+                                       t0 + lax.broadcasted_iota(jnp.int32, (_TASKS,), 0))
         for i, v in enumerate(rows):
           m_ref[i, pl.ds(t0, _TASKS)] = v
 

@@ -99,10 +99,10 @@ def get_tgmm_config(m: int, k: int, n: int, num_groups: int, dtype) -> TgmmConfi
   return gg.tuned_config("tgmm", TgmmConfig, m, n, k, num_groups, dtype) or DEFAULT_CONFIG
 
 
-def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, interpret):
+def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, interpret):
   if cfg.cross_tile:
     return _build_tgmm_cross_tile(m=m, k=k, n=n, e=e, dtype=dtype, out_dtype=out_dtype, cfg=cfg,
-                                  num_ctas=num_sms, interpret=interpret)
+                                  num_ctas=num_ctas, interpret=interpret)
   bk, bn, br = cfg.block_k, cfg.block_n, cfg.block_r
   k_tiles, n_tiles = k // bk, n // bn
   itemsize = jnp.dtype(dtype).itemsize
@@ -167,7 +167,7 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_sms, inter
       out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
       scratch_types=[plgpu.SMEM((bk, bn), out_dtype,
                                 transforms=tf(bn, jnp.dtype(out_dtype).itemsize))],
-      grid=(num_sms,),
+      grid=(num_ctas,),
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(),
       interpret=interpret,
@@ -371,7 +371,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   num_ctas = nsm * (1 if interpret else cfg.ctas_per_sm)
   mp = lhs.shape[0]
   kern = _build_tgmm(m=mp, k=k, n=n, e=e, dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg,
-                     num_sms=num_ctas, interpret=interp)
+                     num_ctas=num_ctas, interpret=interp)
   operands = (lhs if cfg.transpose_in_kernel else lhs.T, dout)
   if cfg.cross_tile:
     steps = step_list(starts, ends, m=mp, k_tiles=k // bk, n_tiles=n // bn, block_r=cfg.block_r,

@@ -1,8 +1,9 @@
-"""What the device check scripts (check_cross_item.py, check_cross_tile.py) share: their command
+"""What the device check scripts (check_cross_item.py, check_tgmm.py) share: their command
 line and their ending (winners into the tuned tables, the JSON record, the exit status)."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 
 import jax
@@ -10,8 +11,11 @@ import jax
 from jmoe.tune import default_config_dir, write_tables
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, extra=()) -> argparse.Namespace:
+  """The shared options, plus extra: (flag, add_argument keywords) pairs."""
   ap = argparse.ArgumentParser(description=description)
+  for flag, kw in extra:
+    ap.add_argument(flag, **kw)
   ap.add_argument("--json", default=None, help="write every timed variant here")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--write-tables", action="store_true",
@@ -23,7 +27,8 @@ def finish(args: argparse.Namespace, tool: str, rows: list, better: list) -> int
   """Writes the winners (jmoe.tune.TuneResult) when asked and the JSON record; 0 if every
   variant ran and was correct, else 1 (so a device script can gate on it)."""
   if args.write_tables and better:
-    for path in write_tables(better, default_config_dir(), f"{tool}, jax {jax.__version__}"):
+    note = f"{tool}, {datetime.date.today().isoformat()}, jax {jax.__version__}"
+    for path in write_tables(better, default_config_dir(), note):
       print(f"wrote {path}")
   if args.json:
     with open(args.json, "w") as fh:

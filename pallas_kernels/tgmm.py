@@ -4,8 +4,10 @@
 
 (rows sorted by group, as in grouped_gemm; experts with no rows get zeros; rows past
 sum(group_sizes) are ignored). Mosaic GPU: a persistent grid over (expert, K tile, N tile); the
-contraction runs over the expert's own row blocks only (pipelined TMA, wgmma with a transposed
-lhs tile); the first/last row block of an expert has its foreign rows zeroed in SMEM.
+contraction runs over the expert's own rows only, in blocks that start at its first row
+(pipelined TMA, wgmma with a transposed lhs tile); the last block's foreign rows are zeroed in
+SMEM. Optionally warp specialized: a TMA warpgroup and two compute warpgroups sharing the dout
+tiles.
 
 ``gmm(lhs, rhs, group_sizes)`` is grouped_gemm with a ``jax.custom_vjp``: d lhs = gmm(dout, rhs^T)
 (the forward kernel on transposed weights) and d rhs = tgmm(lhs, dout), so ``jax.grad`` runs on
@@ -30,8 +32,8 @@ from pallas_kernels import grouped_gemm as gg
 
 @dataclasses.dataclass(frozen=True)
 class TgmmConfig:
-  """block_k: output rows (K) per tile (64/128); block_n: output cols per tile (multiple of 64);
-  block_r: contraction rows per pipeline step (64); num_stages: pipeline depth."""
+  """block_k: output rows (K) per warpgroup (64/128); block_n: output cols per tile (multiple of
+  64); block_r: contraction rows per pipeline step (64/128); num_stages: pipeline depth."""
   block_k: int = 128
   block_n: int = 128
   block_r: int = 64
@@ -46,15 +48,17 @@ class TgmmConfig:
   # loads and its epilogue store every few steps; a second CTA (shared memory halved: stages
   # are refitted) computes meanwhile.
   ctas_per_sm: int = 1
-  # True: a CTA's output tiles run as one pipeline over their (tile, row block) steps (a step
-  # list built on device), so the next tile's first blocks load while the current one finishes
-  # and no pipeline fills per tile (at qwen3 / 1024 tokens a tile has 1-3 row blocks). Correct
-  # (bit-identical to per-tile) but slower on an H200 (2026-11-29, 1024 tokens, µs, same
-  # config: qwen3 dW13 348.7 -> 448.9, dW2 183.7 -> 259.0; mixtral dW13 1425.8 -> 1918.7, dW2
-  # 656.9 -> 903.4; benchmarks/check_cross_tile.py), so no table uses it. Each step's index
-  # maps chain four dependent global-memory loads (step -> tile -> expert -> row range), which
-  # the per-tile kernel does once per tile; staging the step list in shared memory is the next
-  # thing to try.
+  # True: one TMA warpgroup feeds two compute warpgroups that share each row block's dout
+  # tile, each computing block_k output rows: a CTA tile is (2 * block_k) x block_n, so dout is
+  # read from L2 half as often per output element. The TMA warpgroup issues the next tile's
+  # loads while the compute warpgroups store the current one.
+  warp_specialized: bool = False
+  # True: one software pipeline over all of a CTA's (output tile, row block) steps, its TMA
+  # loads issued by hand num_stages - 1 steps ahead, across tile boundaries: the next tile's
+  # first blocks load while this one computes and stores, and no pipeline fills or drains per
+  # tile (qwen3 at 1024 tokens: 1-2 row blocks per tile). Expert bounds are staged in SMEM
+  # (the step -> tile arithmetic reads them every step; global loads there made the
+  # emit_pipeline version of this schedule 29-42 % slower than per-tile, 2026-11-29).
   cross_tile: bool = False
 
   def __post_init__(self):
@@ -68,6 +72,15 @@ class TgmmConfig:
       raise ValueError("num_stages must be >= 2")
     if self.ctas_per_sm not in (1, 2):
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
+    if self.warp_specialized and self.ctas_per_sm != 1:
+      raise ValueError("warp_specialized=True needs ctas_per_sm=1 (registers)")
+    if self.warp_specialized and self.cross_tile:
+      raise ValueError("cross_tile=True runs one warpgroup (warp_specialized=False)")
+
+  @property
+  def tile_k(self) -> int:
+    """Output rows of one CTA tile."""
+    return self.block_k * (2 if self.warp_specialized else 1)
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -81,8 +94,16 @@ def _smem_limit(ctas_per_sm: int) -> int:
   return min(_SMEM_LIMIT, _SMEM_PER_SM // ctas_per_sm - 1024)
 
 
-def _smem_bytes(bk, bn, br, stages, itemsize, out_itemsize):
-  return stages * (br * bk + br * bn) * itemsize + bk * bn * out_itemsize
+def _smem_bytes(tk, bn, br, stages, itemsize, out_itemsize, num_groups=0):
+  """A CTA's shared memory: the pipeline's lhs and dout tiles, the output tile (and for the
+  cross-tile pipeline the experts' row bounds, padded)."""
+  return (stages * (br * tk + br * bn) * itemsize + tk * bn * out_itemsize
+          + 2 * _pad_groups(num_groups) * 4)
+
+
+def _pad_groups(e: int) -> int:
+  """Expert count padded so that a row of int32 bounds is a whole number of 16-byte TMA units."""
+  return -(-e // 4) * 4
 
 
 # The default when no tuned entry matches (benchmarks may swap it for a sweep's best): the H200
@@ -99,147 +120,241 @@ def get_tgmm_config(m: int, k: int, n: int, num_groups: int, dtype) -> TgmmConfi
   return gg.tuned_config("tgmm", TgmmConfig, m, n, k, num_groups, dtype) or DEFAULT_CONFIG
 
 
+class _Tile:
+  """One output tile (expert g, K tile ki, N tile ni) and its row blocks.
+
+  Block j covers rows [base + j * block_r, + block_r), base = the expert's first row rounded
+  down to a multiple of `align` (TMA offsets into a tiled SMEM layout must be multiples of the
+  tile: 8 rows when rows are the major dimension): an expert of s rows is about cdiv(s,
+  block_r) steps, wherever it starts. Rows of a loaded block that are not the block's own rows
+  of the expert are zeroed in lhs (_mask_lhs); rows past the array read as zeros (TMA fills
+  them; in interpret mode the wrapper pads the arrays with block_r zero rows)."""
+
+  def __init__(self, lin, starts_ref, ends_ref, *, k_tiles, n_tiles, block_r, align):
+    self.g = lax.div(lin, jnp.int32(k_tiles * n_tiles))
+    rem = lax.rem(lin, jnp.int32(k_tiles * n_tiles))
+    self.ki = lax.div(rem, jnp.int32(n_tiles))
+    self.ni = lax.rem(rem, jnp.int32(n_tiles))
+    self.start = starts_ref[self.g]
+    self.end = ends_ref[self.g]
+    self._base = lax.div(self.start, jnp.int32(align)) * align
+    self.num_blocks = jnp.where(
+        self.end > self.start,
+        lax.div(self.end - self._base + (block_r - 1), jnp.int32(block_r)), 0)
+    self._br, self._align = block_r, align
+
+  def rows(self, j):
+    """(first own row of block j, the row block j is loaded from: a multiple of align)."""
+    r0 = pl.multiple_of(self._base + j * self._br, self._align)
+    return jnp.maximum(r0, self.start), r0
+
+
+def _row_align(tik, interpret) -> int:
+  """Row-block offsets: multiples of the SMEM tile (8 rows; 64 elements when rows are lhs's
+  minor dimension, XLA having transposed it). The interpreter has no tiles; it runs the GPU
+  default's arithmetic."""
+  return 8 if tik or interpret is not None else 64
+
+
+def _mask_lhs(x_smem, r0, lo, end, *, br, tik, cast):
+  """Zero the lhs rows of a loaded row block (first row r0) outside [lo, end). Their products
+  then vanish for any finite dout row (dout rows past every expert must be finite: jmoe's
+  callers pass zeros there)."""
+  @pl.when((r0 < lo) | (r0 + br > end))
+  def _mask():
+    shape = x_smem.shape
+    rows = cast(lax.broadcasted_iota(jnp.int32, shape, 0 if tik else 1), plgpu.Layout.WGMMA)
+    ok = (rows + r0 >= lo) & (rows + r0 < end)
+    x_smem[...] = jnp.where(ok, x_smem[...], jnp.zeros_like(x_smem[...]))
+    plgpu.commit_smem()
+
+
 def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, interpret):
+  """The kernel for rows sorted by expert: operands (starts [E], ends [E], lhs [m, K] (or
+  [K, m] when not transpose_in_kernel), dout [m, N]) -> [E, K, N]. A persistent grid walks the
+  output tiles; each runs a pipeline over its expert's row blocks."""
   if cfg.cross_tile:
     return _build_tgmm_cross_tile(m=m, k=k, n=n, e=e, dtype=dtype, out_dtype=out_dtype, cfg=cfg,
                                   num_ctas=num_ctas, interpret=interpret)
-  bk, bn, br = cfg.block_k, cfg.block_n, cfg.block_r
-  k_tiles, n_tiles = k // bk, n // bn
+  bk, bn, br, tk = cfg.block_k, cfg.block_n, cfg.block_r, cfg.tile_k
+  k_tiles, n_tiles = k // tk, n // bn
   itemsize = jnp.dtype(dtype).itemsize
+  out_isz = jnp.dtype(out_dtype).itemsize
+  tik = cfg.transpose_in_kernel
+  ws = cfg.warp_specialized
+  nwg = 2 if ws else 1
+  _cast = _compat.layout_cast(interpret)
 
   def tf(minor, isz=itemsize):
     return _compat.smem_transforms(minor, isz)
 
-  _cast = _compat.layout_cast(interpret)
+  align = _row_align(tik, interpret)
 
-  tik = cfg.transpose_in_kernel
+  def tile_of(lin, starts_ref, ends_ref):
+    return _Tile(lin, starts_ref, ends_ref, k_tiles=k_tiles, n_tiles=n_tiles, block_r=br,
+                 align=align)
 
-  def body(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, o_smem):
+  def in_specs(row, ki, ni, **kw):
+    """BlockSpecs of the lhs and dout tiles: step j loads rows [row(j), row(j) + block_r)."""
+    x_spec = (plgpu.BlockSpec((pl.Element(br), tk), lambda j: (row(j), ki), transforms=tf(tk),
+                              **kw) if tik else
+              plgpu.BlockSpec((tk, pl.Element(br)), lambda j: (ki, row(j)), transforms=tf(br),
+                              **kw))
+    dy_spec = plgpu.BlockSpec((pl.Element(br), bn), lambda j: (row(j), ni), transforms=tf(bn),
+                              **kw)
+    return [x_spec, dy_spec]
+
+  def tile_specs(t: _Tile, **kw):
+    return in_specs(lambda j: t.rows(j)[1], t.ki, t.ni, **kw)
+
+  def mma(t: _Tile, j, acc_ref, x_smem, dy_smem, wg):
+    """acc += (this warpgroup's lhs columns of block j)^T @ dout block j."""
+    lo, r0 = t.rows(j)
+    xw = x_smem
+    if ws:
+      xw = x_smem.at[:, pl.ds(wg * bk, bk)] if tik else x_smem.at[pl.ds(wg * bk, bk), :]
+    _mask_lhs(xw, r0, lo, t.end, br=br, tik=tik, cast=_cast)
+    plgpu.wgmma(acc_ref, plgpu.transpose_ref(xw, (1, 0)) if tik else xw, dy_smem)
+
+  def store(t: _Tile, acc, o_smem, out_ref, wg):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read o_smem
+    o_smem[...] = acc.astype(out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        o_smem, out_ref.at[t.g, pl.ds(t.ki * tk + wg * bk, bk), pl.ds(t.ni * bn, bn)])
+
+  def body(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, o_smem, *allocs):
     @plgpu.nd_loop((e * k_tiles * n_tiles,), collective_axes="sm")
     def _loop(info):
       (lin,) = info.index
-      g = lax.div(lin, jnp.int32(k_tiles * n_tiles))
-      rem = lax.rem(lin, jnp.int32(k_tiles * n_tiles))
-      ki = lax.div(rem, jnp.int32(n_tiles))
-      ni = lax.rem(rem, jnp.int32(n_tiles))
-      start = starts_ref[g]
-      end = ends_ref[g]
-      first_blk = lax.div(start, jnp.int32(br))
-      nblk = jnp.where(end > start, lax.div(end - 1, jnp.int32(br)) - first_blk + 1, 0)
+      t = tile_of(lin, starts_ref, ends_ref)
+
+      if ws:
+        def mma_body(idx, x_smem, dy_smem, acc_ref):
+          mma(t, idx[0], acc_ref, x_smem, dy_smem, lax.axis_index("wg"))
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        def compute_context(eval_pipeline):
+          def scope(acc_ref):
+            acc = eval_pipeline(acc_ref)
+            wg = lax.axis_index("wg")
+            store(t, acc[...], o_smem.at[wg], out_ref, wg)
+          pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
+
+        plgpu.emit_pipeline_warp_specialized(
+            mma_body, grid=(t.num_blocks,), memory_registers=40, in_specs=tile_specs(t),
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
+            compute_context=compute_context)(lhs_ref, dout_ref, allocations=allocs[0])
+        return
 
       def acc_scope(acc_ref):
         def step(idx, x_smem, dy_smem):
-          (j,) = idx
-          r0 = (first_blk + j) * br
-
-          _block_masks(x_smem, dy_smem, r0, start, end, m, br, bk, bn, tik, _cast)
-          a = plgpu.transpose_ref(x_smem, (1, 0)) if tik else x_smem
-          plgpu.wgmma(acc_ref, a, dy_smem)
+          mma(t, idx[0], acc_ref, x_smem, dy_smem, 0)
           # one wgmma stays in flight; delay_release keeps its SMEM slots until the next step
           plgpu.wgmma_wait(1)
 
-        plgpu.emit_pipeline(
-            step, grid=(nblk,),
-            in_specs=[
-                (plgpu.BlockSpec((br, bk), lambda j: (first_blk + j, ki), transforms=tf(bk),
-                                 delay_release=1)
-                 if tik else
-                 plgpu.BlockSpec((bk, br), lambda j: (ki, first_blk + j), transforms=tf(br),
-                                 delay_release=1)),
-                plgpu.BlockSpec((br, bn), lambda j: (first_blk + j, ni), transforms=tf(bn),
-                                delay_release=1),
-            ],
-            max_concurrent_steps=cfg.num_stages,
-        )(lhs_ref, dout_ref)
+        plgpu.emit_pipeline(step, grid=(t.num_blocks,), in_specs=tile_specs(t, delay_release=1),
+                            max_concurrent_steps=cfg.num_stages)(lhs_ref, dout_ref)
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
-      acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem[...] = acc.astype(out_dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)])
+      store(t, pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32)), o_smem,
+            out_ref, 0)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
+  scratch = [plgpu.SMEM((nwg, bk, bn) if ws else (bk, bn), out_dtype, transforms=tf(bn, out_isz))]
+  extra = {}
+  if ws:
+    # the allocations depend on the block shapes and stages only (a static grid of `stages`
+    # steps keeps the pipeline from shrinking its buffers)
+    ignore = lambda *_, **__: None
+    pipe = plgpu.emit_pipeline_warp_specialized(
+        ignore, grid=(cfg.num_stages,), memory_registers=40, in_specs=in_specs(lambda j: j * br, 0, 0),
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
+        compute_context=ignore)
+    lhs_shape = (m, k) if tik else (k, m)
+    scratch.append(pipe.get_allocations(jax.ShapeDtypeStruct(lhs_shape, dtype),
+                                        jax.ShapeDtypeStruct((m, n), dtype)))
+    extra = dict(num_threads=3, thread_name="wg")
   return _compat.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
-      scratch_types=[plgpu.SMEM((bk, bn), out_dtype,
-                                transforms=tf(bn, jnp.dtype(out_dtype).itemsize))],
+      scratch_types=scratch,
       grid=(num_ctas,),
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(),
       interpret=interpret,
-      name="jmoe_tgmm" + ("_2cta" if cfg.ctas_per_sm == 2 else ""),
+      name="jmoe_tgmm" + ("_ws" if ws else "") + ("_2cta" if cfg.ctas_per_sm == 2 else ""),
+      **extra,
   )
-
-
-def _block_masks(x_smem, dy_smem, r0, start, end, m, br, bk, bn, tik, cast):
-  """Zero the lhs rows of a row block that belong to a neighbouring expert (first/last block:
-  their products vanish whatever dy holds there) and, for the array's last block reaching past
-  M, the dy rows there (TMA fills them with zeros on the GPU, the interpreter with NaN)."""
-  @pl.when((r0 < start) | (r0 + br > end))
-  def _mask():
-    xshape, xdim = ((br, bk), 0) if tik else ((bk, br), 1)
-    rows_x = cast(lax.broadcasted_iota(jnp.int32, xshape, xdim), plgpu.Layout.WGMMA)
-    ok_x = (rows_x + r0 >= start) & (rows_x + r0 < end)
-    x_smem[...] = jnp.where(ok_x, x_smem[...], jnp.zeros_like(x_smem[...]))
-    plgpu.commit_smem()
-
-  @pl.when(r0 + br > m)
-  def _mask_tail():
-    rows_y = cast(lax.broadcasted_iota(jnp.int32, (br, bn), 0), plgpu.Layout.WGMMA)
-    dy_smem[...] = jnp.where(rows_y + r0 < m, dy_smem[...], jnp.zeros_like(dy_smem[...]))
-    plgpu.commit_smem()
 
 
 def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas,
                            interpret):
-  """tgmm with one pipeline per CTA over its steps (see step_list): operands
-  (starts, ends, cta_first_step, cta_num_steps, step_item, step_block, lhs, dout)."""
-  bk, bn, br = cfg.block_k, cfg.block_n, cfg.block_r
+  """The cross-tile pipeline: operands (bounds [2, E padded] = starts / ends, lhs, dout).
+
+  CTA c owns the tiles lin = c, c + num_ctas, ...; tile i has max(1, row blocks) steps (an
+  empty expert's tile is one fully masked step, so its zeros get written). Step s waits for
+  its slot, masks, issues its wgmma, waits for step s - 1's (one stays in flight), then loads
+  step s + stages - 1 into the slot step s - 1 read; the tile's last step stores it.
+  """
+  bk, bn, br, st = cfg.block_k, cfg.block_n, cfg.block_r, cfg.num_stages
   k_tiles, n_tiles = k // bk, n // bn
-  last_blk = pl.cdiv(m, br) - 1
+  num_tiles = e * k_tiles * n_tiles
   tik = cfg.transpose_in_kernel
+  align = _row_align(tik, interpret)
+  itemsize = jnp.dtype(dtype).itemsize
   _cast = _compat.layout_cast(interpret)
   # GPU interpret mode cannot store into a wgmma accumulator (as in grouped_gemm's cross-item
   # pipeline): there a tile's starting value is kept in SMEM and subtracted.
   emulate_reset = interpret is not None
+  x_block = (br, bk) if tik else (bk, br)
 
-  def tf(minor, isz=jnp.dtype(dtype).itemsize):
-    return _compat.smem_transforms(minor, isz)
-
-  def body(starts_ref, ends_ref, first_ref, count_ref, item_ref, blk_ref, lhs_ref, dout_ref,
-           out_ref, o_smem, *bases):
+  def body(bounds_ref, lhs_ref, dout_ref, out_ref, x_buf, dy_buf, o_smem, bounds_smem, bars,
+           bounds_bar, *bases):
     cta = lax.axis_index("sm")
-    s0 = first_ref[cta]
-    num_steps = count_ref[cta]
+    plgpu.copy_gmem_to_smem(bounds_ref, bounds_smem, bounds_bar.at[0])
+    plgpu.barrier_wait(bounds_bar.at[0])
+    my_tiles = lax.div(num_tiles - cta + num_ctas - 1, num_ctas)
 
-    def info(s):
-      lin = item_ref[s0 + s]
-      g = lax.div(lin, jnp.int32(k_tiles * n_tiles))
-      rem = lax.rem(lin, jnp.int32(k_tiles * n_tiles))
-      start, end = starts_ref[g], ends_ref[g]
-      nblk = jnp.where(end > start, lax.div(end - 1, jnp.int32(br)) - lax.div(start, jnp.int32(br))
-                       + 1, 0)
-      # an expert without rows still has one (fully masked) step: its tile is written as zeros
-      blk = jnp.minimum(lax.div(start, jnp.int32(br)) + blk_ref[s0 + s], last_blk)
-      return (g, lax.div(rem, jnp.int32(n_tiles)), lax.rem(rem, jnp.int32(n_tiles)), start, end,
-              blk, blk_ref[s0 + s], jnp.maximum(nblk, 1))
+    def tile(i):
+      t = _Tile(cta + i * num_ctas, bounds_smem.at[0], bounds_smem.at[1], k_tiles=k_tiles,
+                n_tiles=n_tiles, block_r=br, align=align)
+      return t, jnp.maximum(t.num_blocks, 1)
 
-    def x_index(s):
-      _, ki, _, _, _, blk, _, _ = info(s)
-      return (blk, ki) if tik else (ki, blk)
+    def advance(i, j):
+      """The step after (tile i, block j)."""
+      last = j + 1 >= tile(i)[1]
+      return jnp.where(last, i + 1, i), jnp.where(last, 0, j + 1)
 
-    def dy_index(s):
-      _, _, ni, _, _, blk, _, _ = info(s)
-      return blk, ni
+    total = lax.fori_loop(0, my_tiles, lambda i, acc: acc + tile(i)[1], jnp.int32(0))
 
-    def acc_scope(acc_ref):
-      def step(idx, x_smem, dy_smem):
-        (s,) = idx
-        g, ki, ni, start, end, blk, j, steps = info(s)
+    def fetch(s, i, j):
+      @pl.when(s < total)
+      def _fetch():
+        t, _ = tile(i)
+        r0 = t.rows(j)[1]
+        slot = lax.rem(s, st)
+        x_src = (lhs_ref.at[pl.ds(r0, br), pl.ds(t.ki * bk, bk)] if tik else
+                 lhs_ref.at[pl.ds(t.ki * bk, bk), pl.ds(r0, br)])
+        plgpu.copy_gmem_to_smem(x_src, x_buf.at[slot], bars.at[slot])
+        plgpu.copy_gmem_to_smem(dout_ref.at[pl.ds(r0, br), pl.ds(t.ni * bn, bn)],
+                                dy_buf.at[slot], bars.at[slot])
+
+    def prologue(s, ij):
+      fetch(s, *ij)
+      return advance(*ij)
+
+    fetch_at = lax.fori_loop(0, st - 1, prologue, (jnp.int32(0), jnp.int32(0)))
+
+    def scope(acc_ref):
+      def step(s, carry):
+        i, j, fi, fj = carry
+        slot = lax.rem(s, st)
+        plgpu.barrier_wait(bars.at[slot])
+        t, steps = tile(i)
 
         @pl.when(j == 0)
         def _reset():
@@ -248,10 +363,13 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
           else:
             acc_ref[...] = jnp.zeros((bk, bn), jnp.float32)
 
-        _block_masks(x_smem, dy_smem, blk * br, start, end, m, br, bk, bn, tik, _cast)
-        a = plgpu.transpose_ref(x_smem, (1, 0)) if tik else x_smem
-        plgpu.wgmma(acc_ref, a, dy_smem)
-        plgpu.wgmma_wait(1)
+        lo, r0 = t.rows(j)
+        x_smem = x_buf.at[slot]
+        _mask_lhs(x_smem, r0, lo, t.end, br=br, tik=tik, cast=_cast)
+        plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)) if tik else x_smem,
+                    dy_buf.at[slot])
+        plgpu.wgmma_wait(1)  # step s - 1's wgmma is done: its slot takes step s + st - 1
+        fetch(s + st - 1, fi, fj)
 
         @pl.when(j == steps - 1)
         def _store():
@@ -262,26 +380,26 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read it
           o_smem[...] = acc.astype(out_dtype)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)])
+          plgpu.copy_smem_to_gmem(
+              o_smem, out_ref.at[t.g, pl.ds(t.ki * bk, bk), pl.ds(t.ni * bn, bn)])
 
-      plgpu.emit_pipeline(
-          step, grid=(num_steps,),
-          in_specs=[
-              plgpu.BlockSpec((br, bk) if tik else (bk, br), x_index,
-                              transforms=tf(bk if tik else br), delay_release=1),
-              plgpu.BlockSpec((br, bn), dy_index, transforms=tf(bn), delay_release=1),
-          ],
-          max_concurrent_steps=cfg.num_stages,
-      )(lhs_ref, dout_ref)
+        return (*advance(i, j), *advance(fi, fj))
+
+      lax.fori_loop(0, total, step, (jnp.int32(0), jnp.int32(0), *fetch_at))
       plgpu.wgmma_wait(0)
 
-    @pl.when(num_steps > 0)
-    def _run():
-      pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))
-
+    pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-  scratch = [plgpu.SMEM((bk, bn), out_dtype, transforms=tf(bn, jnp.dtype(out_dtype).itemsize))]
+  tf = lambda minor, isz=itemsize: _compat.smem_transforms(minor, isz)
+  scratch = [
+      plgpu.SMEM((st, *x_block), dtype, transforms=tf(x_block[1])),
+      plgpu.SMEM((st, br, bn), dtype, transforms=tf(bn)),
+      plgpu.SMEM((bk, bn), out_dtype, transforms=tf(bn, jnp.dtype(out_dtype).itemsize)),
+      plgpu.SMEM((2, _pad_groups(e)), jnp.int32),
+      plgpu.Barrier(num_arrivals=2, num_barriers=st),
+      plgpu.Barrier(num_arrivals=1, num_barriers=1),
+  ]
   if emulate_reset:
     scratch.append(plgpu.SMEM((bk, bn), jnp.float32))
   return _compat.kernel(
@@ -296,43 +414,14 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
   )
 
 
-def step_list(starts, ends, *, m: int, k_tiles: int, n_tiles: int, block_r: int,
-              num_ctas: int):
-  """The cross-tile tgmm's work split, built on device (no host sync).
-
-  Output tiles (items) lin = (g * k_tiles + ki) * n_tiles + ni go round-robin to the CTAs (CTA c
-  takes lin = c, c + num_ctas, ...); item lin has max(1, row blocks of expert g) steps. Returns
-  (cta_first_step [C], cta_num_steps [C], step_item [S], step_block [S]) with the steps of CTA c
-  at [cta_first_step[c], + cta_num_steps[c]) of the step arrays, in item order, step_block the
-  row block index within the expert. S = k_tiles * n_tiles * (cdiv(m, block_r) + E), a static
-  bound (an expert's rows span at most one block more than their count).
-  """
-  e = starts.shape[0]
-  nblk = jnp.where(ends > starts, (ends - 1) // block_r - starts // block_r + 1, 0)
-  steps_g = jnp.maximum(nblk, 1).astype(jnp.int32)
-  num_items = e * k_tiles * n_tiles
-  per_cta = -(-num_items // num_ctas)
-  slot = jnp.arange(num_ctas * per_cta, dtype=jnp.int32)     # CTA-major: c * per_cta + i
-  lin = (slot % per_cta) * num_ctas + slot // per_cta
-  valid = lin < num_items
-  steps = jnp.where(valid, steps_g[jnp.minimum(lin, num_items - 1) // (k_tiles * n_tiles)], 0)
-  ends_incl = jnp.cumsum(steps)
-  first = ends_incl - steps
-  cta_first = first.reshape(num_ctas, per_cta)[:, 0]
-  cta_steps = jnp.sum(steps.reshape(num_ctas, per_cta), axis=1, dtype=jnp.int32)
-  s_max = k_tiles * n_tiles * (-(-m // block_r) + e)
-  s = jnp.arange(s_max, dtype=jnp.int32)
-  owner = jnp.minimum(jnp.searchsorted(ends_incl, s, side="right"), num_ctas * per_cta - 1)
-  return (cta_first.astype(jnp.int32), cta_steps, lin[owner].astype(jnp.int32),
-          (s - first[owner]).astype(jnp.int32))
-
-
 @functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "config", "interpret"))
 def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups: int | None = None,
          out_dtype=None, config: TgmmConfig | None = None, interpret: Any = False) -> jax.Array:
   """out[g] = lhs[rows_g]^T @ dout[rows_g] -> [E, K, N] (f32 accumulation; zeros for empty g).
 
   lhs [M, K], dout [M, N] bf16/f16 (same dtype), rows sorted by group; K and N multiples of 64.
+  lhs rows outside every group may hold anything; dout rows there must be finite (they meet
+  zeroed lhs rows).
   """
   if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
     raise ValueError(f"lhs must be [M, K] and dout [M, N]; got {lhs.shape}, {dout.shape}")
@@ -348,7 +437,10 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   if k % 64 or n % 64:
     raise ValueError(f"K={k} and N={n} must be multiples of 64")
   cfg = config or get_tgmm_config(m, k, n, e, lhs.dtype)
-  bk = cfg.block_k if k % cfg.block_k == 0 else 64
+  if k % cfg.tile_k:  # K = 64 * odd: 64-row warpgroup tiles, one warpgroup if need be
+    cfg = dataclasses.replace(cfg, block_k=64)
+    if k % cfg.tile_k:
+      cfg = dataclasses.replace(cfg, warp_specialized=False)
   bn = cfg.block_n
   while n % bn:
     bn //= 2
@@ -356,27 +448,28 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   tik = (not interpret) if cfg.transpose_in_kernel is None else cfg.transpose_in_kernel
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   stages = cfg.num_stages  # fitted to shared memory
-  while stages > 2 and _smem_bytes(bk, bn, cfg.block_r, stages, lhs.dtype.itemsize,
-                                   out_dtype.itemsize) > _smem_limit(cfg.ctas_per_sm):
+  while stages > 2 and _smem_bytes(cfg.tile_k, bn, cfg.block_r, stages, lhs.dtype.itemsize,
+                                   out_dtype.itemsize, e if cfg.cross_tile else 0
+                                   ) > _smem_limit(cfg.ctas_per_sm):
     stages -= 1
-  cfg = dataclasses.replace(cfg, block_k=bk, block_n=bn, num_stages=stages,
-                            transpose_in_kernel=tik)
-  if m < cfg.block_r:  # tiny M: pad rows so that one row block fits in the arrays
-    lhs = jnp.pad(lhs, ((0, cfg.block_r - m), (0, 0)))
-    dout = jnp.pad(dout, ((0, cfg.block_r - m), (0, 0)))
+  cfg = dataclasses.replace(cfg, block_n=bn, num_stages=stages, transpose_in_kernel=tik)
+  # Pad rows: a TMA box must fit in the array (tiny M); the interpreter reads past-the-end
+  # rows as NaN where the GPU's TMA fills zeros (row blocks may reach past M).
+  pad = cfg.block_r if interpret else max(cfg.block_r - m, 0)
+  if pad:
+    lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
+    dout = jnp.pad(dout, ((0, pad), (0, 0)))
   gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
   ends = jnp.minimum(jnp.cumsum(gs), m).astype(jnp.int32)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
   interp, nsm = _compat.launch_params(interpret)
   num_ctas = nsm * (1 if interpret else cfg.ctas_per_sm)
-  mp = lhs.shape[0]
-  kern = _build_tgmm(m=mp, k=k, n=n, e=e, dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg,
-                     num_ctas=num_ctas, interpret=interp)
+  kern = _build_tgmm(m=lhs.shape[0], k=k, n=n, e=e, dtype=lhs.dtype, out_dtype=out_dtype,
+                     cfg=cfg, num_ctas=num_ctas, interpret=interp)
   operands = (lhs if cfg.transpose_in_kernel else lhs.T, dout)
   if cfg.cross_tile:
-    steps = step_list(starts, ends, m=mp, k_tiles=k // bk, n_tiles=n // bn, block_r=cfg.block_r,
-                      num_ctas=num_ctas)
-    return kern(starts, ends, *steps, *operands)
+    bounds = jnp.pad(jnp.stack([starts, ends]), ((0, 0), (0, _pad_groups(e) - e)))
+    return kern(bounds, *operands)
   return kern(starts, ends, *operands)
 
 

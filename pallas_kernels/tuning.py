@@ -56,15 +56,24 @@ SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
 )
 
 
-SWEEP_TGMM = (  # weight gradient; H200 2026-11-29 (mixtral / qwen3 at 1024 tokens)
+SWEEP_TGMM = (  # weight gradient; H200 (mixtral / qwen3 at 1024 tokens)
     # two CTAs per SM (short per-expert contractions: one CTA's prologue / store hides behind
-    # the other's wgmmas; stages fitted to half the shared memory): the first won on all three
-    # shapes (18-31 % faster than the best 1-CTA config, the second); bn=256 was 3x slower
+    # the other's wgmmas; stages fitted to half the shared memory): won on every shape on
+    # 2026-11-29, 18-31 % faster than 1 CTA with 4 stages (dropped, as were 64x128 tiles)
     TC(block_k=128, block_n=128, block_r=64, num_stages=2, ctas_per_sm=2),
-    TC(block_k=128, block_n=128, block_r=64, num_stages=4),
-    TC(block_k=128, block_n=128, block_r=128, num_stages=4),
-    TC(block_k=64, block_n=128, block_r=64, num_stages=3, ctas_per_sm=2),
-    TC(block_k=128, block_n=64, block_r=64, num_stages=3, ctas_per_sm=2),
+    # warp specialized, CTA tiles 256x128 and 128x256 (two compute warpgroups share each dout
+    # or lhs tile): mixtral 9-10 % faster than the above, qwen3 no gain (2026-11-30); 128x128
+    # ones were 25-50 % slower
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True),
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True),
+    # one pipeline across a CTA's tiles (loads run ahead over tile boundaries): qwen3 dW13
+    # 338 -> 295 µs (the first), dW2 171 -> 153 (the third); mixtral: WS stays ahead
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, cross_tile=True),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=6, cross_tile=True),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=2, ctas_per_sm=2, cross_tile=True),
+    TC(block_k=128, block_n=128, block_r=128, num_stages=3, cross_tile=True),
+    # 64x256 tiles: rows of the stored gradient tile twice as long
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, cross_tile=True),
 )
 
 

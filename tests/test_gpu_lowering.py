@@ -68,10 +68,18 @@ def test_training_path_lowers_for_gpu(h200_tables):
   assert any(name.endswith("_rt") for name in found), found  # d lhs on transposed weights
 
 
-@pytest.mark.parametrize("cross_tile", [False, True])
-def test_tgmm_lowers_for_gpu(cross_tile):
-  cfg = tg.TgmmConfig(block_k=128, block_n=128, block_r=64, num_stages=2, ctas_per_sm=2,
-                      cross_tile=cross_tile)
+@pytest.mark.parametrize("cfg,name", [
+    (dict(ctas_per_sm=2, num_stages=2), "jmoe_tgmm_2cta"),
+    (dict(warp_specialized=True, num_stages=3), "jmoe_tgmm_ws"),
+    (dict(warp_specialized=True, num_stages=3, transpose_in_kernel=False), "jmoe_tgmm_ws"),
+    (dict(block_r=128, num_stages=2), "jmoe_tgmm"),
+    (dict(cross_tile=True, num_stages=4), "jmoe_tgmm_xt"),
+    (dict(cross_tile=True, num_stages=2, ctas_per_sm=2), "jmoe_tgmm_xt_2cta"),
+    (dict(cross_tile=True, num_stages=3, transpose_in_kernel=False), "jmoe_tgmm_xt"),
+], ids=["two_ctas", "ws", "ws_lhs_transposed_by_xla", "rows_128", "cross_tile",
+        "cross_tile_two_ctas", "cross_tile_lhs_transposed_by_xla"])
+def test_tgmm_lowers_for_gpu(cfg, name):
+  cfg = tg.TgmmConfig(block_k=128, block_n=128, **cfg)
   found = _kernels(lambda a, b, g: tg.tgmm(a, b, g, config=cfg), S((8192, 2048), jnp.bfloat16),
                    S((8192, 1536), jnp.bfloat16), S((128,), jnp.int32))
-  assert found == {"jmoe_tgmm_xt_2cta" if cross_tile else "jmoe_tgmm_2cta"}, found
+  assert found == {name}, found

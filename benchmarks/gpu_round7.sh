@@ -5,6 +5,8 @@
 #                                        # against the previous kernel (--baseline, a copy of the
 #                                        # last commit's tgmm.py when present), winners into
 #                                        # tgmm.json, then the training ratio
+#   bash benchmarks/gpu_round7.sh train  # one H200: the training ratio alone, with XLA's optimized
+#                                        # HLO of it kept (train_hlo.tgz: which glue is which)
 #   bash benchmarks/gpu_round7.sh final  # one H200: the qwen3 tgmm sweep again (64x256 cross-
 #                                        # tile tiles added), the training ratio, the block at
 #                                        # 1 / 64 / 1024 tokens (torch._grouped_mm in the same
@@ -19,6 +21,11 @@ case ${1:-tgmm} in
     cp pallas_kernels/configs/tgmm.json $OUT/
     step 150 env OUT=$OUT/train python3 $B --stages train \
       --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 3 --budget-s 120 ;;
+  train)
+    step 150 env OUT=$OUT/train XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" \
+      python3 $B --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 3 \
+      --budget-s 120
+    tar czf $OUT/train_hlo.tgz -C /tmp/hlo $(cd /tmp/hlo && ls | grep after_optimizations.txt) ;;
   final)
     step 150 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm.json --write-tables \
       --shapes qwen3

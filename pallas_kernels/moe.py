@@ -230,8 +230,8 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   if w13_bias is not None:
     h = h.astype(jnp.float32) + jnp.take(w13_bias.astype(jnp.float32), gid, axis=0)
   a = act(h).astype(x.dtype)
-  y = _tg.gmm(a, w2, gs_all, None, interpret, False).astype(jnp.float32)
+  y = _tg.gmm(a, w2, gs_all, None, interpret, False)
   if w2_bias is not None:
-    y = y + jnp.take(w2_bias.astype(jnp.float32), gid, axis=0)
-  y = y * _perm.permute_weights(topk_weights, order)[:, None]
-  return _perm.gather_sum_diff(y, inv, order, k, x.dtype, impl, interpret)
+    y = y.astype(jnp.float32) + jnp.take(w2_bias.astype(jnp.float32), gid, axis=0)
+  # the router weights are applied in the gather-sum (its VJP writes d y once, in y's dtype)
+  return _perm.gather_sum_diff(y, topk_weights, inv, order, k, x.dtype, impl, interpret)

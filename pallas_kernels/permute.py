@@ -188,30 +188,44 @@ def _permute_rows_bwd(k, impl, interpret, inv, d):
 permute_rows_diff.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def gather_sum_diff(y: jax.Array, inv: jax.Array, sort_order: jax.Array, k: int, out_dtype,
-                    impl: str = "xla", interpret=False) -> jax.Array:
-  """gather_sum(y, inv, out_dtype=out_dtype) whose VJP is the row gather d[sort_order // k]
-  (in out_dtype, then cast to y's dtype) on the valid slots' rows, zero elsewhere.
-  sort_order must have one entry per row of y (pad it as the rows are padded)."""
-  return _gather_sum_fwd(y, inv, sort_order, k, out_dtype, impl, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def gather_sum_diff(y: jax.Array, weights: jax.Array | None, inv: jax.Array,
+                    sort_order: jax.Array, k: int, out_dtype, impl: str = "xla",
+                    interpret=False) -> jax.Array:
+  """gather_sum(y, inv, weights, out_dtype=out_dtype), differentiable in y and weights.
+
+  VJP: d y = the row gather w[s] * d[s // k] for the row of each valid slot s (sort_order gives
+  the slot of each row), zero on the other rows, computed in f32 and written once in y's dtype
+  (so a bf16 GEMM output gets a bf16 cotangent with no f32 [M, H] copy in between); d weights
+  [t, j] = <d[t], y[inv[t, j]]> (zero for empty slots). weights None: unweighted (d y is then
+  permute_rows(d), impl "xla" or "pallas"). sort_order must have one entry per row of y (pad it
+  as the rows are padded).
+  """
+  return _gather_sum_fwd(y, weights, inv, sort_order, k, out_dtype, impl, interpret)[0]
 
 
-def _gather_sum_fwd(y, inv, sort_order, k, out_dtype, impl, interpret):
+def _gather_sum_fwd(y, weights, inv, sort_order, k, out_dtype, impl, interpret):
   if sort_order.shape[0] != y.shape[0]:
     raise ValueError(f"sort_order has {sort_order.shape[0]} entries for y's {y.shape[0]} rows")
-  out = gather_sum(y, inv, out_dtype=out_dtype)
-  return out, (inv, sort_order, jnp.zeros((), y.dtype))  # the scalar carries y's dtype
+  out = gather_sum(y, inv, weights, out_dtype=out_dtype)
+  return out, (y, weights, inv, sort_order)
 
 
 def _gather_sum_bwd(k, out_dtype, impl, interpret, res, d):
-  inv, order, y_dtype_scalar = res
-  dtype = y_dtype_scalar.dtype
+  y, weights, inv, order = res
   m_rows = order.shape[0]
-  dy = permute_rows(d, order, k, impl=impl, interpret=interpret).astype(dtype)
   n_valid = jnp.sum(inv >= 0)  # valid slots sort first
-  dy = jnp.where((jnp.arange(m_rows) < n_valid)[:, None], dy, jnp.zeros((), dtype))
-  return dy, None, None
+  row_ok = (jnp.arange(m_rows) < n_valid)[:, None]
+  if weights is None:
+    dy = permute_rows(d, order, k, impl=impl, interpret=interpret).astype(y.dtype)
+    return jnp.where(row_ok, dy, jnp.zeros((), y.dtype)), None, None, None
+  w_rows = permute_weights(weights, order)
+  dy = jnp.take(d, order // k, axis=0, mode="clip").astype(jnp.float32) * w_rows[:, None]
+  dy = jnp.where(row_ok, dy, 0.0).astype(y.dtype)
+  g = jnp.take(y, jnp.maximum(inv, 0), axis=0, mode="clip").astype(jnp.float32)  # [T, k, H]
+  dw = jnp.einsum("tkh,th->tk", g, d.astype(jnp.float32))
+  dw = jnp.where(inv >= 0, dw, 0.0).astype(weights.dtype)
+  return dy, dw, None, None
 
 
 gather_sum_diff.defvjp(_gather_sum_fwd, _gather_sum_bwd)

@@ -393,15 +393,19 @@ def test_gather_sum(rng):
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
-def test_differentiable_permute_pair_matches_autodiff(rng):
-  # permute_rows_diff / gather_sum_diff: VJPs through the known inverse permutation equal JAX's
-  # own (scatter-add) VJPs, with empty slots (-1) and padded rows past the slots.
-  t, k, e, h = 7, 3, 5, 16
+def _routing_with_empty_slots(rng, t, k, e=5, pad=4):
+  """(ids [t, k] with two empty slots, sort_order padded by `pad` rows, inv, rows)."""
   ids = rng.integers(0, e, size=(t, k)).astype(np.int32)
   ids[1, 2] = ids[4, 0] = -1
   order, _, inv = perm.moe_align(jnp.asarray(ids), e)
-  m_alloc = t * k + 4
-  order = jnp.pad(order, (0, m_alloc - t * k))
+  return ids, jnp.pad(order, (0, pad)), inv, t * k + pad
+
+
+def test_differentiable_permute_pair_matches_autodiff(rng):
+  # permute_rows_diff / gather_sum_diff: VJPs through the known inverse permutation equal JAX's
+  # own (scatter-add) VJPs, with empty slots (-1) and padded rows past the slots.
+  t, k, h = 7, 3, 16
+  ids, order, inv, m_alloc = _routing_with_empty_slots(rng, t, k)
   n_valid = int((ids >= 0).sum())
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((m_alloc, h)), jnp.float32)
@@ -426,12 +430,8 @@ def test_differentiable_permute_pair_matches_autodiff(rng):
 def test_weighted_gather_sum_vjp_matches_autodiff(rng, y_dtype):
   """gather_sum_diff with router weights: d y (in y's dtype, zero on rows past the valid
   slots) and d weights (zero on empty slots) equal JAX's own VJPs of the weighted gather_sum."""
-  t, k, e, h = 7, 3, 5, 16
-  ids = rng.integers(0, e, size=(t, k)).astype(np.int32)
-  ids[1, 2] = ids[4, 0] = -1
-  order, _, inv = perm.moe_align(jnp.asarray(ids), e)
-  m_alloc = t * k + 4
-  order = jnp.pad(order, (0, m_alloc - t * k))
+  t, k, h = 7, 3, 16
+  ids, order, inv, m_alloc = _routing_with_empty_slots(rng, t, k)
   y = jnp.asarray(rng.standard_normal((m_alloc, h)), y_dtype)
   tw = jnp.asarray(rng.random((t, k)), jnp.float32)
   ct = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)

@@ -7,6 +7,10 @@
 #                                        # tgmm.json, then the training ratio
 #   bash benchmarks/gpu_round7.sh train  # one H200: the training ratio alone, with XLA's optimized
 #                                        # HLO of it kept (train_hlo.tgz: which glue is which)
+#   bash benchmarks/gpu_round7.sh rt     # one H200: tune qwen3's training-only GEMMs at 1024 tokens
+#                                        # (GEMM1 without the activation, the d lhs GEMMs on
+#                                        # transposed weights: no table entries yet), keeping every
+#                                        # existing entry, then the training ratio
 #   bash benchmarks/gpu_round7.sh final  # one H200: the qwen3 tgmm sweep again (64x256 cross-
 #                                        # tile tiles added), the training ratio, the block at
 #                                        # 1 / 64 / 1024 tokens (torch._grouped_mm in the same
@@ -26,6 +30,12 @@ case ${1:-tgmm} in
       python3 $B --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 3 \
       --budget-s 120
     tar czf $OUT/train_hlo.tgz -C /tmp/hlo $(cd /tmp/hlo && ls | grep after_optimizations.txt) ;;
+  rt)
+    step 360 python3 -m jmoe tune --preset qwen3-30b-a3b --tokens 1024 --train --iters 3 \
+      --tables grouped_gemm,grouped_gemm_rt --keep-existing
+    cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_rt.json $OUT/
+    step 90 env OUT=$OUT/train python3 $B --stages train --train-presets qwen3-30b-a3b \
+      --iters 3 --budget-s 70 ;;
   final)
     step 150 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm.json --write-tables \
       --shapes qwen3

@@ -188,7 +188,7 @@ def cmd_tune(args) -> int:
   console.print(table)
   out_dir = args.out or tune.default_config_dir()
   note = f"jmoe tune --preset {args.preset}, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}"
-  for path in tune.write_tables(results, out_dir, note):
+  for path in tune.write_tables(results, out_dir, note, keep_existing=args.keep_existing):
     console.print(f"wrote {path}")
   return 0
 
@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--tables", default=None,
                  help="comma-separated tables to tune (grouped_gemm_gated = GEMM1, grouped_gemm "
                       "= GEMM2, tgmm, grouped_gemm_rt); default: all of the mode")
+  t.add_argument("--keep-existing", action="store_true",
+                 help="only add the keys the tables lack (entries from earlier runs or checks "
+                      "stay, even where this run timed the same key)")
   t.set_defaults(func=cmd_tune)
   ep = sub.add_parser("eplb", help="simulate expert-parallel load balancing on skewed routing")
   ep.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))

@@ -67,7 +67,7 @@ def num_candidates(num_experts: int, top_k: int, tokens: Sequence[int], *, train
                    tables: Optional[Collection[str]] = None) -> int:
   """How many configs tune() times (for a progress bar)."""
   sel = _selected(tables, training)
-  counts = [len(_candidates(g, num_experts, t * top_k))
+  counts = [len(_candidates(g, num_experts, t * top_k)) + 1  # + the config in use now
             for t in tokens for (_, g), on in zip(problems(training), sel) if on]
   return sum(min(c, max_candidates or c) for c in counts)
 
@@ -135,7 +135,12 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
     for (kernel, gemm, n_out, k_in, args, build), on in zip(todo, sel):
       if not on:
         continue
-      cands = _candidates(gemm, e, m)
+      # the config in use now (tuned entry or heuristic) competes too: a run never writes a
+      # config slower than the one it would replace
+      from pallas_kernels import tgmm as tg  # noqa: PLC0415
+      now = (tg.get_tgmm_config(m, k_in, n_out, e, dtype) if kernel == "tgmm" else
+             gg.get_config(kernel, m, n_out, k_in, e, dtype, gated=kernel.endswith("gated")))
+      cands = (now,) + _candidates(gemm, e, m)
       if max_candidates:
         cands = cands[:max_candidates]
       best, failed = None, 0
@@ -158,8 +163,10 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   return results
 
 
-def write_tables(results: Sequence[TuneResult], out_dir: str, note: str) -> list[str]:
-  """Merge results into <out_dir>/<kernel>.json (existing entries kept unless re-tuned)."""
+def write_tables(results: Sequence[TuneResult], out_dir: str, note: str, *,
+                 keep_existing: bool = False) -> list[str]:
+  """Merge results into <out_dir>/<kernel>.json (existing entries kept unless re-tuned; with
+  keep_existing, kept even then: a tuning run only fills the keys the tables lack)."""
   os.makedirs(out_dir, exist_ok=True)
   written = []
   for kernel in sorted({r.kernel for r in results}):
@@ -169,7 +176,7 @@ def write_tables(results: Sequence[TuneResult], out_dir: str, note: str) -> list
       with open(path) as f:
         table = json.load(f)
     for r in results:
-      if r.kernel == kernel:
+      if r.kernel == kernel and not (keep_existing and r.key in table):
         table[r.key] = dict(r.config, us=r.us, note=note)
     with open(path, "w") as f:
       json.dump(table, f, indent=1)

@@ -97,6 +97,19 @@ def test_tune_cli_tables_option(tmp_path, capsys):
               "gemm2", "--out", str(tmp_path)])
 
 
+def test_tune_keep_existing_only_fills_missing_keys(tmp_path):
+  from jmoe import tune
+  (tmp_path / "tgmm.json").write_text(json.dumps({"old": {"block_k": 64, "us": 1.0}}))
+  res = [tune.TuneResult("tgmm", "old", {"block_k": 128}, 2.0, 1, 0),
+         tune.TuneResult("tgmm", "new", {"block_k": 128}, 3.0, 1, 0)]
+  tune.write_tables(res, str(tmp_path), "n", keep_existing=True)
+  table = json.loads((tmp_path / "tgmm.json").read_text())
+  assert table["old"] == {"block_k": 64, "us": 1.0}
+  assert table["new"] == {"block_k": 128, "us": 3.0, "note": "n"}
+  tune.write_tables(res, str(tmp_path), "n")
+  assert json.loads((tmp_path / "tgmm.json").read_text())["old"]["us"] == 2.0
+
+
 def test_tune_tables_filter_and_report():
   from pallas_kernels import _compat
   from jmoe import tune

@@ -33,6 +33,8 @@ SHAPES = (  # (name, E, top-k, tokens, lhs columns K, dout columns N): out [E, K
     ("qwen3 dW2", 128, 8, 1024, 768, 2048),
     ("mixtral dW13", 8, 2, 1024, 4096, 28672),
     ("mixtral dW2", 8, 2, 1024, 14336, 4096),
+    ("deepseek dW13", 256, 8, 1024, 7168, 4096),
+    ("deepseek dW2", 256, 8, 1024, 2048, 7168),
 )
 
 

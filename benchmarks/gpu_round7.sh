@@ -11,6 +11,8 @@
 #                                        # (GEMM1 without the activation, the d lhs GEMMs on
 #                                        # transposed weights: no table entries yet), keeping every
 #                                        # existing entry, then the training ratio
+#   bash benchmarks/gpu_round7.sh big    # one H200: the tgmm sweep on mixtral and deepseek-v3
+#                                        # (winners into tgmm.json), mixtral's training ratio
 #   bash benchmarks/gpu_round7.sh final  # one H200: the qwen3 tgmm sweep again (64x256 cross-
 #                                        # tile tiles added), the training ratio, the block at
 #                                        # 1 / 64 / 1024 tokens (torch._grouped_mm in the same
@@ -35,6 +37,12 @@ case ${1:-tgmm} in
       --tables grouped_gemm,grouped_gemm_rt --keep-existing
     cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_rt.json $OUT/
     step 90 env OUT=$OUT/train python3 $B --stages train --train-presets qwen3-30b-a3b \
+      --iters 3 --budget-s 70 ;;
+  big)
+    step 300 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm.json --write-tables \
+      --shapes mixtral,deepseek
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 90 env OUT=$OUT/train python3 $B --stages train --train-presets mixtral-8x7b \
       --iters 3 --budget-s 70 ;;
   final)
     step 150 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm.json --write-tables \

@@ -5,9 +5,10 @@
 (rows sorted by group, as in grouped_gemm; experts with no rows get zeros; rows past
 sum(group_sizes) are ignored). Mosaic GPU: a persistent grid over (expert, K tile, N tile); the
 contraction runs over the expert's own rows only, in blocks that start at its first row
-(pipelined TMA, wgmma with a transposed lhs tile); the last block's foreign rows are zeroed in
-SMEM. Optionally warp specialized: a TMA warpgroup and two compute warpgroups sharing the dout
-tiles.
+rounded down to 8 (pipelined TMA, wgmma with a transposed lhs tile); a block's rows outside the
+expert are zeroed in SMEM. Three schedules (TgmmConfig): a pipeline per output tile (one or two
+CTAs per SM); the same, warp specialized (a TMA warpgroup, two compute warpgroups sharing the
+dout tiles); or one pipeline across all of a CTA's tiles with hand-issued TMA (cross_tile).
 
 ``gmm(lhs, rhs, group_sizes)`` is grouped_gemm with a ``jax.custom_vjp``: d lhs = gmm(dout, rhs^T)
 (the forward kernel on transposed weights) and d rhs = tgmm(lhs, dout), so ``jax.grad`` runs on

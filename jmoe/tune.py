@@ -88,7 +88,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   """
   from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
   from pallas_kernels import permute  # noqa: PLC0415
-  from pallas_kernels.tgmm import tgmm  # noqa: PLC0415
+  from pallas_kernels.tgmm import get_tgmm_config, tgmm  # noqa: PLC0415
 
   sel = _selected(tables, training)  # (checks `tables` before anything is timed)
   ks = jax.random.split(jax.random.key(seed), 5)
@@ -137,8 +137,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
         continue
       # the config in use now (tuned entry or heuristic) competes too: a run never writes a
       # config slower than the one it would replace
-      from pallas_kernels import tgmm as tg  # noqa: PLC0415
-      now = (tg.get_tgmm_config(m, k_in, n_out, e, dtype) if kernel == "tgmm" else
+      now = (get_tgmm_config(m, k_in, n_out, e, dtype) if kernel == "tgmm" else
              gg.get_config(kernel, m, n_out, k_in, e, dtype, gated=kernel.endswith("gated")))
       cands = (now,) + _candidates(gemm, e, m)
       if max_candidates:

@@ -154,6 +154,21 @@ class _Tile:
     return jnp.maximum(r0, self.start), r0
 
 
+def _launch(body, out_shape, out_dtype, scratch, num_ctas, interpret, name, **extra):
+  """A tgmm kernel on a persistent grid of num_ctas CTAs (axis "sm")."""
+  return _compat.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+      scratch_types=scratch,
+      grid=(num_ctas,),
+      grid_names=("sm",),
+      compiler_params=_compat.compiler_params(),
+      interpret=interpret,
+      name=name,
+      **extra,
+  )
+
+
 def _row_align(tik, interpret) -> int:
   """Row-block offsets: multiples of the SMEM tile (8 rows; 64 elements when rows are lhs's
   minor dimension, XLA having transposed it). The interpreter has no tiles; it runs the GPU
@@ -283,17 +298,9 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
     scratch.append(pipe.get_allocations(jax.ShapeDtypeStruct(lhs_shape, dtype),
                                         jax.ShapeDtypeStruct((m, n), dtype)))
     extra = dict(num_threads=3, thread_name="wg")
-  return _compat.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
-      scratch_types=scratch,
-      grid=(num_ctas,),
-      grid_names=("sm",),
-      compiler_params=_compat.compiler_params(),
-      interpret=interpret,
-      name="jmoe_tgmm" + ("_ws" if ws else "") + ("_2cta" if cfg.ctas_per_sm == 2 else ""),
-      **extra,
-  )
+  return _launch(body, (e, k, n), out_dtype, scratch, num_ctas, interpret,
+                 "jmoe_tgmm" + ("_ws" if ws else "") + ("_2cta" if cfg.ctas_per_sm == 2 else ""),
+                 **extra)
 
 
 def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas,
@@ -325,21 +332,25 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
     my_tiles = lax.div(num_tiles - cta + num_ctas - 1, num_ctas)
 
     def tile(i):
-      t = _Tile(cta + i * num_ctas, bounds_smem.at[0], bounds_smem.at[1], k_tiles=k_tiles,
-                n_tiles=n_tiles, block_r=br, align=align)
+      """(tile i of this CTA, its steps). The fetch cursor runs past the CTA's last tile at
+      the end; those tiles are clamped to the last one (never loaded, never stored) so that
+      the bounds reads stay inside bounds_smem."""
+      lin = jnp.minimum(cta + i * num_ctas, num_tiles - 1)
+      t = _Tile(lin, bounds_smem.at[0], bounds_smem.at[1], k_tiles=k_tiles, n_tiles=n_tiles,
+                block_r=br, align=align)
       return t, jnp.maximum(t.num_blocks, 1)
 
-    def advance(i, j):
-      """The step after (tile i, block j)."""
-      last = j + 1 >= tile(i)[1]
+    def advance(i, j, steps):
+      """The step after (tile i, block j) of a tile of `steps` steps."""
+      last = j + 1 >= steps
       return jnp.where(last, i + 1, i), jnp.where(last, 0, j + 1)
 
     total = lax.fori_loop(0, my_tiles, lambda i, acc: acc + tile(i)[1], jnp.int32(0))
 
-    def fetch(s, i, j):
+    def fetch(s, t, j):
+      """Loads block j of tile t as step s (if the CTA has a step s)."""
       @pl.when(s < total)
       def _fetch():
-        t, _ = tile(i)
         r0 = t.rows(j)[1]
         slot = lax.rem(s, st)
         x_src = (lhs_ref.at[pl.ds(r0, br), pl.ds(t.ki * bk, bk)] if tik else
@@ -349,8 +360,10 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
                                 dy_buf.at[slot], bars.at[slot])
 
     def prologue(s, ij):
-      fetch(s, *ij)
-      return advance(*ij)
+      i, j = ij
+      t, steps = tile(i)
+      fetch(s, t, j)
+      return advance(i, j, steps)
 
     fetch_at = lax.fori_loop(0, st - 1, prologue, (jnp.int32(0), jnp.int32(0)))
 
@@ -374,7 +387,8 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
         plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)) if tik else x_smem,
                     dy_buf.at[slot])
         plgpu.wgmma_wait(1)  # step s - 1's wgmma is done: its slot takes step s + st - 1
-        fetch(s + st - 1, fi, fj)
+        ft, fsteps = tile(fi)
+        fetch(s + st - 1, ft, fj)
 
         @pl.when(j == steps - 1)
         def _store():
@@ -388,7 +402,7 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
           plgpu.copy_smem_to_gmem(
               o_smem, out_ref.at[t.g, pl.ds(t.ki * bk, bk), pl.ds(t.ni * bn, bn)])
 
-        return (*advance(i, j), *advance(fi, fj))
+        return (*advance(i, j, steps), *advance(fi, fj, fsteps))
 
       lax.fori_loop(0, total, step, (jnp.int32(0), jnp.int32(0), *fetch_at))
       plgpu.wgmma_wait(0)
@@ -407,16 +421,8 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
   ]
   if emulate_reset:
     scratch.append(plgpu.SMEM((bk, bn), jnp.float32))
-  return _compat.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((e, k, n), out_dtype),
-      scratch_types=scratch,
-      grid=(num_ctas,),
-      grid_names=("sm",),
-      compiler_params=_compat.compiler_params(),
-      interpret=interpret,
-      name="jmoe_tgmm_xt" + ("_2cta" if cfg.ctas_per_sm == 2 else ""),
-  )
+  return _launch(body, (e, k, n), out_dtype, scratch, num_ctas, interpret,
+                 "jmoe_tgmm_xt" + ("_2cta" if cfg.ctas_per_sm == 2 else ""))
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "config", "interpret"))

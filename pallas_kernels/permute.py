@@ -208,7 +208,8 @@ def _gather_sum_fwd(y, weights, inv, sort_order, k, out_dtype, impl, interpret):
   if sort_order.shape[0] != y.shape[0]:
     raise ValueError(f"sort_order has {sort_order.shape[0]} entries for y's {y.shape[0]} rows")
   out = gather_sum(y, inv, weights, out_dtype=out_dtype)
-  return out, (y, weights, inv, sort_order)
+  # y is kept only for d weights; unweighted, a scalar carries its dtype
+  return out, (y if weights is not None else jnp.zeros((), y.dtype), weights, inv, sort_order)
 
 
 def _gather_sum_bwd(k, out_dtype, impl, interpret, res, d):

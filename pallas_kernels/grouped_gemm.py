@@ -125,10 +125,12 @@ class GroupedGemmConfig:
     return dataclasses.asdict(self)
 
 
-def _smem_bytes(cfg: GroupedGemmConfig, itemsize: int, out_itemsize: int, n_rhs: int) -> int:
+def _smem_bytes(cfg: GroupedGemmConfig, itemsize: int, out_itemsize: int, n_rhs: int,
+                n_epi: int = 1) -> int:
+  """n_epi: output tiles staged per warpgroup in the epilogue (2-3 with a second output)."""
   stage = (cfg.block_m * cfg.block_k + n_rhs * cfg.block_k * cfg.block_n) * itemsize
   nwg, tm, tn = cfg.wg_tile()
-  out = nwg * tm * tn * out_itemsize
+  out = n_epi * nwg * tm * tn * out_itemsize
   vec = nwg * (tm + 2 * tn) * 4 + 1024
   return cfg.num_stages * stage + out + vec
 
@@ -138,11 +140,38 @@ def _smem_limit(cfg: GroupedGemmConfig) -> int:
   return _SMEM_BYTES if cfg.ctas_per_sm == 1 else _SMEM_PER_SM // 2 - 1024
 
 
-def _fit_stages(cfg: GroupedGemmConfig, itemsize, out_itemsize, n_rhs) -> GroupedGemmConfig:
+def _fit_stages(cfg: GroupedGemmConfig, itemsize, out_itemsize, n_rhs,
+                n_epi: int = 1) -> GroupedGemmConfig:
   while (cfg.num_stages > 2
-         and _smem_bytes(cfg, itemsize, out_itemsize, n_rhs) > _smem_limit(cfg)):
+         and _smem_bytes(cfg, itemsize, out_itemsize, n_rhs, n_epi) > _smem_limit(cfg)):
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
   return cfg
+
+
+def _fit_smem(cfg: GroupedGemmConfig, itemsize, out_itemsize, n_rhs,
+              n_epi: int) -> GroupedGemmConfig:
+  """_fit_stages, then, for epilogues that stage extra tiles (n_epi > 1) and still overflow at
+  two stages: halve block_k (down to 32), then leave warp specialization (tiles <= 128 x 128),
+  then halve the tile."""
+  fitted = _fit_stages(cfg, itemsize, out_itemsize, n_rhs, n_epi)
+  while _smem_bytes(fitted, itemsize, out_itemsize, n_rhs, n_epi) > _smem_limit(fitted):
+    c = fitted
+    if c.block_k > 32:
+      c = dataclasses.replace(c, block_k=c.block_k // 2, num_stages=cfg.num_stages)
+    elif c.warp_specialized:
+      c = dataclasses.replace(c, warp_specialized=False, block_m=min(c.block_m, 128),
+                              block_n=min(c.block_n, 128), num_stages=cfg.num_stages)
+    elif c.block_n > 64:
+      c = dataclasses.replace(c, block_n=c.block_n // 2, num_stages=cfg.num_stages)
+    elif c.block_m > 64:
+      c = dataclasses.replace(c, block_m=c.block_m // 2, num_stages=cfg.num_stages)
+    else:
+      raise ValueError(f"grouped_gemm: no tile of {cfg} fits shared memory with {n_epi} "
+                       "staged epilogue tiles")
+    fitted = _fit_stages(c, itemsize, out_itemsize, n_rhs, n_epi)
+  if fitted != cfg:
+    log.debug("grouped_gemm: config %s fitted to shared memory as %s", cfg, fitted)
+  return fitted
 
 
 _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -314,11 +343,22 @@ def _sigmoid(x):
   return 1.0 / (1.0 + jnp.exp(-x))
 
 
+def _erf(x):
+  """erf with |error| < 1.5e-7 (Abramowitz & Stegun 7.1.26): Mosaic GPU has no layout rule for
+  math.erf, so the kernels build it from exp."""
+  a = jnp.maximum(x, -x)
+  t = 1.0 / (1.0 + 0.3275911 * a)
+  poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                        + t * 1.061405429))))
+  r = 1.0 - poly * jnp.exp(-(a * a))
+  return jnp.where(x < 0.0, -r, r)
+
+
 def _act_single(name: str, x):
   if name in ("silu", "silu_no_mul"):
     return x * _sigmoid(x)
   if name in ("gelu", "gelu_no_mul"):
-    return 0.5 * x * (1.0 + lax.erf(x * 0.7071067811865476))
+    return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
   if name == "gelu_tanh":
     c = 0.7978845608028654
     return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * (x * x * x))))
@@ -339,7 +379,60 @@ def kernel_activation(act: Activation, gate, up=None):
   return _act_single(act.name, gate) * up
 
 
+def _act_single_grad(name: str, x):
+  """d act(x) / d x, written out (jax.vjp's add_any has no Mosaic GPU lowering)."""
+  if name in ("silu", "silu_no_mul"):
+    s = _sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+  if name in ("gelu", "gelu_no_mul"):
+    return (0.5 * (1.0 + _erf(x * 0.7071067811865476))
+            + x * jnp.exp(-0.5 * x * x) * 0.3989422804014327)
+  if name == "gelu_tanh":
+    c = 0.7978845608028654
+    t = jnp.tanh(c * (x + 0.044715 * (x * x * x)))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 0.134145 * (x * x))
+  if name == "relu2_no_mul":
+    return 2.0 * jnp.maximum(x, 0.0)
+  raise ValueError(f"activation {name!r} has no single-input form")
+
+
+def kernel_activation_vjp(act: Activation, dy, gate, up=None):
+  """The activation's VJP at (gate[, up]) applied to dy, as the kernels compute it (f32):
+  [d gate] or [d gate, d up]. Clamps (swigluoai) pass no gradient where they clip."""
+  if up is None:
+    return [dy * _act_single_grad(act.name, gate)]
+  if act.name == "swigluoai":
+    g = jnp.minimum(gate, act.limit)
+    u = jnp.minimum(jnp.maximum(up, -act.limit), act.limit)
+    s = _sigmoid(act.alpha * g)
+    dg = dy * (u + 1.0) * s * (1.0 + act.alpha * g * (1.0 - s))
+    du = dy * g * s
+    zero = jnp.zeros_like(dy)
+    return [jnp.where(gate < act.limit, dg, zero),
+            jnp.where((up > -act.limit) & (up < act.limit), du, zero)]
+  return [dy * up * _act_single_grad(act.name, gate), dy * _act_single(act.name, gate)]
+
+
 # ============================================================================ kernel
+
+
+_BARS_PER_WG = 5  # epilogue barriers per warpgroup: bias gate / up, row scale, h gate / up
+
+
+def epilogue_tiles(act_grad: Activation | None, store_preact: bool) -> int:
+  """Output tiles each warpgroup stages in SMEM: 1, the act_grad's h tiles (1-2, reused for its
+  outputs), or activated + gate + up (store_preact)."""
+  if act_grad is not None:
+    return 2 if act_grad.is_gated else 1
+  return 3 if store_preact else 1
+
+
+def _load_wgmma(ref, interpret):
+  """An SMEM tile into registers in the wgmma accumulator's layout (plain ref read in interpret
+  mode, which has no layouts)."""
+  if interpret:
+    return ref[...]
+  return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
 
 
 class _ChainState:
@@ -366,12 +459,18 @@ class _ChainState:
 def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg: GroupedGemmConfig,
                   gated: bool, act: Activation | None, has_scale: bool, has_bias: bool,
                   t_max: int, num_sms: int, interpret, rhs_t: bool = False,
-                  slot_tasks: int = 0):
+                  slot_tasks: int = 0, act_grad: Activation | None = None,
+                  store_preact: bool = False):
   """rhs_t: rhs is stored [E, N, K] and read through transposed SMEM views (wgmma takes a
   transposed B operand for 16-bit types), so the backward's d lhs = dout @ rhs^T needs no
   transposed copy of the weights. slot_tasks (decode): meta is [slot_tasks] expert ids, one
   task per row s (rows [s, s + 1), tile from s rounded down to 8); a slot whose expert is
-  outside [0, E) (empty, EP-remote) is skipped. No task list to build, nothing to compact."""
+  outside [0, E) (empty, EP-remote) is skipped. No task list to build, nothing to compact.
+  act_grad (training backward): the kernel also reads h [m_pad, n_h * n_out], the activation's
+  input (gate and up blocks when gated, n_h = 2), and writes the activation's VJP at the product
+  d a instead of d a: [m_pad, n_h * n_out]. Each item's h tiles load by TMA while its K loop
+  runs. store_preact (training forward, gated): a second output [m_pad, 2 * n_out] holds the
+  activation's input (gate | up, bias added) next to the activated [m_pad, n_out]."""
   nwg, tile_m, tile_n = cfg.wg_tile()
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   k_iters = pl.cdiv(k, bk)
@@ -384,6 +483,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
     ladder.append(1 << int(math.log2(r)))
     r //= 2
   n_rhs = 2 if gated else 1
+  n_h = 0 if act_grad is None else (2 if act_grad.is_gated else 1)
+  n_epi = epilogue_tiles(act_grad, store_preact)
   num_ctas = num_sms * cfg.ctas_per_sm
   cross_item = cfg.cross_item and not slot_tasks  # a skipped slot must not load weights
   stages = cfg.num_stages
@@ -427,65 +528,92 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
     rest = list(rest)
     scale_ref = rest.pop(0) if has_scale else None
     bias_ref = rest.pop(0) if has_bias else None
+    h_ref = rest.pop(0) if act_grad is not None else None
     out_ref = rest.pop(0)
-    out_smem, vec_smem, vec_bar = rest[:3]
+    pre_ref = rest.pop(0) if store_preact else None
+    epi_smem, vec_smem, bars = rest[:3]
     pipeline_allocs = rest[3] if cfg.warp_specialized else None
 
     num_tasks = slot_tasks or ntask_ref[0]
     num_items = num_tasks * n_tiles
 
+    def origin(wg, row, ni):
+      """First row and column of this warpgroup's part of the item's output tile."""
+      if cfg.warp_specialized and cfg.wg_split == "m":
+        return row + wg * tile_m, ni * bn
+      if cfg.warp_specialized:
+        return row, ni * bn + wg * tile_n
+      return row, ni * bn
+
+    def bar(wg, j):  # per warpgroup: bias gate/up, row scale, then the h tiles of act_grad
+      return bars.at[wg * _BARS_PER_WG + j]
+
+    def prefetch(wg, row, ni):
+      """act_grad: start the TMA of the item's h tiles (the epilogue waits for them)."""
+      if act_grad is None:
+        return
+      r0, c0 = origin(wg, row, ni)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read them
+      for j in range(n_h):
+        plgpu.copy_gmem_to_smem(h_ref.at[pl.ds(r0, tile_m), pl.ds(j * n_out + c0, tile_n)],
+                                epi_smem.at[wg, j], bar(wg, 3 + j))
+
     def epilogue(accs, wg, e, row, lo, hi, ni):
       """accs: f32 values (tile_m, tile_n); stores rows [lo, hi) of this warpgroup's tile."""
-      if cfg.warp_specialized and cfg.wg_split == "m":
-        r0 = row + wg * tile_m
-        c0 = ni * bn
-      elif cfg.warp_specialized:
-        r0 = row
-        c0 = ni * bn + wg * tile_n
-      else:
-        r0 = row
-        c0 = ni * bn
+      r0, c0 = origin(wg, row, ni)
       # bias / row-scale vectors: TMA into SMEM, then into registers.
       if has_bias:
         plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(c0, tile_n)], vec_smem.at[wg, 0, :tile_n],
-                                vec_bar.at[wg * 3 + 0])
+                                bar(wg, 0))
         if gated:
           plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(n_out + c0, tile_n)],
-                                  vec_smem.at[wg, 1, :tile_n], vec_bar.at[wg * 3 + 1])
+                                  vec_smem.at[wg, 1, :tile_n], bar(wg, 1))
       if has_scale:
         plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r0, tile_m)], vec_smem.at[wg, 2, :tile_m],
-                                vec_bar.at[wg * 3 + 2])
+                                bar(wg, 2))
       shape = (tile_m, tile_n)
       vals = []
       for j, a in enumerate(accs):
         if has_bias:
-          plgpu.barrier_wait(vec_bar.at[wg * 3 + j])
+          plgpu.barrier_wait(bar(wg, j))
           b = _cast(vec_smem.at[wg, j, :tile_n][...], plgpu.Layout.WGMMA.reduce(0))
           a = a + lax.broadcast_in_dim(b, shape, [1])
         vals.append(a)
-      if gated:
-        y = kernel_activation(act, vals[0], vals[1])
-      elif act is not None:
-        y = kernel_activation(act, vals[0])
+      if act_grad is not None:
+        hs = []
+        for j in range(n_h):
+          plgpu.barrier_wait(bar(wg, 3 + j))
+          hs.append(_load_wgmma(epi_smem.at[wg, j], interpret).astype(jnp.float32))
+        grads = kernel_activation_vjp(act_grad, vals[0], *hs)
+        outs = [(g, out_ref, j * n_out + c0) for j, g in enumerate(grads)]
       else:
-        y = vals[0]
-      if has_scale:
-        plgpu.barrier_wait(vec_bar.at[wg * 3 + 2])
-        s = _cast(vec_smem.at[wg, 2, :tile_m][...], plgpu.Layout.WGMMA.reduce(1))
-        y = y * lax.broadcast_in_dim(s, shape, [0])
-      o_smem = out_smem.at[wg]
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's stores read o_smem
-      o_smem[...] = y.astype(out_dtype)
+        if gated:
+          y = kernel_activation(act, vals[0], vals[1])
+        elif act is not None:
+          y = kernel_activation(act, vals[0])
+        else:
+          y = vals[0]
+        if has_scale:
+          plgpu.barrier_wait(bar(wg, 2))
+          s = _cast(vec_smem.at[wg, 2, :tile_m][...], plgpu.Layout.WGMMA.reduce(1))
+          y = y * lax.broadcast_in_dim(s, shape, [0])
+        outs = [(y, out_ref, c0)]
+        if store_preact:
+          outs += [(vals[0], pre_ref, c0), (vals[1], pre_ref, n_out + c0)]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's stores read epi_smem
+      for j, (v, _, _) in enumerate(outs):
+        epi_smem.at[wg, j][...] = v.astype(out_dtype)
       plgpu.commit_smem()
-      start = jnp.maximum(lo - r0, 0)
+      start0 = jnp.maximum(lo - r0, 0)
       size = jnp.maximum(jnp.minimum(hi, r0 + tile_m) - jnp.maximum(lo, r0), 0)
-      for rows in ladder:
-        @pl.when((size & rows) != 0)
-        def _store():
-          plgpu.copy_smem_to_gmem(
-              o_smem.at[pl.ds(start, rows)],
-              out_ref.at[pl.ds(r0 + start, rows), pl.ds(c0, tile_n)])
-        start = start + (size & rows)
+      for j, (_, dst, col) in enumerate(outs):
+        start = start0
+        for rows in ladder:
+          @pl.when((size & rows) != 0)
+          def _store():
+            plgpu.copy_smem_to_gmem(epi_smem.at[wg, j, pl.ds(start, rows)],
+                                    dst.at[pl.ds(r0 + start, rows), pl.ds(col, tile_n)])
+          start = start + (size & rows)
 
     def when_valid(e):
       """Runs the item only for an expert in [0, E) for slot tasks (else always)."""
@@ -547,6 +675,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
 
           @pl.when(kk == 0)
           def _reset():
+            _, row, _, _, ni = item(i)
+            prefetch(0, row, ni)
             for j, acc in enumerate(acc_refs):
               if emulate_reset:
                 bases[j][...] = acc[...]
@@ -603,8 +733,9 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       def compute_item(e, row, lo, hi, ni, state=None):
         def compute_context(eval_pipeline):
           def scope(*acc_refs):
-            accs = eval_pipeline(tuple(acc_refs))
             wg = lax.axis_index("wg")
+            prefetch(wg, row, ni)
+            accs = eval_pipeline(tuple(acc_refs))
             epilogue([a[...] for a in accs], wg, e, row, lo, hi, ni)
           pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32)
                                  for _ in range(n_rhs)])
@@ -630,6 +761,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
         b_views = rhs_views(rhs_ref.at[e], ni)
 
         def scope(*acc_refs):
+          prefetch(0, row, ni)
+
           def step(_, a_smem, *b_smems):
             for acc, b in zip(acc_refs, b_smems):
               plgpu.wgmma(acc, a_smem, b_operand(b))
@@ -659,9 +792,9 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   scratch = [
-      plgpu.SMEM((nwg, tile_m, tile_n), out_dtype),
+      plgpu.SMEM((nwg, n_epi, tile_m, tile_n), out_dtype),
       plgpu.SMEM((nwg, 3, max(tile_m, tile_n)), jnp.float32),
-      plgpu.Barrier(num_arrivals=1, num_barriers=3 * nwg),
+      plgpu.Barrier(num_arrivals=1, num_barriers=_BARS_PER_WG * nwg),
   ]
   if cfg.warp_specialized:
     ignore = lambda *_, **__: None
@@ -677,9 +810,12 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
   extra = {}
   if cfg.warp_specialized:
     extra = dict(num_threads=3, thread_name="wg")
+  out_type = jax.ShapeDtypeStruct((m_pad, n_out * max(n_h, 1)), out_dtype)
+  if store_preact:
+    out_type = (out_type, jax.ShapeDtypeStruct((m_pad, 2 * n_out), out_dtype))
   return _compat.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype),
+      out_type=out_type,
       scratch_types=scratch,
       grid=(num_ctas,),
       grid_names=("sm",),
@@ -687,7 +823,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       interpret=interpret,
       name=(("jmoe_gg_gated" if gated else "jmoe_gg") + ("_ws" if cfg.warp_specialized else "")
             + ("_2cta" if cfg.ctas_per_sm == 2 else "") + ("_xi" if cross_item else "")
-            + ("_rt" if rhs_t else "")),
+            + ("_rt" if rhs_t else "") + ("_actgrad" if act_grad is not None else "")
+            + ("_preact" if store_preact else "")),
       **extra,
   )
 
@@ -762,11 +899,14 @@ def row_alloc(m: int, *block_ms: int) -> int:
 
 
 def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, gated, act,
-         kernel_name, meta=None, keep_rows=False, rhs_t=False, slot_experts=None):
+         kernel_name, meta=None, keep_rows=False, rhs_t=False, slot_experts=None,
+         act_grad=None, h=None, store_preact=False):
   """meta: precomputed tile_metadata(group_sizes, M, block_m) (shared by GEMM1 and GEMM2).
   keep_rows: return all kernel rows (see row_alloc) instead of slicing back to M.
   rhs_t: rhs is [E, N, K] (used transposed). slot_experts [S] int32 (decode, instead of meta):
-  row s < S is one task of expert slot_experts[s]; outside [0, E): skipped, row unwritten."""
+  row s < S is one task of expert slot_experts[s]; outside [0, E): skipped, row unwritten.
+  act_grad + h [M, n_h * N]: return the activation's VJP at the product (see _build_kernel).
+  store_preact (gated): return (activated, gate | up pre-activation)."""
   m, k = lhs.shape
   # transposed-rhs GEMMs (the backward's d lhs) have their own tuned table
   table = kernel_name + ("_rt" if rhs_t else "")
@@ -779,11 +919,14 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
   if config is None:
     config = get_config(table, m, n_out, k, e, lhs.dtype, gated=gated, out_dtype=out_dtype)
   cfg = _adapt_config(config, k, n_out)
-  cfg = _fit_stages(cfg, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, 2 if gated else 1)
+  cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, 2 if gated else 1,
+                  epilogue_tiles(act_grad, store_preact))
   bm = cfg.block_m
   m_pad = row_alloc(m, bm)
   if m_pad != m:  # a copy: callers that can (fused_experts) allocate m_pad rows themselves
     lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
+    if h is not None:
+      h = jnp.pad(h, ((0, m_pad - m), (0, 0)))
   if row_scale is not None:
     row_scale = row_scale.astype(jnp.float32)
     if m_pad != m:
@@ -800,15 +943,18 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
                        dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg, gated=gated, act=act,
                        has_scale=row_scale is not None, has_bias=bias is not None, t_max=t_max,
                        num_sms=nsm, interpret=interp, rhs_t=rhs_t,
-                       slot_tasks=0 if slot_experts is None else slot_experts.shape[0])
+                       slot_tasks=0 if slot_experts is None else slot_experts.shape[0],
+                       act_grad=act_grad, store_preact=store_preact)
   args = [meta, ntasks, lhs, rhs]
   if row_scale is not None:
     args.append(row_scale)
   if bias is not None:
     args.append(bias)
+  if act_grad is not None:
+    args.append(h)
   out = kern(*args)
   if m_pad != m and not keep_rows:
-    out = out[:m]
+    out = jax.tree.map(lambda o: o[:m], out)
   return out
 
 
@@ -848,27 +994,70 @@ def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
               "grouped_gemm", rhs_t=transpose_rhs)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret",
+                                             "return_preact"))
 def grouped_gemm_gated(lhs: jax.Array, w13: jax.Array, group_sizes: jax.Array, *,
                        activation: Activation | str = "silu", bias: jax.Array | None = None,
                        row_scale: jax.Array | None = None, out_dtype=None,
-                       config: GroupedGemmConfig | None = None, interpret: Any = False
-                       ) -> jax.Array:
+                       config: GroupedGemmConfig | None = None, interpret: Any = False,
+                       return_preact: bool = False):
   """GEMM1 with the gated activation fused: out[r, j] = act(h[r, j], h[r, N + j]) (* row_scale).
 
   h = lhs[r] @ w13[g(r)] + bias[g(r)], w13 [E, K, 2N] with gate columns [0, N) and up columns
   [N, 2N) (the jmoe convention). The [M, 2N] intermediate never reaches HBM: each output tile
   computes its gate and up columns in two f32 accumulators. Returns [M, N]; rows past
   sum(group_sizes) are unwritten.
+  return_preact (training, no row_scale): also return h [M, 2N] in out_dtype, the activation's
+  input that its backward needs, written from the same accumulators: (out, h).
   """
   act = as_activation(activation)
   if not act.is_gated:
     raise ValueError(f"activation={act.name!r} is not gated: use grouped_gemm(activation=...)")
   if w13.ndim != 3 or w13.shape[2] % 2:
     raise ValueError(f"w13 must be [E, K, 2N], got shape {w13.shape}")
+  if return_preact and row_scale is not None:
+    raise ValueError("return_preact takes no row_scale (h is the unscaled activation input)")
   _validate(lhs, w13, group_sizes, row_scale, bias, w13.shape[2], gated=True)
   return _run(lhs, w13, group_sizes, row_scale, bias, out_dtype, config, interpret, True, act,
-              "grouped_gemm_gated")
+              "grouped_gemm_gated", store_preact=return_preact)
+
+
+def _validate_act_grad(lhs, h, act: Activation, n_out: int):
+  n_h = 2 if act.is_gated else 1
+  if h.shape != (lhs.shape[0], n_h * n_out):
+    raise ValueError(f"h must be [M, {n_h} * N] = {(lhs.shape[0], n_h * n_out)} for "
+                     f"activation={act.name!r}, got {h.shape}")
+  if h.dtype != lhs.dtype:
+    raise ValueError(f"h dtype {h.dtype} != dout dtype {lhs.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "config", "interpret",
+                                             "transpose_rhs"))
+def grouped_gemm_act_grad(dout: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                          h: jax.Array, *, activation: Activation | str = "silu",
+                          config: GroupedGemmConfig | None = None, interpret: Any = False,
+                          transpose_rhs: bool = False) -> jax.Array:
+  """The activation's backward fused into the GEMM that makes its cotangent (training).
+
+  d a = dout[r] @ rhs[g(r)] (rhs [E, K, N], or [E, N, K] with transpose_rhs: the backward of
+  ``a @ w2`` passes w2 itself), then dh = VJP of the activation at h, applied to d a. h [M, 2N]
+  (gate | up) for a gated activation, [M, N] otherwise, in dout's dtype. Each item's h tiles
+  load by TMA while its K loop runs, so d a never reaches HBM. Returns dh with h's shape; rows
+  past sum(group_sizes) are unwritten.
+  """
+  act = as_activation(activation)
+  if transpose_rhs:
+    if rhs.ndim != 3:
+      raise ValueError(f"rhs must be [E, N, K] with transpose_rhs, got shape {rhs.shape}")
+    _validate(dout, jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype),
+              group_sizes, None, None, rhs.shape[1])
+    n_out = rhs.shape[1]
+  else:
+    _validate(dout, rhs, group_sizes, None, None, rhs.shape[2])
+    n_out = rhs.shape[2]
+  _validate_act_grad(dout, h, act, n_out)
+  return _run(dout, rhs, group_sizes, None, None, None, config, interpret, False, None,
+              "grouped_gemm", rhs_t=transpose_rhs, act_grad=act, h=h)
 
 
 # ============================================================================ references

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _compat
+from pallas_kernels import grouped_gemm as gg
 from pallas_kernels import moe as pmoe
 from pallas_kernels import route
 from pallas_kernels import tgmm as tg
@@ -83,3 +84,26 @@ def test_tgmm_lowers_for_gpu(cfg, name):
   found = _kernels(lambda a, b, g: tg.tgmm(a, b, g, config=cfg), S((8192, 2048), jnp.bfloat16),
                    S((8192, 1536), jnp.bfloat16), S((128,), jnp.int32))
   assert found == {name}, found
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh", "swigluoai", "gelu_no_mul",
+                                  "relu2_no_mul"])
+def test_activation_epilogues_lower_for_gpu(h200_tables, name):
+  # every activation in the forward epilogue and (training) its VJP in the d a GEMM's epilogue,
+  # at qwen3's sizes on the tuned (warp-specialized) configs, which the staged h tiles refit
+  e, _, h, n = PRESETS["qwen3"]
+  m = 8192
+  gated = not name.endswith("_no_mul")
+  n13 = 2 * n if gated else n
+  if gated:
+    fwd = lambda x, w, g: gg.grouped_gemm_gated(x, w, g, activation=name, return_preact=True)
+  else:
+    fwd = lambda x, w, g: gg.grouped_gemm(x, w, g, activation=name)
+  found = _kernels(fwd, S((m, h), jnp.bfloat16), S((e, h, n13), jnp.bfloat16),
+                   S((e,), jnp.int32))
+  assert any(k.startswith("jmoe_gg") for k in found), found
+  bwd = lambda d, w, g, hh: gg.grouped_gemm_act_grad(d, w, g, hh, activation=name,
+                                                      transpose_rhs=True)
+  found = _kernels(bwd, S((m, h), jnp.bfloat16), S((e, n, h), jnp.bfloat16),
+                   S((e,), jnp.int32), S((m, n13), jnp.bfloat16))
+  assert any(k.endswith("_actgrad") for k in found), found

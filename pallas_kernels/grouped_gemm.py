@@ -275,6 +275,23 @@ def get_config(kernel_name: str, m: int, n: int, k: int, num_groups: int, dtype,
   return cfg
 
 
+def kernel_config(kernel_name: str, m: int, n_out: int, k: int, num_groups: int, dtype, *,
+                  config: GroupedGemmConfig | None = None, gated: bool = False, out_dtype=None,
+                  rhs_t: bool = False, act_grad: Activation | None = None,
+                  store_preact: bool = False) -> GroupedGemmConfig:
+  """The config a kernel call runs with: `config` or the table's / heuristic's (transposed-rhs
+  GEMMs, the backward's d lhs, read the ``<kernel_name>_rt`` table), adapted to K and N and
+  fitted to shared memory for its epilogue. Callers that build the tile work list themselves
+  (meta) build it for this config's block_m."""
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  if config is None:
+    config = get_config(kernel_name + ("_rt" if rhs_t else ""), m, n_out, k, num_groups, dtype,
+                        gated=gated, out_dtype=out_dtype)
+  cfg = _adapt_config(config, k, n_out)
+  return _fit_smem(cfg, jnp.dtype(dtype).itemsize, out_dtype.itemsize, 2 if gated else 1,
+                   epilogue_tiles(act_grad, store_preact))
+
+
 # ============================================================================ metadata
 
 
@@ -908,19 +925,15 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
   act_grad + h [M, n_h * N]: return the activation's VJP at the product (see _build_kernel).
   store_preact (gated): return (activated, gate | up pre-activation)."""
   m, k = lhs.shape
-  # transposed-rhs GEMMs (the backward's d lhs) have their own tuned table
-  table = kernel_name + ("_rt" if rhs_t else "")
-  if rhs_t and interpret:  # the interpreter cannot simulate transposed SMEM views
-    rhs, rhs_t = jnp.swapaxes(rhs, 1, 2), False
   e = rhs.shape[0]
   n_total = rhs.shape[1] if rhs_t else rhs.shape[2]
   n_out = n_total // 2 if gated else n_total
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  if config is None:
-    config = get_config(table, m, n_out, k, e, lhs.dtype, gated=gated, out_dtype=out_dtype)
-  cfg = _adapt_config(config, k, n_out)
-  cfg = _fit_smem(cfg, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, 2 if gated else 1,
-                  epilogue_tiles(act_grad, store_preact))
+  cfg = kernel_config(kernel_name, m, n_out, k, e, lhs.dtype, config=config, gated=gated,
+                      out_dtype=out_dtype, rhs_t=rhs_t, act_grad=act_grad,
+                      store_preact=store_preact)
+  if rhs_t and interpret:  # the interpreter cannot simulate transposed SMEM views
+    rhs, rhs_t = jnp.swapaxes(rhs, 1, 2), False
   bm = cfg.block_m
   m_pad = row_alloc(m, bm)
   if m_pad != m:  # a copy: callers that can (fused_experts) allocate m_pad rows themselves

@@ -96,16 +96,7 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   # Allocate at least one row tile so the kernels never need padding or slicing copies; the
   # extra rows (and rows past sum(group_sizes)) are garbage that gather_sum never reads.
   m_alloc = gg.row_alloc(m, config1.block_m, config2.block_m)
-  if route_impl == "auto":
-    # interpret mode cannot run them inside shard_map(check_vma=True) (the interpreter's
-    # gathers mix varying refs and invarying indices); the GPU lowering has no such check
-    in_shard_map = bool(_compat.varying_axes(topk_ids) | _compat.varying_axes(x))
-    route_impl = "kernels" if (_route.available() and _route.supports(m, hdim, e)
-                               and not (interpret and in_shard_map)) else "xla"
-    log.debug("fused_experts: route_impl=%s (%d slots, H=%d, triton lowering %s)", route_impl,
-              m, hdim, "available" if _route.available() else "unavailable")
-  if route_impl not in ("kernels", "xla"):
-    raise ValueError(f"route_impl={route_impl!r} must be 'auto', 'kernels' or 'xla'")
+  route_impl = _pick_route_impl(route_impl, x, topk_ids, e, interpret)
   bms = (config1.block_m,) if config2.block_m == config1.block_m else (
       config1.block_m, config2.block_m)
   if route_impl == "kernels":
@@ -123,6 +114,23 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
               meta=meta2)
   # the router weights are applied in the reduction (no sorted copy of them, no row scale)
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=x.dtype)
+
+
+def _pick_route_impl(route_impl: str, x, topk_ids, num_experts: int, interpret) -> str:
+  """route_impl "auto" -> "kernels" where pallas_kernels.route takes the shape and its Triton
+  lowering imports, else "xla"; checks the name."""
+  if route_impl == "auto":
+    m, hdim = topk_ids.size, x.shape[1]
+    # interpret mode cannot run them inside shard_map(check_vma=True) (the interpreter's
+    # gathers mix varying refs and invarying indices); the GPU lowering has no such check
+    in_shard_map = bool(_compat.varying_axes(topk_ids) | _compat.varying_axes(x))
+    route_impl = "kernels" if (_route.available() and _route.supports(m, hdim, num_experts)
+                               and not (interpret and in_shard_map)) else "xla"
+    log.debug("route_impl=%s (%d slots, H=%d, triton lowering %s)", route_impl, m, hdim,
+              "available" if _route.available() else "unavailable")
+  if route_impl not in ("kernels", "xla"):
+    raise ValueError(f"route_impl={route_impl!r} must be 'auto', 'kernels' or 'xla'")
+  return route_impl
 
 
 def route_xla(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
@@ -197,41 +205,76 @@ def fused_experts_reference(x, w13, w2, topk_weights, topk_ids, *, activation="s
   return ys.reshape(t, k, -1).sum(axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def routed_rows(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
+                block_ms: tuple[int, ...], route_impl: str, interpret: Any = False):
+  """Routing for training, differentiable in x: (xs [m_alloc, H], inv [T, k], group_sizes [E]
+  summing to m_alloc (rows past the routed total go to the last expert), [(meta, num_tasks) per
+  block_m], order [m_alloc] (the slot of each row; 0 past the routed total)). Every row of xs is
+  finite. route_impl "kernels" (pallas_kernels.route.route_for_training: two kernels, the rows
+  past the total zeroed) or "xla" (moe_align, the token gather, tile_metadata; those rows repeat
+  token 0). VJP: d x = gather_sum(d xs, inv)."""
+  return _routed_rows_fwd(x, topk_ids, num_experts, m_alloc, block_ms, route_impl,
+                          interpret)[0]
+
+
+def _routed_rows_fwd(x, topk_ids, num_experts, m_alloc, block_ms, route_impl, interpret):
+  if route_impl == "kernels":
+    out = _route.route_for_training(x, topk_ids, num_experts, m_alloc, block_ms,
+                                    interpret=interpret)
+  else:
+    k = topk_ids.shape[1]
+    sort_order, group_sizes, inv = _perm.moe_align(topk_ids, num_experts)
+    order = jnp.pad(sort_order, (0, m_alloc - sort_order.shape[0]))
+    xs = _perm.permute_rows(x, order, k, impl=_auto_gather_impl(topk_ids.size, x.shape[1]),
+                            interpret=interpret)
+    gs_all = group_sizes.at[-1].add(m_alloc - jnp.sum(group_sizes))
+    metas = [gg.tile_metadata(gs_all, m_alloc, bm) for bm in block_ms]
+    out = (xs, inv, gs_all, metas, order)
+  return out, out[1]
+
+
+def _routed_rows_bwd(num_experts, m_alloc, block_ms, route_impl, interpret, inv, cts):
+  return _perm.gather_sum(cts[0], inv, out_dtype=cts[0].dtype), None
+
+
+routed_rows.defvjp(_routed_rows_fwd, _routed_rows_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "route_impl", "preact",
+                                             "fuse_act_grad"))
 def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array,
                         topk_ids: jax.Array, *, activation: Activation | str = "silu",
                         w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
-                        interpret: Any = False) -> jax.Array:
-  """Differentiable MoE expert block (same math as fused_experts): both GEMMs are ``tgmm.gmm``
-  (Pallas forward; Pallas backward = gmm on transposed weights + tgmm); bias, activation,
-  router-weight multiply, permute and gather-sum are jnp (differentiated by JAX).
-  Gradients flow to x, w13, w2, topk_weights and the biases. No epilogue fusion (the [M, 2N]
-  intermediate is materialized, as the backward needs it anyway).
+                        interpret: Any = False, route_impl: str = "auto",
+                        preact: bool = False, fuse_act_grad: bool = False) -> jax.Array:
+  """Differentiable MoE expert block (same math as fused_experts) on the Pallas kernels.
+
+  Gradients flow to x, w13, w2, topk_weights and the biases. Routing (differentiable in x):
+  routed_rows (route_impl as in fused_experts); the experts' MLP: expert_mlp (GEMM1 keeping the
+  activation's input, GEMM2; backward: the d a and d x GEMMs on transposed weights and two
+  tgmm); the weighted gather-sum: permute.gather_sum_diff (its VJP writes d y once in the GEMM's
+  dtype, and d topk_weights). preact (gated activations) / fuse_act_grad: expert_mlp's fused
+  epilogues, opt-in (slower on an H200, see pallas_kernels.expert_mlp).
   """
-  from pallas_kernels import tgmm as _tg
+  from pallas_kernels import expert_mlp as _mlp  # noqa: PLC0415
   act = as_activation(activation)
   t, k = topk_ids.shape
-  e, hdim = w13.shape[:2]
-  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
+  e, hdim, n13 = w13.shape
+  n = n13 // 2 if act.is_gated else n13
   m = t * k
-  m_alloc = gg.row_alloc(m, 128)
-  order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
-  impl = _auto_gather_impl(m, hdim)
-  xs = _perm.permute_rows_diff(x, order, inv, k, impl, interpret)
-  gid = None
-  if w13_bias is not None or w2_bias is not None:
-    ids = topk_ids.reshape(-1).astype(jnp.int32)
-    gid = jnp.clip(jnp.take(ids, order, mode="clip"), 0, e - 1)  # rows past the total: unused
-  # Rows past the routed total (empty slots, padding) go to the last expert: every row of both
-  # GEMMs is computed (finite), gather_sum_diff gives those rows zero cotangents, so their
-  # weight-gradient and d x contributions vanish and gmm needs no row masks (three passes).
-  gs_all = group_sizes.at[-1].add(m_alloc - jnp.sum(group_sizes))
-  h = _tg.gmm(xs, w13, gs_all, None, interpret, False)
-  if w13_bias is not None:
-    h = h.astype(jnp.float32) + jnp.take(w13_bias.astype(jnp.float32), gid, axis=0)
-  a = act(h).astype(x.dtype)
-  y = _tg.gmm(a, w2, gs_all, None, interpret, False)
-  if w2_bias is not None:
-    y = y.astype(jnp.float32) + jnp.take(w2_bias.astype(jnp.float32), gid, axis=0)
+  if preact and not act.is_gated:
+    raise ValueError(f"preact=True needs a gated activation, got {act.name!r}")
+  configs = _mlp.plan_configs(gg.row_alloc(m, 128), hdim, n, e, x.dtype, act, preact,
+                              fuse_act_grad)
+  block_ms = tuple(sorted({c.block_m for c in configs}))
+  m_alloc = gg.row_alloc(m, *block_ms)
+  route_impl = _pick_route_impl(route_impl, x, topk_ids, e, interpret)
+  xs, inv, gs_all, metas, order = routed_rows(x, topk_ids, e, m_alloc, block_ms, route_impl,
+                                              interpret)
+  plan = _mlp.MlpPlan(act, configs, preact, fuse_act_grad, interpret)
+  y = _mlp.expert_mlp(plan, xs, w13, w2, w13_bias, w2_bias, gs_all,
+                      tuple(metas[block_ms.index(c.block_m)] for c in configs))
   # the router weights are applied in the gather-sum (its VJP writes d y once, in y's dtype)
-  return _perm.gather_sum_diff(y, topk_weights, inv, order, k, x.dtype, impl, interpret)
+  return _perm.gather_sum_diff(y, topk_weights, inv, order, k, x.dtype,
+                               _auto_gather_impl(m, hdim), interpret)

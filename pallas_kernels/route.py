@@ -13,6 +13,12 @@ launches (1-2 µs each) and an 11 µs copy. Here (same run) it is 4.0 + 13.9 µs
    a GEMM's work list. With a single block (<= 128 slots: decode) kernel 2 ranks and counts the
    slots itself and kernel 1 is not launched, so the sorted decode block is 4 kernels.
 
+``route_for_training`` is the same pair of kernels (one builder, a static flag) in the layout of
+the training path (moe.fused_experts_train): the rows past the valid slots are zero and belong
+to the last expert (group sizes and tile lists cover all m_alloc rows), and the block programs
+also write the padded sort order (``order``). Every program of kernel 2 zero-fills its column
+chunk of a share of those tail rows (a loop that is empty when the tail is short).
+
 Positions are those of a stable sort (the same as moe_align's), so results match the jnp path
 exactly. Both kernels are Pallas with the Triton lowering: they need vector gathers/scatters and
 reductions over arbitrary register tensors, which Mosaic GPU (warpgroup-level arrays, TMA) does
@@ -137,6 +143,41 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
     metas: one (meta [4, tasks], num_tasks [1]) per entry of block_ms, in the format of
       grouped_gemm.tile_metadata (tasks >= cdiv(m_alloc, block_m) + E - 1).
   """
+  return _route(x, topk_ids, num_experts, m_alloc, tuple(block_ms), one_kernel_blocks,
+                interpret, training=False)
+
+
+def route_for_training(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
+                       block_ms: Sequence[int], *, one_kernel_blocks: int = ONE_KERNEL_BLOCKS,
+                       interpret: Any = False
+                       ) -> tuple[jax.Array, jax.Array, jax.Array,
+                                  list[tuple[jax.Array, jax.Array]], jax.Array]:
+  """route() for the training path (moe.fused_experts_train's layout): every row is computed.
+
+  The rows past the valid slots belong to the last expert (as ``gs_all`` there), so the GEMMs
+  need no row masks; their rows are zero (finite), and ``order`` (the padded sort order that
+  the gather-sum's backward reads) comes from the same kernels.
+
+  Args: as route().
+  Returns:
+    xs [m_alloc, H]: row p is the token of the slot at sorted position p; rows at and past the
+      number of valid slots (n_valid) are zero.
+    inv [T, k] int32: sorted position of each slot, -1 for an empty slot.
+    group_sizes [E] int32: slots per expert, the last expert's plus m_alloc - n_valid (sums to
+      m_alloc).
+    metas: one (meta [4, tasks], num_tasks [1]) per entry of block_ms: the first num_tasks
+      columns equal grouped_gemm.tile_metadata(group_sizes, m_alloc, block_m)'s (all m_alloc
+      rows covered; tasks >= cdiv(m_alloc, block_m) + E - 1).
+    order [m_alloc] int32: flat slot index (t * k + j) at each sorted position p < n_valid
+      (moe_align's stable sort_order), 0 at p >= n_valid.
+  """
+  return _route(x, topk_ids, num_experts, m_alloc, tuple(block_ms), one_kernel_blocks,
+                interpret, training=True)
+
+
+def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_kernel_blocks: int,
+           interpret: Any, training: bool):
+  """The routing kernels of route() (training=False) and route_for_training() (True)."""
   t, k = topk_ids.shape
   n = t * k
   hdim = x.shape[1]
@@ -162,12 +203,18 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
   hc = _col_chunk(hdim, nb)
   n_hc = hdim // hc
 
+  grid_b = nb + sum(chunks)
+
   def body(*refs):
+    n_in = 2 if one_block else 4
+    n_out = 4 if training else 3
+    ins, outs, meta_refs = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
     if one_block:
-      (ids_ref, x_ref, xs_ref, inv_ref, gs_ref), meta_refs = refs[:5], refs[5:]
+      ids_ref, x_ref = ins
     else:
-      (ids_ref, rank_ref, cnt_ref, x_ref, xs_ref, inv_ref, gs_ref), meta_refs = (refs[:7],
-                                                                                refs[7:])
+      ids_ref, rank_ref, cnt_ref, x_ref = ins
+    xs_ref, inv_ref, gs_ref = outs[:3]
+    order_ref = outs[3] if training else None
     b = pl.program_id(0)
     c = pl.program_id(1)
     if one_block:
@@ -201,18 +248,28 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
         live = key < e
         tok = jnp.where(live, slot // k, 0)
         rows = x_ref[tok, cols]
-        # a dead slot's masked store aims at the last row, which no live slot can reach
+        # a dead slot's masked store aims at the last row (and stores nothing)
         dst = jnp.where(live, pos, m_alloc - 1)
         _store(xs_ref, (dst, cols), rows, live[:, None], interpret)
 
         @pl.when(c == 0)
         def _():
           inv_ref[pl.ds(r0, _ROWS)] = jnp.where(live, pos, -1)
+          if training:
+            _store(order_ref, (dst,), slot, live, interpret)
         return carry
 
       lax.fori_loop(0, BLOCK // _ROWS, copy, 0)
 
     sizes = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, total, 0)
+    if training:
+      # rows [n_valid, m_alloc) go to the last expert (moe.fused_experts_train's gs_all)
+      n_valid = jnp.sum(sizes)
+      tail = m_alloc - n_valid
+      sizes = sizes + jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) == e - 1, tail, 0)
+      _zero_tail(xs_ref, order_ref, n_valid, tail, grid_b - 1 - b, grid_b, m_alloc, hc, c,
+                 interpret)
+
     for bm, q0, nq, m_ref, nt_ref in zip(block_ms, first_chunk, chunks, meta_refs[0::2],
                                          meta_refs[1::2]):
       @pl.when((b >= q0) & (b < q0 + nq) & (c == 0))
@@ -229,10 +286,12 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
 
     @pl.when((b == nb) & (c == 0))
     def _sizes():
-      gs_ref[...] = total
+      gs_ref[...] = sizes if training else total
 
   out = lambda shape, dtype=jnp.int32: _compat.out_struct(shape, dtype, ids)
   out_shape = [out((m_alloc, hdim), x.dtype), out((nb * BLOCK,)), out((ep,))]
+  if training:
+    out_shape.append(out((m_alloc,)))
   for nq in chunks:
     out_shape += [out((4, nq * _TASKS)), out((1,))]
   whole = lambda shape: pl.BlockSpec(shape, lambda b, c: (0,) * len(shape))
@@ -240,9 +299,10 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
   call = pl.pallas_call(
       body,
       out_shape=tuple(out_shape),
-      grid=(nb + sum(chunks), n_hc),
+      grid=(grid_b, n_hc),
       in_specs=[any_spec] * (2 if one_block else 4),
       out_specs=tuple([any_spec, any_spec, whole((ep,))]
+                      + ([any_spec] if training else [])
                       + [s for _ in chunks for s in (any_spec, whole((1,)))]),
       compiler_params=_compiler_params(4),
       interpret=interpret,
@@ -250,17 +310,53 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
   )
   outs = call(*((ids, x) if one_block else (ids, rank, counts, x)))
   xs, inv, gs = outs[:3]
-  metas = [(outs[3 + 2 * i], outs[4 + 2 * i]) for i in range(len(chunks))]
+  m0 = 4 if training else 3
+  metas = [(outs[m0 + 2 * i], outs[m0 + 1 + 2 * i]) for i in range(len(chunks))]
+  if training:
+    return xs, inv[:n].reshape(t, k), gs[:e], metas, outs[3]
   return xs, inv[:n].reshape(t, k), gs[:e], metas
+
+
+def _zero_tail(xs_ref, order_ref, n_valid, tail, j, stride: int, m_alloc: int, hc: int, c,
+               interpret):
+  """Training mode: zeros in rows [n_valid, n_valid + tail = m_alloc) of xs (this program's
+  column chunk c, hc columns) and, at column chunk 0, of order. The tail is cut into stripes
+  of _ROWS rows; grid row j of `stride` (counted from the last grid row, so that the
+  tile-list programs, which copy no rows, take the usual short tail) writes stripes j,
+  j + stride, ...: a dynamic loop of cdiv(tail - j * _ROWS, stride * _ROWS) steps, none in
+  all but cdiv(tail, _ROWS) grid rows. A stripe's rows past m_alloc are masked (aimed at the
+  last row)."""
+  step = stride * _ROWS
+  n_steps = jnp.maximum(tail - j * _ROWS + step - 1, 0) // step
+  zeros = jnp.zeros((_ROWS, hc), xs_ref.dtype)
+  cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
+
+  def fill(i, carry):
+    r = n_valid + (j + i * stride) * _ROWS + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
+    ok = r < m_alloc
+    dst = jnp.minimum(r, m_alloc - 1)
+    _store(xs_ref, (dst, cols), zeros, ok[:, None], interpret)
+
+    @pl.when(c == 0)
+    def _():
+      _store(order_ref, (dst,), jnp.zeros((_ROWS,), jnp.int32), ok, interpret)
+    return carry
+
+  lax.fori_loop(0, n_steps, fill, 0)
 
 
 def _store(ref, idx, val, mask, interpret):
   """Masked (scatter) store: Triton's masked store on the GPU; in interpret mode, where
-  pl.store's mask has no discharge rule for array indices, a read-modify-write."""
+  pl.store's mask has no discharge rule for array indices, a read-modify-write in which the
+  rows (idx[0] entries) with nothing to store go to an out-of-bounds index, which the
+  interpreter's scatter drops: written back in place, a masked row aimed at a stored row's
+  index (a dead slot at the last row when every row is live) would race with its store."""
   if mask is None:
     ref[idx] = val
   elif interpret:
-    ref[idx] = jnp.where(mask, val, ref[idx])
+    any_row = jnp.any(mask.reshape(mask.shape[0], -1), axis=1)
+    rows = jnp.where(any_row, idx[0], ref.shape[0])
+    ref[(rows, *idx[1:])] = jnp.where(mask, val, ref[idx])
   else:
     from jax.experimental.pallas import triton as pltriton
     pltriton.store(ref.at[idx], val, mask=mask)

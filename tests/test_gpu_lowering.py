@@ -67,6 +67,21 @@ def test_training_path_lowers_for_gpu(h200_tables):
                    S((t, k), jnp.float32), S((t, k), jnp.int32))
   assert any(name.startswith("jmoe_tgmm") for name in found), found
   assert any(name.endswith("_rt") for name in found), found  # d lhs on transposed weights
+  if route.available():  # the routing kernels in their training mode
+    assert {"jmoe_route_block_counts", "jmoe_route_scatter_rows"} <= found, found
+
+
+@pytest.mark.skipif(not route.available(), reason="the Pallas Triton lowering does not import")
+@pytest.mark.parametrize("preset,t,expect", [
+    ("qwen3", 1024, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 8192 slots
+    ("mixtral", 4, {"jmoe_route_scatter_rows"}),                              # one kernel
+])
+def test_route_for_training_lowers_for_gpu(preset, t, expect):
+  e, k, h, _ = PRESETS[preset]
+  m_alloc = gg.row_alloc(t * k, 128)  # as fused_experts_train
+  found = _kernels(lambda x, ti: route.route_for_training(x, ti, e, m_alloc, (128, 64)),
+                   S((t, h), jnp.bfloat16), S((t, k), jnp.int32))
+  assert found == expect, found
 
 
 @pytest.mark.parametrize("cfg,name", [

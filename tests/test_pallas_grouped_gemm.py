@@ -788,31 +788,52 @@ def test_gmm_grad_matches_ragged_dot(rng):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("empty_slot", [False, True])
-def test_fused_experts_train_grad(rng, empty_slot):
+@pytest.mark.parametrize("empty_slot,route_impl,fused,activation", [
+    (False, "kernels", False, "silu"),
+    (True, "kernels", False, "silu"),   # an empty slot: its row joins the zeroed tail
+    (True, "xla", False, "silu"),
+    (True, "kernels", True, "swigluoai"),  # GEMM1 writes a and h; act VJP in the d a GEMM
+    (False, "xla", True, "relu2_no_mul"),  # non-gated: the VJP fused, no preact
+], ids=["route_kernels", "empty_slot", "xla_route", "fused_epilogues", "non_gated_fused"])
+def test_fused_experts_train_grad(rng, empty_slot, route_impl, fused, activation):
+  # jax.grad of the Pallas training path (routed_rows -> expert_mlp -> gather_sum_diff) against
+  # autodiff of the f32 per-slot reference, for every input including both biases
   t, k, e, h, n = 6, 2, 3, 64, 64
+  gated = not activation.endswith("_no_mul")
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-  w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
+  w13 = jnp.asarray(rng.standard_normal((e, h, (2 if gated else 1) * n)) / 8, jnp.bfloat16)
   w2 = jnp.asarray(rng.standard_normal((e, n, h)) / 8, jnp.bfloat16)
-  b13 = jnp.asarray(rng.standard_normal((e, 2 * n)) / 4, jnp.float32)
+  b13 = jnp.asarray(rng.standard_normal((e, w13.shape[2])) / 4, jnp.float32)
   b2 = jnp.asarray(rng.standard_normal((e, h)) / 4, jnp.float32)
   tw, ti = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((t, e)), jnp.float32)), k)
   if empty_slot:  # an EP-remote / dropped slot: rows past the routed total in both GEMMs
     ti = ti.at[2, 1].set(-1)
 
   def loss(x, w13, w2, tw, b13, b2):
-    out = pmoe.fused_experts_train(x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2,
-                                   interpret=_interpret())
+    out = pmoe.fused_experts_train(x, w13, w2, tw, ti, activation=activation, w13_bias=b13,
+                                   w2_bias=b2, interpret=_interpret(), route_impl=route_impl,
+                                   preact=fused and gated, fuse_act_grad=fused)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   def loss_ref(x, w13, w2, tw, b13, b2):
-    return jnp.sum(pmoe.fused_experts_reference(x, w13, w2, tw, ti, w13_bias=b13,
-                                                w2_bias=b2) ** 2)
+    return jnp.sum(pmoe.fused_experts_reference(x, w13, w2, tw, ti, activation=activation,
+                                                w13_bias=b13, w2_bias=b2) ** 2)
 
   g = jax.grad(loss, argnums=tuple(range(6)))(x, w13, w2, tw, b13, b2)
+  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
   g_ref = jax.grad(loss_ref, argnums=tuple(range(6)))(x, w13, w2, tw, b13, b2)
   for a, b in zip(g, g_ref):
+    assert np.isfinite(np.asarray(a, np.float32)).all()
     assert _rel(a, b) < 2e-2
+
+
+def test_fused_experts_train_rejects_preact_without_gate(rng):
+  x = jnp.zeros((4, 64), jnp.bfloat16)
+  w13 = jnp.zeros((2, 64, 64), jnp.bfloat16)
+  w2 = jnp.zeros((2, 64, 64), jnp.bfloat16)
+  tw, ti = jnp.ones((4, 1), jnp.float32), jnp.zeros((4, 1), jnp.int32)
+  with pytest.raises(ValueError, match="preact=True needs a gated activation"):
+    pmoe.fused_experts_train(x, w13, w2, tw, ti, activation="relu2_no_mul", preact=True)
 
 
 # ----------------------------------------------------------------------------- batched format

@@ -3,7 +3,10 @@
 route() must give exactly what the jnp path gives: moe_align's stable order (checked against
 its NumPy reference), grouped_gemm.tile_metadata's work lists for every block_m asked for, and
 the token rows in sorted order. Rows past the valid slots are never written: the interpreter
-starts output buffers uninitialized (NaN), and those rows must still be NaN.
+starts output buffers uninitialized (NaN; INT_MIN for ints), and those rows must still be NaN.
+route_for_training() must give the training path's layout (moe.fused_experts_train): the same
+sorted rows, then zero rows (so written over the interpreter's NaN), the last expert's group
+and tile lists extended over them, and the padded sort order.
 """
 from __future__ import annotations
 
@@ -24,6 +27,18 @@ pytestmark = pytest.mark.skipif(not route.available(),
                                 reason="the Pallas Triton lowering does not import")
 
 
+def _check_metas(metas, group_sizes, m_alloc, block_ms):
+  """Each (meta, num_tasks) equals tile_metadata(group_sizes, m_alloc, bm) on its first
+  num_tasks columns (the kernels accept any task capacity >= the bound)."""
+  assert len(metas) == len(block_ms)
+  for bm, (meta, num_tasks) in zip(block_ms, metas):
+    meta_ref, nt_ref = gg.tile_metadata(jnp.asarray(group_sizes), m_alloc, bm)
+    q = int(nt_ref[0])
+    assert num_tasks.shape == (1,) and int(num_tasks[0]) == q
+    assert meta.shape[1] >= meta_ref.shape[1]
+    np.testing.assert_array_equal(np.asarray(meta)[:, :q], np.asarray(meta_ref)[:, :q])
+
+
 def _check_route(x, ids, e, block_ms, **kw):
   """Runs route() in interpret mode and checks every output against the jnp path."""
   t, k = ids.shape
@@ -38,13 +53,7 @@ def _check_route(x, ids, e, block_ms, **kw):
   xs = np.asarray(xs, np.float32)
   np.testing.assert_array_equal(xs[:nv], np.asarray(x, np.float32)[order[:nv] // k])
   assert np.isnan(xs[nv:]).all(), "rows past the valid slots were written"
-  assert len(metas) == len(block_ms)
-  for bm, (meta, num_tasks) in zip(block_ms, metas):
-    meta_ref, nt_ref = gg.tile_metadata(jnp.asarray(gs_ref), m_alloc, bm)
-    q = int(nt_ref[0])
-    assert num_tasks.shape == (1,) and int(num_tasks[0]) == q
-    assert meta.shape[1] >= meta_ref.shape[1]  # the kernels accept any task capacity >= bound
-    np.testing.assert_array_equal(np.asarray(meta)[:, :q], np.asarray(meta_ref)[:, :q])
+  _check_metas(metas, gs_ref, m_alloc, block_ms)
   return nv
 
 
@@ -88,6 +97,63 @@ def test_route_one_and_two_kernels(rng, one_kernel_blocks):
     _check_route(_tokens(rng, t, 64), ids, e, (64, 128), one_kernel_blocks=one_kernel_blocks)
 
 
+def _check_route_for_training(x, ids, e, block_ms, m_alloc=None, **kw):
+  """Runs route_for_training() in interpret mode and checks it against the training path's
+  jnp routing (moe.fused_experts_train): moe_align, the padded order, gs_all."""
+  t, k = ids.shape
+  n = t * k
+  m_alloc = m_alloc or gg.row_alloc(n, *block_ms)
+  xs, inv, gs, metas, order = route.route_for_training(
+      jnp.asarray(x), jnp.asarray(ids), e, m_alloc, block_ms, interpret=True, **kw)
+  sort_order, gs_ref, inv_ref = perm.moe_align(jnp.asarray(ids), e)
+  nv = int(jnp.sum(gs_ref))
+  gs_all = gs_ref.at[-1].add(m_alloc - nv)
+  xs_ref = perm.permute_rows(jnp.asarray(x), jnp.pad(sort_order, (0, m_alloc - n)), k)
+  assert gs.shape == (e,) and gs.dtype == jnp.int32 and int(jnp.sum(gs)) == m_alloc
+  np.testing.assert_array_equal(np.asarray(gs), np.asarray(gs_all))
+  np.testing.assert_array_equal(np.asarray(inv), np.asarray(inv_ref))
+  assert order.shape == (m_alloc,) and order.dtype == jnp.int32
+  order = np.asarray(order)
+  np.testing.assert_array_equal(order[:nv], np.asarray(sort_order)[:nv])
+  assert (order[nv:] == 0).all(), "order's tail not written (the interpreter starts at INT_MIN)"
+  assert xs.shape == (m_alloc, x.shape[1]) and xs.dtype == x.dtype
+  xs = np.asarray(xs, np.float32)
+  assert np.isfinite(xs).all(), "rows left unwritten (the interpreter starts them at NaN)"
+  np.testing.assert_array_equal(xs[:nv], np.asarray(xs_ref, np.float32)[:nv])
+  assert (xs[nv:] == 0).all()
+  _check_metas(metas, gs_all, m_alloc, block_ms)
+  return nv
+
+
+@pytest.mark.parametrize("t,k,e,h,block_ms,case,m_alloc,one_kernel_blocks", [
+    (40, 2, 8, 64, (64,), "random", None, 1),          # a few empty slots: a short tail
+    (1, 8, 128, 128, (64,), "random", None, 1),        # T=1: 8 slots, 56 zero rows, 2 col chunks
+    (6, 2, 6, 128, (64,), "random", 512, 1),           # m_alloc >> T*k: several stripes a program
+    (20, 2, 8, 64, (64, 128), "out_of_range", None, 1),  # ids < 0 and >= E; two tile lists
+    (5, 2, 8, 64, (64,), "all_empty", None, 1),        # every row is tail
+    (24, 4, 16, 64, (64,), "one_expert", None, 1),     # one middle expert; the last gets the tail
+    (25, 2, 8, 64, (64,), "all_valid", 50, 1),         # no tail at all (m_alloc = T*k)
+    (75, 2, 8, 64, (64, 128), "random", None, 1),      # 150 slots: two kernels
+    (75, 2, 8, 64, (64,), "random", None, 2),          # 150 slots in one kernel
+    (3, 2, 8, 64, (64,), "random", None, 0),           # one block through two kernels
+])
+def test_route_for_training_matches_jnp_path(rng, t, k, e, h, block_ms, case, m_alloc,
+                                             one_kernel_blocks):
+  ids = rng.integers(0, e, (t, k)).astype(np.int32)
+  if case == "random":
+    ids[rng.random((t, k)) < 0.1] = -1
+  elif case == "out_of_range":
+    ids[::3] = e + rng.integers(0, 5, ids[::3].shape)
+    ids[1::3] = -rng.integers(1, 5, ids[1::3].shape)
+  elif case == "all_empty":
+    ids[:] = -1
+  elif case == "one_expert":
+    ids[:] = e // 2
+  nv = _check_route_for_training(_tokens(rng, t, h), ids, e, block_ms, m_alloc,
+                                 one_kernel_blocks=one_kernel_blocks)
+  assert nv == int(((ids >= 0) & (ids < e)).sum())
+
+
 @settings(max_examples=6)
 @given(st.data())
 def test_route_property(data):
@@ -100,15 +166,16 @@ def test_route_property(data):
   _check_route(_tokens(rng, t, 64), ids, e, (64,))
 
 
-def test_route_rejects_bad_input(rng):
+@pytest.mark.parametrize("fn", [route.route, route.route_for_training])
+def test_route_rejects_bad_input(rng, fn):
   x = _tokens(rng, 4, 64)
   ids = jnp.zeros((4, 2), jnp.int32)
   with pytest.raises(ValueError, match="m_alloc"):
-    route.route(x, ids, 8, 4, (64,), interpret=True)
+    fn(x, ids, 8, 4, (64,), interpret=True)
   with pytest.raises(ValueError, match="H=96"):
-    route.route(_tokens(rng, 4, 96), ids, 8, 64, (64,), interpret=True)
+    fn(_tokens(rng, 4, 96), ids, 8, 64, (64,), interpret=True)
   with pytest.raises(ValueError, match="512 experts"):
-    route.route(x, ids, 512, 64, (64,), interpret=True)
+    fn(x, ids, 512, 64, (64,), interpret=True)
   assert route.supports(route._MAX_SLOTS, 64, 256)
   assert not route.supports(route._MAX_SLOTS + 1, 64, 8)
   assert not route.supports(0, 64, 8)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 8's device calls (each under the 600 s call limit):
+#   bash benchmarks/gpu_round8.sh train  # one H200: the training path (route kernels with the
+#                                        # tail rows zeroed, GEMM1 writing a and h, the activation's
+#                                        # VJP fused into the d a GEMM) against its variants
+#                                        # with fused epilogues / with the XLA routing, qwen3 and
+#                                        # mixtral at 1024 tokens, XLA's optimized HLO kept
+#   bash benchmarks/gpu_round8.sh epi    # one H200: the fused activation epilogues (d a GEMM with
+#                                        # the activation's VJP; GEMM1 writing a and h) over a few
+#                                        # configs against the unfused pairs (check_act_grad.py)
+#   bash benchmarks/gpu_round8.sh tgmm   # one H200: the qwen3 tgmm sweep (the cross-tile loop as
+#                                        # mended in session 7's review), then the training ratio
+NAME=gpu_round8; source benchmarks/gpu_env.sh
+B=benchmarks/bench_grouped_gemm.py
+V=default,fused,xla_route
+case ${1:-train} in
+  train)
+    step 300 env OUT=$OUT/train XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" \
+      python3 $B --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 3 \
+      --train-variants $V --budget-s 280
+    tar czf $OUT/train_hlo.tgz -C /tmp/hlo $(cd /tmp/hlo && ls | grep after_optimizations.txt) ;;
+  epi)
+    step 330 python3 benchmarks/check_act_grad.py --json $OUT/check_act_grad.json ;;
+  tgmm)
+    step 150 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm.json --shapes qwen3
+    step 200 env OUT=$OUT/train python3 $B --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 3 --train-variants $V --budget-s 180 ;;
+esac

@@ -18,9 +18,11 @@ mixtral 630 vs 508: the epilogue's h tiles cost shared memory, so the GEMM runs 
 and the epilogue is not overlapped with the next tile's loads), ``preact`` has GEMM1 write a and
 h from the same accumulators (qwen3 235 vs 226, mixtral 1028 vs 867).
 
-The group sizes must cover every row (sum = M): the callers give rows past the routed total to
-the last group and pass them zero cotangents, so every row is computed, finite and harmless, and
-no pass masks rows. Bias gradients are per-group row sums of dh / dy.
+The GEMMs' tile lists must cover every row: the callers give the rows past the groups (the
+tail) to the last group there and pass them, and any padding rows inside a group, zero
+cotangents, so every row is computed, finite and harmless, and no pass masks rows. The group
+sizes (without the tail) bound the weight gradient's rows; bias gradients are per-group row
+sums of dh / dy.
 """
 from __future__ import annotations
 
@@ -73,8 +75,9 @@ def expert_mlp(plan: MlpPlan, xs: jax.Array, w13: jax.Array, w2: jax.Array,
   """y [M, H] = act(xs @ w13[g] + b13[g]) @ w2[g] + b2[g], in xs's dtype.
 
   xs [M, H] bf16/f16 sorted by group; w13 [E, H, 2N] (gated) or [E, H, N]; w2 [E, N, H];
-  b13 [E, 2N] / b2 [E, H] or None; group_sizes [E] int32 summing to M; metas:
-  one grouped_gemm.tile_metadata(group_sizes, M, block_m) per plan config, in plan order.
+  b13 [E, 2N] / b2 [E, H] or None; group_sizes [E] int32 (sum <= M); metas: one
+  grouped_gemm.tile_metadata(group sizes with the rows past them added to the last group, M,
+  block_m) per plan config, in plan order.
   """
   return _forward(plan, xs, w13, w2, b13, b2, group_sizes, metas)[0]
 

@@ -208,12 +208,13 @@ def fused_experts_reference(x, w13, w2, topk_weights, topk_ids, *, activation="s
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def routed_rows(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
                 block_ms: tuple[int, ...], route_impl: str, interpret: Any = False):
-  """Routing for training, differentiable in x: (xs [m_alloc, H], inv [T, k], group_sizes [E]
-  summing to m_alloc (rows past the routed total go to the last expert), [(meta, num_tasks) per
-  block_m], order [m_alloc] (the slot of each row; 0 past the routed total)). Every row of xs is
-  finite. route_impl "kernels" (pallas_kernels.route.route_for_training: two kernels, the rows
-  past the total zeroed) or "xla" (moe_align, the token gather, tile_metadata; those rows repeat
-  token 0). VJP: d x = gather_sum(d xs, inv)."""
+  """Routing for training, differentiable in x, in route_for_training's layout (every expert's
+  rows start on a multiple of 8; padding rows repeat its last slot's row; the tail is zero):
+  (xs [m_alloc, H], inv [T, k], group_sizes [E] (padded counts), [(meta, num_tasks) per
+  block_m] (the tail rows in the last expert's tiles), order [m_alloc] (slot of each row, -1 on
+  padding and tail)). m_alloc >= T * k + 7 * min(E, T * k). route_impl "kernels"
+  (pallas_kernels.route.route_for_training, two kernels) or "xla" (permute.moe_align_training,
+  a gather, tile_metadata). VJP: d x = gather_sum(d xs, inv)."""
   return _routed_rows_fwd(x, topk_ids, num_experts, m_alloc, block_ms, route_impl,
                           interpret)[0]
 
@@ -224,13 +225,12 @@ def _routed_rows_fwd(x, topk_ids, num_experts, m_alloc, block_ms, route_impl, in
                                     interpret=interpret)
   else:
     k = topk_ids.shape[1]
-    sort_order, group_sizes, inv = _perm.moe_align(topk_ids, num_experts)
-    order = jnp.pad(sort_order, (0, m_alloc - sort_order.shape[0]))
-    xs = _perm.permute_rows(x, order, k, impl=_auto_gather_impl(topk_ids.size, x.shape[1]),
-                            interpret=interpret)
-    gs_all = group_sizes.at[-1].add(m_alloc - jnp.sum(group_sizes))
-    metas = [gg.tile_metadata(gs_all, m_alloc, bm) for bm in block_ms]
-    out = (xs, inv, gs_all, metas, order)
+    order, src, inv, asize = _perm.moe_align_training(topk_ids, num_experts, m_alloc)
+    tok = jnp.where(src >= 0, src // k, x.shape[0])  # past the end: the tail's zero rows
+    xs = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
+    gs_tail = asize.at[-1].add(m_alloc - jnp.sum(asize))
+    metas = [gg.tile_metadata(gs_tail, m_alloc, bm) for bm in block_ms]
+    out = (xs, inv, asize, metas, order)
   return out, out[1]
 
 
@@ -268,12 +268,12 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   configs = _mlp.plan_configs(gg.row_alloc(m, 128), hdim, n, e, x.dtype, act, preact,
                               fuse_act_grad)
   block_ms = tuple(sorted({c.block_m for c in configs}))
-  m_alloc = gg.row_alloc(m, *block_ms)
+  m_alloc = gg.row_alloc(m + 7 * min(e, m), *block_ms)  # room for the 8-row expert padding
   route_impl = _pick_route_impl(route_impl, x, topk_ids, e, interpret)
-  xs, inv, gs_all, metas, order = routed_rows(x, topk_ids, e, m_alloc, block_ms, route_impl,
+  xs, inv, group_sizes, metas, order = routed_rows(x, topk_ids, e, m_alloc, block_ms, route_impl,
                                               interpret)
   plan = _mlp.MlpPlan(act, configs, preact, fuse_act_grad, interpret)
-  y = _mlp.expert_mlp(plan, xs, w13, w2, w13_bias, w2_bias, gs_all,
+  y = _mlp.expert_mlp(plan, xs, w13, w2, w13_bias, w2_bias, group_sizes,
                       tuple(metas[block_ms.index(c.block_m)] for c in configs))
   # the router weights are applied in the gather-sum (its VJP writes d y once, in y's dtype)
   return _perm.gather_sum_diff(y, topk_weights, inv, order, k, x.dtype,

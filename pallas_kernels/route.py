@@ -42,6 +42,8 @@ BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels
 _TASKS = 32          # tile-list entries per tile-list program of kernel 2
 ONE_KERNEL_BLOCKS = 1  # route()'s default: one kernel up to this many blocks
+_ALIGN = 8           # route_for_training: experts start on multiples of this many rows
+_PAD = _ALIGN - 1    # at most this many padding rows per expert
 _MAX_SLOTS = 8192    # above this the jnp path (its sort/count kernels amortize; and kernel 2
                      # sums the whole [blocks, experts] count table in every program)
 _MAX_EXPERTS = 256   # measured up to deepseek-v3's 256; more widens every [rows, E] one-hot
@@ -152,24 +154,27 @@ def route_for_training(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_al
                        interpret: Any = False
                        ) -> tuple[jax.Array, jax.Array, jax.Array,
                                   list[tuple[jax.Array, jax.Array]], jax.Array]:
-  """route() for the training path (moe.fused_experts_train's layout): every row is computed.
+  """route() for the training path (moe.fused_experts_train's layout): every row is computed,
+  and every expert's rows start on a multiple of 8.
 
-  The rows past the valid slots belong to the last expert (as ``gs_all`` there), so the GEMMs
-  need no row masks; their rows are zero (finite), and ``order`` (the padded sort order that
-  the gather-sum's backward reads) comes from the same kernels.
+  Expert e's rows are padded to asize[e] = round_up(count[e], 8): its slots (stable order)
+  then copies of its last slot's row. So the weight-gradient kernel's row blocks, which start
+  on 8-row boundaries, start exactly at each expert (a 64-row expert is one 64-row block, not
+  two). The rows past sum(asize) (the tail) are zero and belong to the last expert in the tile
+  lists, so the GEMMs compute every row and need no row masks. ``order`` (the sort order that
+  the gather-sum's backward reads) is -1 on padding and tail rows.
 
-  Args: as route().
+  Args: as route(); m_alloc >= T * k + 7 * min(E, T * k) (room for the padding).
   Returns:
-    xs [m_alloc, H]: row p is the token of the slot at sorted position p; rows at and past the
-      number of valid slots (n_valid) are zero.
-    inv [T, k] int32: sorted position of each slot, -1 for an empty slot.
-    group_sizes [E] int32: slots per expert, the last expert's plus m_alloc - n_valid (sums to
-      m_alloc).
+    xs [m_alloc, H]: the rows above; every row finite.
+    inv [T, k] int32: row of each slot, -1 for an empty slot.
+    group_sizes [E] int32: asize (padded counts, without the tail): the experts' row ranges
+      for the weight gradient.
     metas: one (meta [4, tasks], num_tasks [1]) per entry of block_ms: the first num_tasks
-      columns equal grouped_gemm.tile_metadata(group_sizes, m_alloc, block_m)'s (all m_alloc
-      rows covered; tasks >= cdiv(m_alloc, block_m) + E - 1).
-    order [m_alloc] int32: flat slot index (t * k + j) at each sorted position p < n_valid
-      (moe_align's stable sort_order), 0 at p >= n_valid.
+      columns equal grouped_gemm.tile_metadata(asize with the tail added to the last expert,
+      m_alloc, block_m)'s (all m_alloc rows covered; tasks >= cdiv(m_alloc, block_m) + E - 1).
+    order [m_alloc] int32: flat slot index (t * k + j) of the slot at each row, -1 on padding
+      and tail rows.
   """
   return _route(x, topk_ids, num_experts, m_alloc, tuple(block_ms), one_kernel_blocks,
                 interpret, training=True)
@@ -185,8 +190,9 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   if not supports(n, hdim, e):
     raise ValueError(f"route: {n} slots / H={hdim} / {e} experts not supported (<= "
                      f"{_MAX_SLOTS} slots, H a multiple of 64, <= {_MAX_EXPERTS} experts)")
-  if m_alloc < n:
-    raise ValueError(f"m_alloc={m_alloc} < T*k={n}")
+  if m_alloc < n + (_PAD * min(e, n) if training else 0):
+    raise ValueError(f"m_alloc={m_alloc} < T*k={n}" + (
+        f" + {_PAD} padding rows per expert" if training else ""))
   interpret = bool(interpret)
   nb = -(-n // BLOCK)
   # per-expert count columns; the empty-slot key E is counted only when E < ep, and never read
@@ -231,7 +237,14 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
       cnt = jnp.where(blk < nb, cnt, 0)
       before = jnp.sum(jnp.where(blk < b, cnt, 0), axis=0)  # slots per expert in blocks before b
       total = jnp.sum(cnt, axis=0)
-    offsets = jnp.cumsum(total) - total
+    if training:  # experts padded to multiples of _ALIGN rows
+      asize = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e,
+                        (total + _PAD) // _ALIGN * _ALIGN, 0)
+      offsets = jnp.cumsum(asize) - asize
+      # per expert: its last slot's row * _ALIGN + its padding rows (one reduce gives both)
+      last_pad = (offsets + total - 1) * _ALIGN + (asize - total)
+    else:
+      offsets = jnp.cumsum(total) - total
 
     @pl.when(b < nb)
     def _copy_block():
@@ -252,6 +265,18 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
         dst = jnp.where(live, pos, m_alloc - 1)
         _store(xs_ref, (dst, cols), rows, live[:, None], interpret)
 
+        if training:  # the last slot of an expert also fills its padding rows
+          lp = jnp.sum(jnp.where(key[:, None] == experts, last_pad[None, :], 0), axis=1)
+          pads = jnp.where(live & (pos == lp // _ALIGN), lp % _ALIGN, 0)
+          for j in range(1, _ALIGN):
+            pad_ok = pads >= j
+            pdst = jnp.where(pad_ok, pos + j, m_alloc - 1)
+            _store(xs_ref, (pdst, cols), rows, pad_ok[:, None], interpret)
+
+            @pl.when(c == 0)
+            def _(pdst=pdst, pad_ok=pad_ok):
+              _store(order_ref, (pdst,), jnp.full((_ROWS,), -1, jnp.int32), pad_ok, interpret)
+
         @pl.when(c == 0)
         def _():
           inv_ref[pl.ds(r0, _ROWS)] = jnp.where(live, pos, -1)
@@ -263,11 +288,11 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
 
     sizes = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, total, 0)
     if training:
-      # rows [n_valid, m_alloc) go to the last expert (moe.fused_experts_train's gs_all)
-      n_valid = jnp.sum(sizes)
-      tail = m_alloc - n_valid
-      sizes = sizes + jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) == e - 1, tail, 0)
-      _zero_tail(xs_ref, order_ref, n_valid, tail, grid_b - 1 - b, grid_b, m_alloc, hc, c,
+      # the tail rows [sum(asize), m_alloc) go to the last expert in the tile lists
+      n_rows = jnp.sum(asize)
+      tail = m_alloc - n_rows
+      sizes = asize + jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) == e - 1, tail, 0)
+      _zero_tail(xs_ref, order_ref, n_rows, tail, grid_b - 1 - b, grid_b, m_alloc, hc, c,
                  interpret)
 
     for bm, q0, nq, m_ref, nt_ref in zip(block_ms, first_chunk, chunks, meta_refs[0::2],
@@ -286,7 +311,7 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
 
     @pl.when((b == nb) & (c == 0))
     def _sizes():
-      gs_ref[...] = sizes if training else total
+      gs_ref[...] = asize if training else total
 
   out = lambda shape, dtype=jnp.int32: _compat.out_struct(shape, dtype, ids)
   out_shape = [out((m_alloc, hdim), x.dtype), out((nb * BLOCK,)), out((ep,))]
@@ -317,10 +342,10 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   return xs, inv[:n].reshape(t, k), gs[:e], metas
 
 
-def _zero_tail(xs_ref, order_ref, n_valid, tail, j, stride: int, m_alloc: int, hc: int, c,
+def _zero_tail(xs_ref, order_ref, row0, tail, j, stride: int, m_alloc: int, hc: int, c,
                interpret):
-  """Training mode: zeros in rows [n_valid, n_valid + tail = m_alloc) of xs (this program's
-  column chunk c, hc columns) and, at column chunk 0, of order. The tail is cut into stripes
+  """Training mode: zeros in rows [row0, row0 + tail = m_alloc) of xs (this program's
+  column chunk c, hc columns) and, at column chunk 0, -1 in order. The tail is cut into stripes
   of _ROWS rows; grid row j of `stride` (counted from the last grid row, so that the
   tile-list programs, which copy no rows, take the usual short tail) writes stripes j,
   j + stride, ...: a dynamic loop of cdiv(tail - j * _ROWS, stride * _ROWS) steps, none in
@@ -332,14 +357,14 @@ def _zero_tail(xs_ref, order_ref, n_valid, tail, j, stride: int, m_alloc: int, h
   cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
 
   def fill(i, carry):
-    r = n_valid + (j + i * stride) * _ROWS + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
+    r = row0 + (j + i * stride) * _ROWS + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
     ok = r < m_alloc
     dst = jnp.minimum(r, m_alloc - 1)
     _store(xs_ref, (dst, cols), zeros, ok[:, None], interpret)
 
     @pl.when(c == 0)
     def _():
-      _store(order_ref, (dst,), jnp.zeros((_ROWS,), jnp.int32), ok, interpret)
+      _store(order_ref, (dst,), jnp.full((_ROWS,), -1, jnp.int32), ok, interpret)
     return carry
 
   lax.fori_loop(0, n_steps, fill, 0)

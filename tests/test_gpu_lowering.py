@@ -78,7 +78,7 @@ def test_training_path_lowers_for_gpu(h200_tables):
 ])
 def test_route_for_training_lowers_for_gpu(preset, t, expect):
   e, k, h, _ = PRESETS[preset]
-  m_alloc = gg.row_alloc(t * k, 128)  # as fused_experts_train
+  m_alloc = gg.row_alloc(t * k + 7 * min(e, t * k), 128)  # as fused_experts_train
   found = _kernels(lambda x, ti: route.route_for_training(x, ti, e, m_alloc, (128, 64)),
                    S((t, h), jnp.bfloat16), S((t, k), jnp.int32))
   assert found == expect, found

@@ -98,31 +98,51 @@ def test_route_one_and_two_kernels(rng, one_kernel_blocks):
 
 
 def _check_route_for_training(x, ids, e, block_ms, m_alloc=None, **kw):
-  """Runs route_for_training() in interpret mode and checks it against the training path's
-  jnp routing (moe.fused_experts_train): moe_align, the padded order, gs_all."""
+  """Runs route_for_training() in interpret mode and checks it, bit for bit, against the jnp
+  form of its layout (permute.moe_align_training): every expert's rows start on a multiple of
+  8, its padding rows repeat its last slot's row, the tail is zero and in the last expert's
+  tiles; order is -1 on padding and tail rows."""
   t, k = ids.shape
   n = t * k
-  m_alloc = m_alloc or gg.row_alloc(n, *block_ms)
+  m_alloc = m_alloc or gg.row_alloc(n + 7 * min(e, n), *block_ms)
   xs, inv, gs, metas, order = route.route_for_training(
       jnp.asarray(x), jnp.asarray(ids), e, m_alloc, block_ms, interpret=True, **kw)
-  sort_order, gs_ref, inv_ref = perm.moe_align(jnp.asarray(ids), e)
-  nv = int(jnp.sum(gs_ref))
-  gs_all = gs_ref.at[-1].add(m_alloc - nv)
-  xs_ref = perm.permute_rows(jnp.asarray(x), jnp.pad(sort_order, (0, m_alloc - n)), k)
-  assert gs.shape == (e,) and gs.dtype == jnp.int32 and int(jnp.sum(gs)) == m_alloc
-  np.testing.assert_array_equal(np.asarray(gs), np.asarray(gs_all))
+  order_ref, src, inv_ref, asize = perm.moe_align_training(jnp.asarray(ids), e, m_alloc)
+  src = np.asarray(src)
+  xs_ref = np.where((src >= 0)[:, None], np.asarray(x, np.float32)[np.maximum(src, 0) // k], 0)
+  assert gs.shape == (e,) and gs.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(gs), np.asarray(asize))
+  starts = np.cumsum(np.asarray(gs)) - np.asarray(gs)
+  assert (starts % 8 == 0).all() and (np.asarray(gs) % 8 == 0).all()
   np.testing.assert_array_equal(np.asarray(inv), np.asarray(inv_ref))
   assert order.shape == (m_alloc,) and order.dtype == jnp.int32
-  order = np.asarray(order)
-  np.testing.assert_array_equal(order[:nv], np.asarray(sort_order)[:nv])
-  assert (order[nv:] == 0).all(), "order's tail not written (the interpreter starts at INT_MIN)"
+  np.testing.assert_array_equal(np.asarray(order), np.asarray(order_ref))
   assert xs.shape == (m_alloc, x.shape[1]) and xs.dtype == x.dtype
   xs = np.asarray(xs, np.float32)
   assert np.isfinite(xs).all(), "rows left unwritten (the interpreter starts them at NaN)"
-  np.testing.assert_array_equal(xs[:nv], np.asarray(xs_ref, np.float32)[:nv])
-  assert (xs[nv:] == 0).all()
-  _check_metas(metas, gs_all, m_alloc, block_ms)
-  return nv
+  np.testing.assert_array_equal(xs, xs_ref)
+  gs_tail = asize.at[-1].add(m_alloc - int(jnp.sum(asize)))
+  _check_metas(metas, gs_tail, m_alloc, block_ms)
+  return int((np.asarray(order) >= 0).sum())
+
+
+def test_moe_align_training_layout(rng):
+  # the jnp reference itself, against a direct construction
+  t, k, e, m_alloc = 9, 2, 5, 64
+  ids = rng.integers(-1, e, (t, k)).astype(np.int32)
+  order, src, inv, asize = (np.asarray(a) for a in perm.moe_align_training(
+      jnp.asarray(ids), e, m_alloc))
+  row = 0
+  for g in range(e):
+    slots = [s for s in range(t * k) if ids.reshape(-1)[s] == g]  # stable
+    assert asize[g] == -(-len(slots) // 8) * 8
+    for i, s_ in enumerate(slots):
+      assert order[row + i] == s_ and src[row + i] == s_ and inv.reshape(-1)[s_] == row + i
+    for j in range(len(slots), asize[g]):
+      assert order[row + j] == -1 and src[row + j] == slots[-1]
+    row += asize[g]
+  assert (order[row:] == -1).all() and (src[row:] == -1).all()
+  assert (inv.reshape(-1)[ids.reshape(-1) < 0] == -1).all()
 
 
 @pytest.mark.parametrize("t,k,e,h,block_ms,case,m_alloc,one_kernel_blocks", [
@@ -132,7 +152,7 @@ def _check_route_for_training(x, ids, e, block_ms, m_alloc=None, **kw):
     (20, 2, 8, 64, (64, 128), "out_of_range", None, 1),  # ids < 0 and >= E; two tile lists
     (5, 2, 8, 64, (64,), "all_empty", None, 1),        # every row is tail
     (24, 4, 16, 64, (64,), "one_expert", None, 1),     # one middle expert; the last gets the tail
-    (25, 2, 8, 64, (64,), "all_valid", 50, 1),         # no tail at all (m_alloc = T*k)
+    (24, 2, 6, 64, (64,), "aligned", None, 1),         # counts multiples of 8: no padding
     (75, 2, 8, 64, (64, 128), "random", None, 1),      # 150 slots: two kernels
     (75, 2, 8, 64, (64,), "random", None, 2),          # 150 slots in one kernel
     (3, 2, 8, 64, (64,), "random", None, 0),           # one block through two kernels
@@ -149,6 +169,8 @@ def test_route_for_training_matches_jnp_path(rng, t, k, e, h, block_ms, case, m_
     ids[:] = -1
   elif case == "one_expert":
     ids[:] = e // 2
+  elif case == "aligned":
+    ids[:] = rng.permutation(np.repeat(np.arange(e), t * k // e)).reshape(t, k)
   nv = _check_route_for_training(_tokens(rng, t, h), ids, e, block_ms, m_alloc,
                                  one_kernel_blocks=one_kernel_blocks)
   assert nv == int(((ids >= 0) & (ids < e)).sum())

@@ -67,7 +67,10 @@ def _tag(cfg) -> str:
 def main() -> int:
   args = check_common.parse_args(__doc__.split("\n")[0], extra=[
       ("--baseline", dict(default=None, help="another tgmm.py to time alongside")),
-      ("--shapes", dict(default="", help="comma-separated name prefixes (default: all)"))])
+      ("--shapes", dict(default="", help="comma-separated name prefixes (default: all)")),
+      ("--aligned", dict(action="store_true",
+                         help="the training layout: every expert's rows padded to a multiple "
+                              "of 8 (route_for_training), so row blocks start at each expert"))])
   base_mod = _load_baseline(args.baseline) if args.baseline else None
   rows, better = [], []
   wanted = [w for w in args.shapes.split(",") if w]
@@ -75,11 +78,13 @@ def main() -> int:
     if wanted and not any(name.startswith(w) for w in wanted):
       continue
     keys = jax.random.split(jax.random.key(t + e + n), 3)
-    m = t * k
+    m = t * k + (7 * e if args.aligned else 0)
     x = jax.random.normal(keys[0], (m, kdim), jnp.float32).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[1], (m, n), jnp.float32).astype(jnp.bfloat16)
     _, ids = jax.lax.top_k(jax.random.normal(keys[2], (t, e)), k)
     _, gs, _ = permute.moe_align(ids.astype(jnp.int32), e)
+    if args.aligned:
+      gs = (gs + 7) // 8 * 8
     gs_host = np.asarray(gs)
     probe = [int(g) for g in np.argsort(gs_host)[[0, len(gs_host) // 2, -1]]]
     ref = _expert_products(x, dy, gs_host, probe)

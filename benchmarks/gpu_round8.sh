@@ -5,6 +5,9 @@
 #                                        # VJP fused into the d a GEMM) against its variants
 #                                        # with fused epilogues / with the XLA routing, qwen3 and
 #                                        # mixtral at 1024 tokens, XLA's optimized HLO kept
+#   bash benchmarks/gpu_round8.sh aligned # one H200: the qwen3 tgmm sweep on the training layout
+#                                        # (experts padded to 8-row multiples; winners into
+#                                        # tgmm.json), then the training ratio
 #   bash benchmarks/gpu_round8.sh epi    # one H200: the fused activation epilogues (d a GEMM with
 #                                        # the activation's VJP; GEMM1 writing a and h) over a few
 #                                        # configs against the unfused pairs (check_act_grad.py)
@@ -19,6 +22,13 @@ case ${1:-train} in
       python3 $B --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 3 \
       --train-variants $V --budget-s 280
     tar czf $OUT/train_hlo.tgz -C /tmp/hlo $(cd /tmp/hlo && ls | grep after_optimizations.txt) ;;
+  aligned)
+    step 150 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm.json --shapes qwen3 \
+      --aligned --write-tables
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 200 env OUT=$OUT/train python3 $B --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 3 --train-variants default,xla_route \
+      --budget-s 180 ;;
   epi)
     step 330 python3 benchmarks/check_act_grad.py --json $OUT/check_act_grad.json ;;
   tgmm)

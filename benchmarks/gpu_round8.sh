@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_round8.sh aligned # one H200: the qwen3 tgmm sweep on the training layout
 #                                        # (experts padded to 8-row multiples; winners into
 #                                        # tgmm.json), then the training ratio
+#   bash benchmarks/gpu_round8.sh train2 # one H200: the training ratio again (padding rows zeroed
+#                                        # per expert chunk; gather-sum backward masks by order)
 #   bash benchmarks/gpu_round8.sh epi    # one H200: the fused activation epilogues (d a GEMM with
 #                                        # the activation's VJP; GEMM1 writing a and h) over a few
 #                                        # configs against the unfused pairs (check_act_grad.py)
@@ -28,6 +30,10 @@ case ${1:-train} in
     cp pallas_kernels/configs/tgmm.json $OUT/
     step 200 env OUT=$OUT/train python3 $B --stages train \
       --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 3 --train-variants default,xla_route \
+      --budget-s 180 ;;
+  train2)
+    step 200 env OUT=$OUT/train python3 $B --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default,xla_route \
       --budget-s 180 ;;
   epi)
     step 330 python3 benchmarks/check_act_grad.py --json $OUT/check_act_grad.json ;;

@@ -209,7 +209,7 @@ def fused_experts_reference(x, w13, w2, topk_weights, topk_ids, *, activation="s
 def routed_rows(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
                 block_ms: tuple[int, ...], route_impl: str, interpret: Any = False):
   """Routing for training, differentiable in x, in route_for_training's layout (every expert's
-  rows start on a multiple of 8; padding rows repeat its last slot's row; the tail is zero):
+  rows start on a multiple of 8; padding and tail rows are zero):
   (xs [m_alloc, H], inv [T, k], group_sizes [E] (padded counts), [(meta, num_tasks) per
   block_m] (the tail rows in the last expert's tiles), order [m_alloc] (slot of each row, -1 on
   padding and tail)). m_alloc >= T * k + 7 * min(E, T * k). route_impl "kernels"
@@ -225,8 +225,8 @@ def _routed_rows_fwd(x, topk_ids, num_experts, m_alloc, block_ms, route_impl, in
                                     interpret=interpret)
   else:
     k = topk_ids.shape[1]
-    order, src, inv, asize = _perm.moe_align_training(topk_ids, num_experts, m_alloc)
-    tok = jnp.where(src >= 0, src // k, x.shape[0])  # past the end: the tail's zero rows
+    order, inv, asize = _perm.moe_align_training(topk_ids, num_experts, m_alloc)
+    tok = jnp.where(order >= 0, order // k, x.shape[0])  # past the end: zero rows
     xs = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
     gs_tail = asize.at[-1].add(m_alloc - jnp.sum(asize))
     metas = [gg.tile_metadata(gs_tail, m_alloc, bm) for bm in block_ms]

@@ -198,9 +198,9 @@ def gather_sum_diff(y: jax.Array, weights: jax.Array | None, inv: jax.Array,
   the slot of each row), zero on the other rows, computed in f32 and written once in y's dtype
   (so a bf16 GEMM output gets a bf16 cotangent with no f32 [M, H] copy in between); d weights
   [t, j] = <d[t], y[inv[t, j]]> (zero for empty slots). weights None: unweighted (d y is then
-  permute_rows(d), impl "xla" or "pallas"). sort_order: the slot of each row of y (one entry
-  per row); rows whose slot's inv does not point back at them (padding, -1 entries, empty
-  slots) get zero cotangents.
+  permute_rows(d), impl "xla" or "pallas"). sort_order: the valid slot of each row of y (one
+  entry per row), -1 on rows that hold none (padding, tail, empty slots): those get zero
+  cotangents.
   """
   return _gather_sum_fwd(y, weights, inv, sort_order, k, out_dtype, impl, interpret)[0]
 
@@ -216,10 +216,7 @@ def _gather_sum_fwd(y, weights, inv, sort_order, k, out_dtype, impl, interpret):
 def _gather_sum_bwd(k, out_dtype, impl, interpret, res, d):
   y, weights, inv, order = res
   m_rows = order.shape[0]
-  # a row is a valid slot's iff that slot's inv points back at it (order may hold -1, or
-  # empty slots' indices, on the other rows)
-  owner = jnp.take(inv.reshape(-1), jnp.clip(order, 0, inv.size - 1))
-  row_ok = (owner == jnp.arange(m_rows))[:, None]
+  row_ok = (order >= 0)[:, None]
   order = jnp.maximum(order, 0)
   if weights is None:
     dy = permute_rows(d, order, k, impl=impl, interpret=interpret).astype(y.dtype)
@@ -238,16 +235,15 @@ gather_sum_diff.defvjp(_gather_sum_fwd, _gather_sum_bwd)
 
 def moe_align_training(topk_ids: jax.Array, num_experts: int, m_alloc: int, align: int = 8):
   """The training layout of pallas_kernels.route.route_for_training, in jnp: moe_align with
-  every expert's rows padded to a multiple of `align` (its slots, then copies of its last
-  slot's row) and the rows past them (the tail) empty.
+  every expert's rows padded to a multiple of `align` (its slots, then empty rows) and the rows
+  past them (the tail) empty.
 
-  Returns (order [m_alloc]: slot of each row, -1 on padding and tail rows; src [m_alloc]: slot
-  whose token row each row holds, -1 on the tail; inv [T, k]: row of each slot, -1 when empty;
-  asize [E]: padded counts).
+  Returns (order [m_alloc]: slot of each row, -1 on padding and tail rows; inv [T, k]: row of
+  each slot, -1 when empty; asize [E]: padded counts).
   """
   t, k = topk_ids.shape
   n = t * k
-  sort_order, gs, inv = moe_align(topk_ids, num_experts)
+  _, gs, inv = moe_align(topk_ids, num_experts)
   asize = (gs + align - 1) // align * align
   off = jnp.cumsum(gs) - gs
   off_al = jnp.cumsum(asize) - asize
@@ -256,12 +252,7 @@ def moe_align_training(topk_ids: jax.Array, num_experts: int, m_alloc: int, alig
   pos = jnp.where(flat >= 0, flat - off[e_s] + off_al[e_s], -1)
   order = jnp.full((m_alloc,), -1, jnp.int32).at[jnp.where(pos >= 0, pos, m_alloc)].set(
       jnp.arange(n, dtype=jnp.int32), mode="drop")
-  row = jnp.arange(m_alloc)
-  g = jnp.minimum(jnp.searchsorted(jnp.cumsum(asize), row, side="right"), num_experts - 1)
-  in_pad = (row >= off_al[g] + gs[g]) & (row < off_al[g] + asize[g])
-  last_slot = jnp.take(sort_order, jnp.clip(off[g] + gs[g] - 1, 0, n - 1))
-  src = jnp.where(order >= 0, order, jnp.where(in_pad, last_slot, -1))
-  return order, src, pos.reshape(t, k).astype(jnp.int32), asize.astype(jnp.int32)
+  return order, pos.reshape(t, k).astype(jnp.int32), asize.astype(jnp.int32)
 
 
 def valid_slots_first(valid: jax.Array):

@@ -158,9 +158,8 @@ def route_for_training(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_al
   and every expert's rows start on a multiple of 8.
 
   Expert e's rows are padded to asize[e] = round_up(count[e], 8): its slots (stable order)
-  then copies of its last slot's row. So the weight-gradient kernel's row blocks, which start
-  on 8-row boundaries, start exactly at each expert (a 64-row expert is one 64-row block, not
-  two). The rows past sum(asize) (the tail) are zero and belong to the last expert in the tile
+  then zero rows. So the weight-gradient kernel's row blocks, which start on 8-row boundaries,
+  start exactly at each expert (a 64-row expert is one 64-row block, not two). The rows past sum(asize) (the tail) are zero and belong to the last expert in the tile
   lists, so the GEMMs compute every row and need no row masks. ``order`` (the sort order that
   the gather-sum's backward reads) is -1 on padding and tail rows.
 
@@ -241,8 +240,6 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
       asize = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e,
                         (total + _PAD) // _ALIGN * _ALIGN, 0)
       offsets = jnp.cumsum(asize) - asize
-      # per expert: its last slot's row * _ALIGN + its padding rows (one reduce gives both)
-      last_pad = (offsets + total - 1) * _ALIGN + (asize - total)
     else:
       offsets = jnp.cumsum(total) - total
 
@@ -265,18 +262,6 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
         dst = jnp.where(live, pos, m_alloc - 1)
         _store(xs_ref, (dst, cols), rows, live[:, None], interpret)
 
-        if training:  # the last slot of an expert also fills its padding rows
-          lp = jnp.sum(jnp.where(key[:, None] == experts, last_pad[None, :], 0), axis=1)
-          pads = jnp.where(live & (pos == lp // _ALIGN), lp % _ALIGN, 0)
-          for j in range(1, _ALIGN):
-            pad_ok = pads >= j
-            pdst = jnp.where(pad_ok, pos + j, m_alloc - 1)
-            _store(xs_ref, (pdst, cols), rows, pad_ok[:, None], interpret)
-
-            @pl.when(c == 0)
-            def _(pdst=pdst, pad_ok=pad_ok):
-              _store(order_ref, (pdst,), jnp.full((_ROWS,), -1, jnp.int32), pad_ok, interpret)
-
         @pl.when(c == 0)
         def _():
           inv_ref[pl.ds(r0, _ROWS)] = jnp.where(live, pos, -1)
@@ -285,6 +270,9 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
         return carry
 
       lax.fori_loop(0, BLOCK // _ROWS, copy, 0)
+      if training:
+        _zero_padding(xs_ref, order_ref, offsets + total, asize - total, b, nb, e, ep, m_alloc,
+                      hc, c, interpret)
 
     sizes = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, total, 0)
     if training:
@@ -340,6 +328,29 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   if training:
     return xs, inv[:n].reshape(t, k), gs[:e], metas, outs[3]
   return xs, inv[:n].reshape(t, k), gs[:e], metas
+
+
+def _zero_padding(xs_ref, order_ref, pad_start, pad_rows, b, nb: int, e: int, ep: int,
+                  m_alloc: int, hc: int, c, interpret):
+  """Training mode: zeros in each expert's padding rows [pad_start[g], + pad_rows[g]) (< _ALIGN
+  rows) of xs (column chunk c) and, at chunk 0, -1 in order. Block program b of nb takes
+  experts [b * epb, (b + 1) * epb): one masked [epb * _ALIGN, hc] store."""
+  epb = _pow2(-(-ep // nb))
+  i = lax.broadcasted_iota(jnp.int32, (epb * _ALIGN,), 0)
+  g = b * epb + i // _ALIGN
+  j = i % _ALIGN
+  pick = g[:, None] == lax.broadcasted_iota(jnp.int32, (epb * _ALIGN, ep), 1)
+  start = jnp.sum(jnp.where(pick, pad_start[None, :], 0), axis=1)
+  count = jnp.sum(jnp.where(pick, pad_rows[None, :], 0), axis=1)
+  ok = (g < e) & (j < count)
+  dst = jnp.where(ok, start + j, m_alloc - 1)
+  cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
+  _store(xs_ref, (dst, cols), jnp.zeros((epb * _ALIGN, hc), xs_ref.dtype), ok[:, None],
+         interpret)
+
+  @pl.when(c == 0)
+  def _():
+    _store(order_ref, (dst,), jnp.full((epb * _ALIGN,), -1, jnp.int32), ok, interpret)
 
 
 def _zero_tail(xs_ref, order_ref, row0, tail, j, stride: int, m_alloc: int, hc: int, c,

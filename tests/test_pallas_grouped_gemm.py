@@ -451,11 +451,13 @@ def test_gather_sum(rng):
 
 
 def _routing_with_empty_slots(rng, t, k, e=5, pad=4):
-  """(ids [t, k] with two empty slots, sort_order padded by `pad` rows, inv, rows)."""
+  """(ids [t, k] with two empty slots, sort_order padded by `pad` rows and -1 on the rows that
+  hold no valid slot, inv, rows)."""
   ids = rng.integers(0, e, size=(t, k)).astype(np.int32)
   ids[1, 2] = ids[4, 0] = -1
   order, _, inv = perm.moe_align(jnp.asarray(ids), e)
-  return ids, jnp.pad(order, (0, pad)), inv, t * k + pad
+  order = jnp.where(jnp.arange(t * k) < t * k - 2, order, -1)  # the empty slots sort last
+  return ids, jnp.pad(order, (0, pad), constant_values=-1), inv, t * k + pad
 
 
 def test_differentiable_permute_pair_matches_autodiff(rng):

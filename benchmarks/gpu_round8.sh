@@ -10,6 +10,9 @@
 #                                        # tgmm.json), then the training ratio
 #   bash benchmarks/gpu_round8.sh train2 # one H200: the training ratio again (padding rows zeroed
 #                                        # per expert chunk; gather-sum backward masks by order)
+#   bash benchmarks/gpu_round8.sh final  # one H200: the training ratio (d y and d weights of the
+#                                        # gather-sum backward row by row), the block at 1 / 64 /
+#                                        # 1024 tokens with torch._grouped_mm, jmoe bench
 #   bash benchmarks/gpu_round8.sh epi    # one H200: the fused activation epilogues (d a GEMM with
 #                                        # the activation's VJP; GEMM1 writing a and h) over a few
 #                                        # configs against the unfused pairs (check_act_grad.py)
@@ -35,6 +38,13 @@ case ${1:-train} in
     step 200 env OUT=$OUT/train python3 $B --stages train \
       --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default,xla_route \
       --budget-s 180 ;;
+  final)
+    step 150 env OUT=$OUT/train python3 $B --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default --budget-s 130
+    step 170 env OUT=$OUT/block python3 $B --stages block --presets qwen3-30b-a3b,mixtral-8x7b \
+      --tokens 1,64,1024 --iters 4 --budget-s 140
+    step 80 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
+      --json $OUT/jmoe_bench.json ;;
   epi)
     step 330 python3 benchmarks/check_act_grad.py --json $OUT/check_act_grad.json ;;
   tgmm)

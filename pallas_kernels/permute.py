@@ -221,11 +221,12 @@ def _gather_sum_bwd(k, out_dtype, impl, interpret, res, d):
   if weights is None:
     dy = permute_rows(d, order, k, impl=impl, interpret=interpret).astype(y.dtype)
     return jnp.where(row_ok, dy, jnp.zeros((), y.dtype)), None, None, None
+  # both from the token row each row of y gathers, row by row (one fusion: y read once)
   w_rows = permute_weights(weights, order)
-  dy = jnp.take(d, order // k, axis=0, mode="clip").astype(jnp.float32) * w_rows[:, None]
-  dy = jnp.where(row_ok, dy, 0.0).astype(y.dtype)
-  g = jnp.take(y, jnp.maximum(inv, 0), axis=0, mode="clip").astype(jnp.float32)  # [T, k, H]
-  dw = jnp.einsum("tkh,th->tk", g, d.astype(jnp.float32))
+  gd = jnp.take(d, order // k, axis=0, mode="clip").astype(jnp.float32)       # [M, H]
+  dy = jnp.where(row_ok, gd * w_rows[:, None], 0.0).astype(y.dtype)
+  dw_rows = jnp.sum(gd * y.astype(jnp.float32), axis=1)                     # <d[t], y[p]>
+  dw = jnp.take(dw_rows, jnp.maximum(inv, 0), mode="clip")
   dw = jnp.where(inv >= 0, dw, 0.0).astype(weights.dtype)
   return dy, dw, None, None
 

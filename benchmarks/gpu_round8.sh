@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_round8.sh final  # one H200: the training ratio (d y and d weights of the
 #                                        # gather-sum backward row by row), the block at 1 / 64 /
 #                                        # 1024 tokens with torch._grouped_mm, jmoe bench
+#   bash benchmarks/gpu_round8.sh ab     # one H200: the inference GEMMs against the session's
+#                                        # starting grouped_gemm.py (benchmarks/baseline_grouped_
+#                                        # gemm.py, from cde41bd), alternating rounds
 #   bash benchmarks/gpu_round8.sh epi    # one H200: the fused activation epilogues (d a GEMM with
 #                                        # the activation's VJP; GEMM1 writing a and h) over a few
 #                                        # configs against the unfused pairs (check_act_grad.py)
@@ -45,6 +48,8 @@ case ${1:-train} in
       --tokens 1,64,1024 --iters 4 --budget-s 140
     step 80 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
+  ab)
+    step 200 python3 benchmarks/check_gg_ab.py --baseline benchmarks/baseline_grouped_gemm.py ;;
   epi)
     step 330 python3 benchmarks/check_act_grad.py --json $OUT/check_act_grad.json ;;
   tgmm)

@@ -1,0 +1,976 @@
+"""Contiguous grouped GEMM for Hopper in Pallas Mosaic GPU (wgmma + TMA + multi-stage pipeline).
+
+    out[r, :] = epilogue(lhs[r, :] @ rhs[g(r)])     for r < sum(group_sizes)
+
+where the rows of ``lhs`` are sorted by group: group g owns rows
+``[sum(group_sizes[:g]), sum(group_sizes[:g+1]))``.
+
+Epilogue order (f32): ``y = act(acc + bias[g]) * row_scale[r]`` (gated:
+``y = act(acc_gate + bias_gate[g], acc_up + bias_up[g]) * row_scale[r]``), cast to ``out_dtype``.
+With no activation this is ``(acc + bias[g]) * row_scale[r]``: vLLM's GEMM2, where the down-proj
+bias is part of the expert output and the router weight multiplies the whole expert output.
+
+Rows ``r >= sum(group_sizes)`` (and every row when the sum is 0) are NOT written: their content is
+unspecified. If ``sum(group_sizes) > M`` only the first M rows are computed.
+
+Schedule: the (group, row tile) work list is built on device with jnp (no host sync). Row tiles
+are aligned to their group's first row, so a group of s rows is exactly cdiv(s, block_m) tasks
+and no tile straddles a group boundary; each task stores only its own rows (power-of-two TMA
+stores, so a neighbour group's rows are never overwritten). Groups with zero rows produce no
+task, so their weights are never read: at decode only touched experts' weights are streamed. A
+persistent grid (one CTA per SM) walks the dynamic number of (task, column-tile) work items.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+from pallas_kernels.activations import Activation, as_activation
+
+log = logging.getLogger(__name__)
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_SMEM_BYTES = 232448 - 1024  # max dynamic SMEM per CTA on sm_90 (as Mosaic GPU reports it)
+_SMEM_PER_SM = 233472  # sm_90: shared memory of one SM (1 KiB of it reserved per CTA)
+
+
+# ============================================================================ config
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig:
+  """Block configuration.
+
+  block_m: CTA rows (64 or 128; per compute warpgroup 64 or 128 rows).
+  block_n: CTA output columns (for the gated kernel: output columns, each with its gate and its up
+    column, so the kernel reads 2*block_n weight columns).
+  block_k: K step per pipeline stage (multiple of 16; 64 gives 128-byte swizzle for 16-bit types).
+  num_stages: pipeline depth (TMA stages in flight).
+  warp_specialized: 1 TMA warpgroup + 2 compute warpgroups (True) or one warpgroup doing both.
+  wg_split: how the 2 compute warpgroups split the CTA tile: "n" (each block_m x block_n/2) or
+    "m" (each block_m/2 x block_n). Ignored when not warp specialized.
+  grid_minor: "n": consecutive work items walk the column tiles of one row tile (lhs reuse);
+    "m": they walk row tiles within a band of ``grid_tile_width`` column tiles (weight reuse in L2).
+  grid_tile_width: band width for grid_minor="m".
+  ctas_per_sm: 2 runs two CTAs per SM, each with half the shared memory (stages refitted), so
+    one CTA's pipeline fill and epilogue hide behind the other's loads (short contractions,
+    decode). One warpgroup only (two warp-specialized CTAs would not fit the registers).
+  cross_item: the next work item's first tiles load while the current one finishes and
+    stores: no pipeline fill per item. One warpgroup: one software pipeline over all of a
+    CTA's (item, K step) pairs. Warp specialized: the items' pipelines are chained (Pallas'
+    pipeline_state START / STEADY / STOP), so the memory warpgroup runs ahead into the next
+    item; this needs the K steps to be a multiple of the stages (stages are lowered to a
+    divisor, else the items run unchained). The decode slot-task path keeps the per-item loop
+    (a skipped slot must not load weights). H200 (benchmarks/check_cross_item.py): correct;
+    GEMM2 5-8 % faster than per-item (qwen3 1024 tokens, ws 128x256: 123.6 -> 117.5 µs, now
+    in the tuned table), the gated GEMM1 slower (ws 128x128: 207.5 -> 221.8).
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  num_stages: int = 4
+  warp_specialized: bool = True
+  wg_split: str = "n"
+  grid_minor: str = "n"
+  grid_tile_width: int = 1
+  ctas_per_sm: int = 1
+  cross_item: bool = False
+
+  def __post_init__(self):
+    if self.ctas_per_sm not in (1, 2):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
+    if self.ctas_per_sm == 2 and self.warp_specialized:
+      raise ValueError("ctas_per_sm=2 needs warp_specialized=False (registers)")
+    if self.block_m not in (64, 128, 256):
+      raise ValueError(f"block_m={self.block_m} must be 64, 128 or 256")
+    if self.block_n % 64 or self.block_n <= 0:
+      raise ValueError(f"block_n={self.block_n} must be a positive multiple of 64")
+    if self.block_k % 16 or self.block_k <= 0:
+      raise ValueError(f"block_k={self.block_k} must be a positive multiple of 16")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages={self.num_stages} must be >= 2")
+    if self.wg_split not in ("m", "n"):
+      raise ValueError(f"wg_split={self.wg_split!r} must be 'm' or 'n'")
+    if self.grid_minor not in ("m", "n"):
+      raise ValueError(f"grid_minor={self.grid_minor!r} must be 'm' or 'n'")
+    if self.grid_tile_width < 1:
+      raise ValueError("grid_tile_width must be >= 1")
+    if self.warp_specialized and self.wg_split == "n" and self.block_n % 128:
+      raise ValueError(f"wg_split='n' needs block_n % 128 == 0 (got {self.block_n})")
+    if self.warp_specialized and self.wg_split == "m" and self.block_m < 128:
+      raise ValueError(f"wg_split='m' needs block_m >= 128 (got {self.block_m})")
+
+  def wg_tile(self) -> tuple[int, int, int]:
+    """(number of compute warpgroups, rows per warpgroup, cols per warpgroup)."""
+    if not self.warp_specialized:
+      return 1, self.block_m, self.block_n
+    if self.wg_split == "m":
+      return 2, self.block_m // 2, self.block_n
+    return 2, self.block_m, self.block_n // 2
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _smem_bytes(cfg: GroupedGemmConfig, itemsize: int, out_itemsize: int, n_rhs: int) -> int:
+  stage = (cfg.block_m * cfg.block_k + n_rhs * cfg.block_k * cfg.block_n) * itemsize
+  nwg, tm, tn = cfg.wg_tile()
+  out = nwg * tm * tn * out_itemsize
+  vec = nwg * (tm + 2 * tn) * 4 + 1024
+  return cfg.num_stages * stage + out + vec
+
+
+def _smem_limit(cfg: GroupedGemmConfig) -> int:
+  """Shared memory one CTA may use: all of it, or its share when two CTAs share an SM."""
+  return _SMEM_BYTES if cfg.ctas_per_sm == 1 else _SMEM_PER_SM // 2 - 1024
+
+
+def _fit_stages(cfg: GroupedGemmConfig, itemsize, out_itemsize, n_rhs) -> GroupedGemmConfig:
+  while (cfg.num_stages > 2
+         and _smem_bytes(cfg, itemsize, out_itemsize, n_rhs) > _smem_limit(cfg)):
+    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+  return cfg
+
+
+_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_tuned(kernel_name: str) -> dict:
+  path = os.path.join(_CONFIG_DIR, f"{kernel_name}.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _tuned_key(E, N, K, dtype, device_kind, m_bucket, jax_version=None) -> str:
+  """Key of a tuned entry; configs are tuned per jax minor version (lowering changes between)."""
+  jv = jax_version or ".".join(str(v) for v in _compat.JAX_VERSION[:2])
+  return (f"E={E},N={N},K={K},dtype={jnp.dtype(dtype).name},device={device_kind},jax={jv},"
+          f"M<={m_bucket}")
+
+
+# decode: a bucket per power of two up to 64 slots. The best tile width depends on how many
+# experts are touched (H200: mixtral's 4-token GEMM2 config, 256 columns, doubles its 1-token time)
+_M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 16384, 65536, 1 << 30)
+
+
+def _m_bucket(m: int) -> int:
+  for b in _M_BUCKETS:
+    if m <= b:
+      return b
+  return _M_BUCKETS[-1]
+
+
+def heuristic_config(m: int, n: int, k: int, num_groups: int, dtype, *, gated: bool = False,
+                     out_dtype=None) -> GroupedGemmConfig:
+  """Shape-aware default. m = rows of lhs, n = output columns, k = contraction."""
+  itemsize = jnp.dtype(dtype).itemsize
+  out_itemsize = jnp.dtype(out_dtype or dtype).itemsize
+  block_k = 64
+  while k % block_k and block_k > 16:
+    block_k //= 2
+  rows_per_group = m / max(1, min(num_groups, m))
+  nsm = 132
+  if rows_per_group <= 64:
+    # Weight streaming: each touched expert's weights should stream once per column tile, so a
+    # group's rows should fit in one row tile (tiles are group-aligned); then the widest column
+    # tile that still gives every SM work. H200 sweep at 1024 tokens (2026-11-29): qwen3 (64
+    # rows / expert) best at block_m 128 (GEMM1 128x128, GEMM2 128x256), deepseek-v3 (32 rows /
+    # expert) at 64x256 for both GEMMs.
+    touched = max(1, min(num_groups, m))
+    bm = 128 if rows_per_group > 48 else 64
+    widths = (128,) if (gated and bm == 128) else (256, 128)  # gated 128x256: too many registers
+    bn = next((w for w in widths if n % w == 0 and touched * (n // w) >= nsm), 64)
+    if bn == 64:  # few column tiles per expert (decode): one warpgroup, deep K pipeline
+      cfg = GroupedGemmConfig(block_m=64, block_n=64, block_k=128 if k % 128 == 0 else block_k,
+                              num_stages=6, warp_specialized=False)
+    elif bm == 64 and bn == 128:
+      cfg = GroupedGemmConfig(block_m=64, block_n=128, block_k=128 if k % 128 == 0 else block_k,
+                              num_stages=6, wg_split="n")
+    else:
+      cfg = GroupedGemmConfig(block_m=bm, block_n=bn, block_k=block_k, num_stages=4,
+                              wg_split="n")
+  else:
+    if n < 128:
+      cfg = GroupedGemmConfig(block_m=128, block_n=64, block_k=block_k, num_stages=4,
+                              warp_specialized=True, wg_split="m")
+    elif gated:
+      # H200 sweep (2026-11-29): split "m", walk row tiles in bands of 4 column tiles when the
+      # column tiles divide into bands (mixtral, deepseek), else column-minor (qwen3, N=768).
+      minor = "m" if pl.cdiv(n, 128) % 4 == 0 else "n"
+      cfg = GroupedGemmConfig(block_m=128, block_n=128, block_k=block_k, num_stages=4,
+                              warp_specialized=True, wg_split="m", grid_minor=minor,
+                              grid_tile_width=4 if minor == "m" else 1)
+    else:
+      # H200 sweep: 128x256 CTA tiles, column-minor walk was best on all three presets.
+      cfg = GroupedGemmConfig(block_m=128, block_n=256 if n >= 256 else 128, block_k=block_k,
+                              num_stages=4, warp_specialized=True, wg_split="n", grid_minor="n")
+  return _fit_stages(cfg, itemsize, out_itemsize, 2 if gated else 1)
+
+
+def tuned_config(kernel_name: str, cls, m: int, n: int, k: int, num_groups: int, dtype):
+  """The `cls` config tuned for this problem in pallas_kernels/configs/<kernel_name>.json, or
+  None. Keys: E, N, K, dtype, device kind, jax minor version, M bucket; fields of the entry
+  that `cls` does not know (``us``, ``note``) are dropped."""
+  key = _tuned_key(num_groups, n, k, dtype, _compat.device_kind(), _m_bucket(m))
+  entry = _load_tuned(kernel_name).get(key)
+  log.debug("%s: %s config for %s", kernel_name, "tuned" if entry else "no tuned", key)
+  if entry is None:
+    return None
+  fields = {f.name for f in dataclasses.fields(cls)}
+  return cls(**{k_: v for k_, v in entry.items() if k_ in fields})
+
+
+def get_config(kernel_name: str, m: int, n: int, k: int, num_groups: int, dtype, *,
+               gated: bool = False, out_dtype=None) -> GroupedGemmConfig:
+  """Tuned config from pallas_kernels/configs/<kernel>.json if one matches, else the heuristic."""
+  cfg = tuned_config(kernel_name, GroupedGemmConfig, m, n, k, num_groups, dtype)
+  if cfg is None:
+    cfg = heuristic_config(m, n, k, num_groups, dtype, gated=gated, out_dtype=out_dtype)
+    log.debug("grouped_gemm: heuristic %s", cfg)
+  return cfg
+
+
+# ============================================================================ metadata
+
+
+def tile_metadata(group_sizes: jax.Array, m: int, block_m: int):
+  """Work list of (group, row tile) tasks computed on device.
+
+  Returns (meta int32[4, T], num_tasks int32[1]) with T = cdiv(m, block_m) + G - 1 (a static
+  upper bound); column t < num_tasks of meta is (group, first row of the tile, first row, end
+  row) of task t. Groups with zero rows produce no task. Rows past m are dropped (group sizes
+  are clipped to m in total). See :func:`tile_metadata_from_bounds` for the tiling.
+  """
+  gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  g = gs.shape[0]
+  ends = jnp.minimum(jnp.cumsum(gs), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  return tile_metadata_from_bounds(starts, ends, block_m, pl.cdiv(m, block_m) + g - 1)
+
+
+def tile_metadata_from_bounds(starts: jax.Array, ends: jax.Array, block_m: int, t_max: int):
+  """Like tile_metadata for groups at arbitrary row ranges [starts[g], ends[g]) (increasing,
+  non-overlapping); t_max must bound the number of tasks.
+
+  Tiles are aligned to their group, not to a global block_m grid: group g's tiles start at
+  base = starts[g] rounded down to a multiple of 8 (TMA reads of the swizzled lhs tiles start on
+  8-row boundaries) and step by block_m; a task stores rows [max(starts[g], tile),
+  min(ends[g], tile + block_m)). So a group of s rows costs cdiv(s + starts[g] % 8, block_m)
+  tasks, never more than a global grid's, and streams its weights that many times per column
+  tile (a global grid adds a task, and a weight pass, for every group boundary inside a tile:
+  at 64 rows per expert that doubles the weight traffic). A tile may reach past the array end;
+  the kernel shifts it back (its rows stay inside) and stores only [lo, hi).
+  """
+  rows, num_tasks = tile_rows(starts.astype(jnp.int32), ends.astype(jnp.int32), block_m,
+                              jnp.arange(t_max, dtype=jnp.int32))
+  return jnp.stack(rows), num_tasks.reshape(1)
+
+
+def tile_rows(starts: jax.Array, ends: jax.Array, block_m: int, t: jax.Array):
+  """Entries t [n] of tile_metadata_from_bounds' work list: ([group, tile, lo, hi] int32 [n]
+  each, num_tasks scalar); entries at and past num_tasks are zero. starts / ends int32 [G].
+  Only compare-reduces and one-hot picks (no gathers), so the routing kernels (Pallas on the
+  Triton lowering) build their tile lists with this same function."""
+  ends = jnp.maximum(ends, starts)
+  g = starts.shape[0]
+  base = starts - lax.rem(starts, 8)
+  ntiles = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
+  tile_end = jnp.cumsum(ntiles)
+  tile_start = tile_end - ntiles
+  # group of task t = number of groups whose tasks all end at or before t (compare-sum: fuses)
+  e = jnp.minimum(jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1), g - 1)
+  onehot = lax.broadcasted_iota(jnp.int32, (t.shape[0], g), 1) == e[:, None]
+  pick = lambda v: jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
+  tile = pick(base) + (t - pick(tile_start)) * block_m
+  lo = jnp.maximum(pick(starts), tile)
+  hi = jnp.minimum(pick(ends), tile + block_m)
+  num_tasks = jnp.sum(ntiles)
+  valid = t < num_tasks
+  return [jnp.where(valid, v, 0) for v in (e, tile, lo, hi)], num_tasks
+
+
+# ============================================================================ in-kernel activations
+# Same functions as pallas_kernels.activations (which the tests check against), written with
+# primitives Mosaic GPU lowers (no lax.logistic): sigmoid(x) = 1 / (1 + exp(-x)).
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _act_single(name: str, x):
+  if name in ("silu", "silu_no_mul"):
+    return x * _sigmoid(x)
+  if name in ("gelu", "gelu_no_mul"):
+    return 0.5 * x * (1.0 + lax.erf(x * 0.7071067811865476))
+  if name == "gelu_tanh":
+    c = 0.7978845608028654
+    return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * (x * x * x))))
+  if name == "relu2_no_mul":
+    r = jnp.maximum(x, 0.0)
+    return r * r
+  raise ValueError(f"activation {name!r} has no single-input form")
+
+
+def kernel_activation(act: Activation, gate, up=None):
+  """f32 activation as computed inside the kernels (gated when ``up`` is given)."""
+  if up is None:
+    return _act_single(act.name, gate)
+  if act.name == "swigluoai":
+    g = jnp.minimum(gate, act.limit)
+    u = jnp.minimum(jnp.maximum(up, -act.limit), act.limit)
+    return g * _sigmoid(act.alpha * g) * (u + 1.0)
+  return _act_single(act.name, gate) * up
+
+
+# ============================================================================ kernel
+
+
+class _ChainState:
+  """Pallas' `pipeline_state` of item i of a CTA's n chained pipelines, as the pipeline reads
+  it (`state == START` gates the prologue loads, `state == STOP` the final drain): traced
+  booleans, so a lone item can be both START and STOP, which no single enum value is."""
+
+  def __init__(self, i, n):
+    self.first, self.last = i == 0, i == n - 1
+
+  def __eq__(self, other):
+    states = plgpu.PipelinePipeline
+    if other == states.START:
+      return self.first
+    if other == states.STOP:
+      return self.last
+    if other == states.STEADY:
+      return ~(self.first | self.last)
+    return NotImplemented
+
+  __hash__ = None
+
+
+def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg: GroupedGemmConfig,
+                  gated: bool, act: Activation | None, has_scale: bool, has_bias: bool,
+                  t_max: int, num_sms: int, interpret, rhs_t: bool = False,
+                  slot_tasks: int = 0):
+  """rhs_t: rhs is stored [E, N, K] and read through transposed SMEM views (wgmma takes a
+  transposed B operand for 16-bit types), so the backward's d lhs = dout @ rhs^T needs no
+  transposed copy of the weights. slot_tasks (decode): meta is [slot_tasks] expert ids, one
+  task per row s (rows [s, s + 1), tile from s rounded down to 8); a slot whose expert is
+  outside [0, E) (empty, EP-remote) is skipped. No task list to build, nothing to compact."""
+  nwg, tile_m, tile_n = cfg.wg_tile()
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  k_iters = pl.cdiv(k, bk)
+  n_tiles = pl.cdiv(n_out, bn)
+  itemsize = jnp.dtype(dtype).itemsize
+  transforms = _compat.smem_transforms(bk, itemsize)
+  ladder = []
+  r = min(tile_m, m_pad)
+  while r > 0:
+    ladder.append(1 << int(math.log2(r)))
+    r //= 2
+  n_rhs = 2 if gated else 1
+  num_ctas = num_sms * cfg.ctas_per_sm
+  cross_item = cfg.cross_item and not slot_tasks  # a skipped slot must not load weights
+  stages = cfg.num_stages
+  if cross_item and cfg.warp_specialized:  # chained pipelines: K steps a multiple of stages
+    stages = next((s for s in range(stages, 1, -1) if k_iters % s == 0), 0)
+    cross_item = stages > 0
+    stages = stages or cfg.num_stages
+  _cast = _compat.layout_cast(interpret)
+  width = cfg.grid_tile_width if n_tiles % cfg.grid_tile_width == 0 else 1
+
+  def rhs_spec(**kw):
+    if rhs_t:
+      return plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=transforms, **kw)
+    return plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms, **kw)
+
+  def rhs_views(rhs_e, ni):
+    cols = [ni * bn] + ([n_out + ni * bn] if gated else [])
+    if rhs_t:
+      return [rhs_e.at[pl.ds(c, bn), :] for c in cols]
+    return [rhs_e.at[:, pl.ds(c, bn)] for c in cols]
+
+  def b_operand(b, wg_cols=None):
+    """The [bk, bn] (or [bk, tile_n] for columns wg_cols) B operand of one pipeline step."""
+    if rhs_t:
+      if wg_cols is not None:
+        b = b.at[pl.ds(wg_cols, tile_n), :]
+      return plgpu.transpose_ref(b, (1, 0))
+    return b if wg_cols is None else b.at[:, pl.ds(wg_cols, tile_n)]
+
+  def item_to_task_col(lin, num_tasks):
+    if cfg.grid_minor == "n":
+      return lax.div(lin, jnp.int32(n_tiles)), lax.rem(lin, jnp.int32(n_tiles))
+    band_size = num_tasks * width
+    band = lax.div(lin, band_size)
+    r_ = lax.rem(lin, band_size)
+    task = lax.rem(r_, num_tasks)
+    col = band * width + lax.div(r_, num_tasks)
+    return task, col
+
+  def body(meta_ref, ntask_ref, lhs_ref, rhs_ref, *rest):
+    rest = list(rest)
+    scale_ref = rest.pop(0) if has_scale else None
+    bias_ref = rest.pop(0) if has_bias else None
+    out_ref = rest.pop(0)
+    out_smem, vec_smem, vec_bar = rest[:3]
+    pipeline_allocs = rest[3] if cfg.warp_specialized else None
+
+    num_tasks = slot_tasks or ntask_ref[0]
+    num_items = num_tasks * n_tiles
+
+    def epilogue(accs, wg, e, row, lo, hi, ni):
+      """accs: f32 values (tile_m, tile_n); stores rows [lo, hi) of this warpgroup's tile."""
+      if cfg.warp_specialized and cfg.wg_split == "m":
+        r0 = row + wg * tile_m
+        c0 = ni * bn
+      elif cfg.warp_specialized:
+        r0 = row
+        c0 = ni * bn + wg * tile_n
+      else:
+        r0 = row
+        c0 = ni * bn
+      # bias / row-scale vectors: TMA into SMEM, then into registers.
+      if has_bias:
+        plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(c0, tile_n)], vec_smem.at[wg, 0, :tile_n],
+                                vec_bar.at[wg * 3 + 0])
+        if gated:
+          plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(n_out + c0, tile_n)],
+                                  vec_smem.at[wg, 1, :tile_n], vec_bar.at[wg * 3 + 1])
+      if has_scale:
+        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r0, tile_m)], vec_smem.at[wg, 2, :tile_m],
+                                vec_bar.at[wg * 3 + 2])
+      shape = (tile_m, tile_n)
+      vals = []
+      for j, a in enumerate(accs):
+        if has_bias:
+          plgpu.barrier_wait(vec_bar.at[wg * 3 + j])
+          b = _cast(vec_smem.at[wg, j, :tile_n][...], plgpu.Layout.WGMMA.reduce(0))
+          a = a + lax.broadcast_in_dim(b, shape, [1])
+        vals.append(a)
+      if gated:
+        y = kernel_activation(act, vals[0], vals[1])
+      elif act is not None:
+        y = kernel_activation(act, vals[0])
+      else:
+        y = vals[0]
+      if has_scale:
+        plgpu.barrier_wait(vec_bar.at[wg * 3 + 2])
+        s = _cast(vec_smem.at[wg, 2, :tile_m][...], plgpu.Layout.WGMMA.reduce(1))
+        y = y * lax.broadcast_in_dim(s, shape, [0])
+      o_smem = out_smem.at[wg]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's stores read o_smem
+      o_smem[...] = y.astype(out_dtype)
+      plgpu.commit_smem()
+      start = jnp.maximum(lo - r0, 0)
+      size = jnp.maximum(jnp.minimum(hi, r0 + tile_m) - jnp.maximum(lo, r0), 0)
+      for rows in ladder:
+        @pl.when((size & rows) != 0)
+        def _store():
+          plgpu.copy_smem_to_gmem(
+              o_smem.at[pl.ds(start, rows)],
+              out_ref.at[pl.ds(r0 + start, rows), pl.ds(c0, tile_n)])
+        start = start + (size & rows)
+
+    def when_valid(e):
+      """Runs the item only for an expert in [0, E) for slot tasks (else always)."""
+      if not slot_tasks:
+        return lambda f: f()
+      return pl.when((e >= 0) & (e < num_groups))
+
+    def task_info(lin):
+      task, ni = item_to_task_col(lin, num_tasks)
+      if slot_tasks:
+        row = pl.multiple_of(jnp.minimum(task - task % 8, m_pad - bm), 8)
+        return meta_ref[task], row, task, task + 1, ni
+      e = meta_ref[0, task]
+      # the tile's first row; a tile reaching past the array is shifted back inside it
+      row = pl.multiple_of(jnp.minimum(meta_ref[1, task], m_pad - bm), 8)
+      lo = meta_ref[2, task]
+      hi = meta_ref[3, task]
+      return e, row, lo, hi, ni
+
+    def my_items():
+      """(this CTA's index, how many items it runs): items lin = cta + i * num_ctas, as in the
+      per-item nd_loop."""
+      cta = lax.axis_index("sm")
+      return cta, lax.div(num_items - cta + num_ctas - 1, num_ctas)
+
+    def run_cross_item():
+      """One pipeline over (this CTA's items, K steps): items lin = cta + i * num_ctas. The
+      index maps read each item's expert / row / column tile from the task list, the body zeroes
+      the accumulators at an item's first step and runs the epilogue at its last."""
+      cta, mine = my_items()
+
+      def item(i):
+        return task_info(cta + i * num_ctas)
+
+      def lhs_index(i, kk):
+        _, row, _, _, _ = item(i)
+        return row, kk
+
+      def rhs_index(j):
+        def index(i, kk):
+          e, _, _, _, ni = item(i)
+          col = ni + j * (n_out // bn)
+          return (e, col, kk) if rhs_t else (e, kk, col)
+        return index
+
+      rhs_block = (None, bn, bk) if rhs_t else (None, bk, bn)
+      specs = [plgpu.BlockSpec((pl.Element(bm), bk), lhs_index, transforms=transforms,
+                               delay_release=1)]
+      specs += [plgpu.BlockSpec(rhs_block, rhs_index(j), transforms=transforms,
+                                delay_release=1) for j in range(n_rhs)]
+
+      # GPU interpret mode cannot store into a wgmma accumulator (no wgmma_accumulator_store
+      # rule in jax 0.10-0.11): there an item's starting value is kept in SMEM and subtracted.
+      emulate_reset = interpret is not None
+
+      def scope(*acc_refs, bases=()):
+        def step(idx, a_smem, *b_smems):
+          i, kk = idx
+
+          @pl.when(kk == 0)
+          def _reset():
+            for j, acc in enumerate(acc_refs):
+              if emulate_reset:
+                bases[j][...] = acc[...]
+              else:
+                acc[...] = jnp.zeros((tile_m, tile_n), jnp.float32)
+
+          for acc, b in zip(acc_refs, b_smems):
+            plgpu.wgmma(acc, a_smem, b_operand(b))
+          plgpu.wgmma_wait(n_rhs)
+
+          @pl.when(kk == k_iters - 1)
+          def _store():
+            plgpu.wgmma_wait(0)
+            e, row, lo, hi, ni = item(i)
+            vals = [a[...] for a in acc_refs]
+            if emulate_reset:
+              vals = [v - b[...] for v, b in zip(vals, bases)]
+            epilogue(vals, 0, e, row, lo, hi, ni)
+
+        @pl.when(mine > 0)
+        def _run():
+          plgpu.emit_pipeline(step, grid=(mine, k_iters), in_specs=specs,
+                              max_concurrent_steps=stages)(lhs_ref, *[rhs_ref] * n_rhs)
+      accs = [plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)]
+      if emulate_reset:  # REGS and SMEM allocations need their own scopes
+        pl.run_scoped(lambda *bases: pl.run_scoped(functools.partial(scope, bases=bases), *accs),
+                      *[plgpu.SMEM((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
+      else:
+        pl.run_scoped(scope, *accs)
+
+    if cfg.warp_specialized:
+      def mma_body(_, a_smem, *refs):
+        b_refs, accs = refs[:n_rhs], refs[n_rhs]
+        wg = lax.axis_index("wg")
+        if cfg.wg_split == "m":
+          a = a_smem.at[pl.ds(wg * tile_m, tile_m)]
+          bs = [b_operand(b) for b in b_refs]
+        else:
+          a = a_smem
+          bs = [b_operand(b, wg * tile_n) for b in b_refs]
+        for acc, b in zip(accs, bs):
+          plgpu.wgmma(acc, a, b)
+        plgpu.wgmma_wait(0)
+        return accs
+
+      def make_pipeline(body_fn, ctx, state=None):
+        specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms)]
+        specs += [rhs_spec() for _ in range(n_rhs)]
+        return plgpu.emit_pipeline_warp_specialized(
+            body_fn, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg",
+            num_compute_wgs=2, max_concurrent_steps=stages, compute_context=ctx,
+            pipeline_state=state)
+
+      def compute_item(e, row, lo, hi, ni, state=None):
+        def compute_context(eval_pipeline):
+          def scope(*acc_refs):
+            accs = eval_pipeline(tuple(acc_refs))
+            wg = lax.axis_index("wg")
+            epilogue([a[...] for a in accs], wg, e, row, lo, hi, ni)
+          pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32)
+                                 for _ in range(n_rhs)])
+
+        b_views = rhs_views(rhs_ref.at[e], ni)
+        make_pipeline(mma_body, compute_context, state)(
+            lhs_ref.at[pl.ds(row, bm), :], *b_views, allocations=pipeline_allocs)
+
+      def run_chained():
+        """The CTA's items (lin = cta + i * num_ctas) as one chain of pipelines: the first
+        starts it (prologue loads), the last drains it, and in between the memory warpgroup
+        runs ahead into the next item. One call site (a WS pipeline traced at two sites leaks
+        tracers), so the state is dynamic: `_ChainState`."""
+        cta, n = my_items()
+
+        @pl.loop(0, n)
+        def _items(i):
+          e, row, lo, hi, ni = task_info(cta + i * num_ctas)
+          compute_item(e, row, lo, hi, ni, _ChainState(i, n))
+
+    else:
+      def compute_item(e, row, lo, hi, ni):
+        b_views = rhs_views(rhs_ref.at[e], ni)
+
+        def scope(*acc_refs):
+          def step(_, a_smem, *b_smems):
+            for acc, b in zip(acc_refs, b_smems):
+              plgpu.wgmma(acc, a_smem, b_operand(b))
+            plgpu.wgmma_wait(n_rhs)
+          specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms,
+                                   delay_release=1)]
+          specs += [rhs_spec(delay_release=1) for _ in range(n_rhs)]
+          plgpu.emit_pipeline(step, grid=(k_iters,), in_specs=specs,
+                              max_concurrent_steps=cfg.num_stages)(
+                                  lhs_ref.at[pl.ds(row, bm), :], *b_views)
+          plgpu.wgmma_wait(0)
+          epilogue([a[...] for a in acc_refs], 0, e, row, lo, hi, ni)
+        pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
+
+    if cross_item:
+      run_chained() if cfg.warp_specialized else run_cross_item()
+    else:
+      @plgpu.nd_loop((num_items,), collective_axes="sm")
+      def _loop(info):
+        (lin,) = info.index
+        e, row, lo, hi, ni = task_info(lin)
+
+        @when_valid(e)
+        def _item():
+          compute_item(e, row, lo, hi, ni)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  scratch = [
+      plgpu.SMEM((nwg, tile_m, tile_n), out_dtype),
+      plgpu.SMEM((nwg, 3, max(tile_m, tile_n)), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=3 * nwg),
+  ]
+  if cfg.warp_specialized:
+    ignore = lambda *_, **__: None
+    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms)]
+    specs += [rhs_spec() for _ in range(n_rhs)]
+    pipe = plgpu.emit_pipeline_warp_specialized(
+        ignore, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg",
+        num_compute_wgs=2, max_concurrent_steps=stages, compute_context=ignore)
+    lhs_aval = jax.ShapeDtypeStruct((bm, k), dtype)
+    rhs_aval = jax.ShapeDtypeStruct((bn, k) if rhs_t else (k, bn), dtype)
+    scratch.append(pipe.get_allocations(lhs_aval, *([rhs_aval] * n_rhs)))
+
+  extra = {}
+  if cfg.warp_specialized:
+    extra = dict(num_threads=3, thread_name="wg")
+  return _compat.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype),
+      scratch_types=scratch,
+      grid=(num_ctas,),
+      grid_names=("sm",),
+      compiler_params=_compat.compiler_params(approx_math=True),
+      interpret=interpret,
+      name=(("jmoe_gg_gated" if gated else "jmoe_gg") + ("_ws" if cfg.warp_specialized else "")
+            + ("_2cta" if cfg.ctas_per_sm == 2 else "") + ("_xi" if cross_item else "")
+            + ("_rt" if rhs_t else "")),
+      **extra,
+  )
+
+
+# ============================================================================ public API
+
+
+def _check_dtype(name, x):
+  if jnp.dtype(x.dtype) == jnp.dtype(jnp.float32):
+    raise NotImplementedError(
+        f"{name}: float32 inputs are not supported by the Mosaic GPU grouped GEMM (bf16/f16 only); "
+        "use the XLA path or cast to bfloat16")
+  if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+    raise ValueError(f"{name}: dtype {x.dtype} is not supported (bfloat16 or float16)")
+
+
+def _adapt_config(cfg: GroupedGemmConfig, k: int, n_out: int) -> GroupedGemmConfig:
+  """Shrink block_k / block_n so they divide K / N: tiles never read or write past K or N (only
+  past M, where the extra rows are never stored)."""
+  bk, bn = cfg.block_k, cfg.block_n
+  while k % bk:
+    bk //= 2
+  while n_out % bn:
+    bn //= 2
+  if bk != cfg.block_k or bn != cfg.block_n:
+    ws, split = cfg.warp_specialized, cfg.wg_split
+    if ws and split == "n" and bn % 128:
+      split = "m"
+    if ws and split == "m" and cfg.block_m < 128:
+      ws = False
+    log.debug("grouped_gemm: config %s adapted to K=%d N=%d: block_k=%d block_n=%d", cfg, k,
+              n_out, bk, bn)
+    cfg = dataclasses.replace(cfg, block_k=bk, block_n=bn, warp_specialized=ws, wg_split=split)
+  return cfg
+
+
+def _validate(lhs, rhs, group_sizes, row_scale, bias, rhs_cols, gated=False):
+  if lhs.ndim != 2:
+    raise ValueError(f"lhs must be [M, K], got shape {lhs.shape}")
+  if rhs.ndim != 3:
+    raise ValueError(f"rhs must be [E, K, N], got shape {rhs.shape}")
+  m, k = lhs.shape
+  e, k2, n = rhs.shape
+  if k != k2:
+    raise ValueError(f"lhs K={k} does not match rhs K={k2} (lhs {lhs.shape}, rhs {rhs.shape})")
+  _check_dtype("lhs", lhs)
+  _check_dtype("rhs", rhs)
+  if lhs.dtype != rhs.dtype:
+    raise ValueError(f"lhs dtype {lhs.dtype} != rhs dtype {rhs.dtype}")
+  if group_sizes.shape != (e,):
+    raise ValueError(f"group_sizes must have shape ({e},), got {group_sizes.shape}")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be integer, got {group_sizes.dtype}")
+  if row_scale is not None and row_scale.shape != (m,):
+    raise ValueError(f"row_scale must have shape ({m},), got {row_scale.shape}")
+  if bias is not None and bias.shape != (e, rhs_cols):
+    raise ValueError(f"bias must have shape ({e}, {rhs_cols}), got {bias.shape}")
+  if k % 16:
+    raise ValueError(f"K={k} must be a multiple of 16 (pad lhs and rhs along K with zeros)")
+  n_out = rhs_cols // 2 if gated else rhs_cols
+  if n_out % 64:
+    raise ValueError(f"N={n_out} (output columns) must be a multiple of 64; pad the weight columns "
+                     "(and bias) with zeros once at load time")
+  if m == 0:
+    raise ValueError("lhs has 0 rows")
+
+
+def row_alloc(m: int, *block_ms: int) -> int:
+  """Rows the kernels need for m rows: a multiple of 8 (tiles start on 8-row boundaries) and at
+  least one row tile. Callers that build lhs by a gather allocate this many rows up front."""
+  return max(-(-m // 8) * 8, *block_ms)
+
+
+def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, gated, act,
+         kernel_name, meta=None, keep_rows=False, rhs_t=False, slot_experts=None):
+  """meta: precomputed tile_metadata(group_sizes, M, block_m) (shared by GEMM1 and GEMM2).
+  keep_rows: return all kernel rows (see row_alloc) instead of slicing back to M.
+  rhs_t: rhs is [E, N, K] (used transposed). slot_experts [S] int32 (decode, instead of meta):
+  row s < S is one task of expert slot_experts[s]; outside [0, E): skipped, row unwritten."""
+  m, k = lhs.shape
+  # transposed-rhs GEMMs (the backward's d lhs) have their own tuned table
+  table = kernel_name + ("_rt" if rhs_t else "")
+  if rhs_t and interpret:  # the interpreter cannot simulate transposed SMEM views
+    rhs, rhs_t = jnp.swapaxes(rhs, 1, 2), False
+  e = rhs.shape[0]
+  n_total = rhs.shape[1] if rhs_t else rhs.shape[2]
+  n_out = n_total // 2 if gated else n_total
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  if config is None:
+    config = get_config(table, m, n_out, k, e, lhs.dtype, gated=gated, out_dtype=out_dtype)
+  cfg = _adapt_config(config, k, n_out)
+  cfg = _fit_stages(cfg, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, 2 if gated else 1)
+  bm = cfg.block_m
+  m_pad = row_alloc(m, bm)
+  if m_pad != m:  # a copy: callers that can (fused_experts) allocate m_pad rows themselves
+    lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
+  if row_scale is not None:
+    row_scale = row_scale.astype(jnp.float32)
+    if m_pad != m:
+      row_scale = jnp.pad(row_scale, (0, m_pad - m))
+  if bias is not None:
+    bias = bias.astype(jnp.float32)
+  if slot_experts is not None:  # the task count is static: ntasks is not read
+    meta, ntasks = slot_experts.astype(jnp.int32), jnp.zeros((1,), jnp.int32)
+  else:
+    meta, ntasks = tile_metadata(group_sizes, m, bm) if meta is None else meta
+  t_max = meta.shape[-1]
+  interp, nsm = _compat.launch_params(interpret)
+  kern = _build_kernel(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, num_groups=e,
+                       dtype=lhs.dtype, out_dtype=out_dtype, cfg=cfg, gated=gated, act=act,
+                       has_scale=row_scale is not None, has_bias=bias is not None, t_max=t_max,
+                       num_sms=nsm, interpret=interp, rhs_t=rhs_t,
+                       slot_tasks=0 if slot_experts is None else slot_experts.shape[0])
+  args = [meta, ntasks, lhs, rhs]
+  if row_scale is not None:
+    args.append(row_scale)
+  if bias is not None:
+    args.append(bias)
+  out = kern(*args)
+  if m_pad != m and not keep_rows:
+    out = out[:m]
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "activation",
+                                             "transpose_rhs"))
+def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                 row_scale: jax.Array | None = None, bias: jax.Array | None = None,
+                 activation: Activation | str | None = None, out_dtype=None,
+                 config: GroupedGemmConfig | None = None, interpret: Any = False,
+                 transpose_rhs: bool = False) -> jax.Array:
+  """out[r] = act((lhs[r] @ rhs[g(r)] + bias[g(r)])) * row_scale[r] for r < sum(group_sizes).
+
+  lhs [M, K] bf16/f16 (rows sorted by group), rhs [E, K, N] same dtype, group_sizes [E] int.
+  row_scale [M] (f32), bias [E, N] (f32 or any float), activation: None or a non-gated
+  ``*_no_mul`` Activation (gated ones need :func:`grouped_gemm_gated`). Accumulates in f32.
+  Returns [M, N] in out_dtype (default lhs.dtype); rows >= sum(group_sizes) are unwritten.
+  K must be a multiple of 16 and N a multiple of 64 (ValueError otherwise: pad the weights once);
+  config.block_k / block_n are shrunk to divide K / N. float32 inputs raise NotImplementedError
+  (callers fall back to XLA). interpret: False, True (GPU interpret mode on CPU, race detection
+  on) or an InterpretGPUParams.
+  transpose_rhs: rhs is given as [E, N, K] and multiplied transposed (no copy: the kernel reads
+  transposed tiles; the backward's d lhs = dout @ w^T).
+  """
+  act = None
+  if activation is not None:
+    act = as_activation(activation)
+    if act.is_gated:
+      raise ValueError(f"activation={act.name!r} is gated: use grouped_gemm_gated")
+  if transpose_rhs:
+    if rhs.ndim != 3:
+      raise ValueError(f"rhs must be [E, N, K] with transpose_rhs, got shape {rhs.shape}")
+    _validate(lhs, jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype),
+              group_sizes, row_scale, bias, rhs.shape[1])
+  else:
+    _validate(lhs, rhs, group_sizes, row_scale, bias, rhs.shape[2])
+  return _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, False, act,
+              "grouped_gemm", rhs_t=transpose_rhs)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))
+def grouped_gemm_gated(lhs: jax.Array, w13: jax.Array, group_sizes: jax.Array, *,
+                       activation: Activation | str = "silu", bias: jax.Array | None = None,
+                       row_scale: jax.Array | None = None, out_dtype=None,
+                       config: GroupedGemmConfig | None = None, interpret: Any = False
+                       ) -> jax.Array:
+  """GEMM1 with the gated activation fused: out[r, j] = act(h[r, j], h[r, N + j]) (* row_scale).
+
+  h = lhs[r] @ w13[g(r)] + bias[g(r)], w13 [E, K, 2N] with gate columns [0, N) and up columns
+  [N, 2N) (the jmoe convention). The [M, 2N] intermediate never reaches HBM: each output tile
+  computes its gate and up columns in two f32 accumulators. Returns [M, N]; rows past
+  sum(group_sizes) are unwritten.
+  """
+  act = as_activation(activation)
+  if not act.is_gated:
+    raise ValueError(f"activation={act.name!r} is not gated: use grouped_gemm(activation=...)")
+  if w13.ndim != 3 or w13.shape[2] % 2:
+    raise ValueError(f"w13 must be [E, K, 2N], got shape {w13.shape}")
+  _validate(lhs, w13, group_sizes, row_scale, bias, w13.shape[2], gated=True)
+  return _run(lhs, w13, group_sizes, row_scale, bias, out_dtype, config, interpret, True, act,
+              "grouped_gemm_gated")
+
+
+# ============================================================================ references
+
+
+def grouped_gemm_reference(lhs, rhs, group_sizes, *, row_scale=None, bias=None, activation=None,
+                           gated=False, out_dtype=None):
+  """Pure-jnp reference (f32 math, dense per-row gather of the group's weights by masking).
+
+  Rows past sum(group_sizes) are returned as zeros.
+  """
+  m = lhs.shape[0]
+  e = rhs.shape[0]
+  gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.cumsum(gs)
+  row = jnp.arange(m)
+  gid = jnp.searchsorted(ends, row, side="right")
+  valid = gid < e
+  gid_c = jnp.minimum(gid, e - 1)
+  h = jnp.zeros((m, rhs.shape[2]), jnp.float32)
+  for g in range(e):
+    hg = jnp.dot(lhs.astype(jnp.float32), rhs[g].astype(jnp.float32),
+                 precision=lax.Precision.HIGHEST)
+    h = jnp.where((gid_c == g)[:, None], hg, h)
+  if bias is not None:
+    h = h + bias.astype(jnp.float32)[gid_c]
+  if gated:
+    n = h.shape[1] // 2
+    y = as_activation(activation).gated(h[:, :n], h[:, n:])
+  elif activation is not None:
+    y = as_activation(activation)(h)
+  else:
+    y = h
+  if row_scale is not None:
+    y = y * row_scale.astype(jnp.float32)[:, None]
+  y = jnp.where(valid[:, None], y, 0.0)
+  return y.astype(out_dtype or lhs.dtype)
+
+
+# ============================================================================ batched (masked) format
+
+
+def _batched(lhs, rhs, expert_num_tokens, row_scale, bias, out_dtype, config, interpret, gated,
+             act, kernel_name):
+  if lhs.ndim != 3:
+    raise ValueError(f"lhs must be [E, max_tokens, K], got shape {lhs.shape}")
+  e, cap, k = lhs.shape
+  if rhs.ndim != 3 or rhs.shape[0] != e:
+    raise ValueError(f"rhs must be [E={e}, K, N], got shape {rhs.shape}")
+  if expert_num_tokens.shape != (e,):
+    raise ValueError(f"expert_num_tokens must have shape ({e},), got {expert_num_tokens.shape}")
+  if row_scale is not None and row_scale.shape != (e, cap):
+    raise ValueError(f"row_scale must have shape ({e}, {cap}), got {row_scale.shape}")
+  m = e * cap
+  lhs2 = lhs.reshape(m, k)
+  scale2 = None if row_scale is None else row_scale.reshape(m)
+  _validate(lhs2, rhs, expert_num_tokens, scale2, bias, rhs.shape[2], gated=gated)
+  n_out = rhs.shape[2] // 2 if gated else rhs.shape[2]
+  if config is None:
+    config = get_config(kernel_name, m, n_out, k, e, lhs.dtype, gated=gated, out_dtype=out_dtype)
+  bm = config.block_m
+  counts = jnp.clip(expert_num_tokens.astype(jnp.int32), 0, cap)
+  starts = jnp.arange(e, dtype=jnp.int32) * cap
+  t_max = e * pl.cdiv(cap, bm)  # tiles are aligned to each expert's first row
+  meta = tile_metadata_from_bounds(starts, starts + counts, bm, t_max)
+  out = _run(lhs2, rhs, expert_num_tokens, scale2, bias, out_dtype, config, interpret, gated, act,
+             kernel_name, meta=meta)
+  return out.reshape(e, cap, n_out)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "activation"))
+def batched_grouped_gemm(lhs: jax.Array, rhs: jax.Array, expert_num_tokens: jax.Array, *,
+                         row_scale: jax.Array | None = None, bias: jax.Array | None = None,
+                         activation: Activation | str | None = None, out_dtype=None,
+                         config: GroupedGemmConfig | None = None, interpret: Any = False
+                         ) -> jax.Array:
+  """Batched (masked) format: out[e, r] = epilogue(lhs[e, r] @ rhs[e]) for r < expert_num_tokens[e].
+
+  lhs [E, max_tokens, K], rhs [E, K, N], expert_num_tokens [E] int, row_scale [E, max_tokens],
+  bias [E, N]. Same kernel as grouped_gemm: row tiles past an expert's count are never scheduled
+  (no compute, no weight loads for experts with 0 tokens); rows r >= expert_num_tokens[e] of the
+  [E, max_tokens, N] result are unwritten.
+  """
+  act = None
+  if activation is not None:
+    act = as_activation(activation)
+    if act.is_gated:
+      raise ValueError(f"activation={act.name!r} is gated: use batched_grouped_gemm_gated")
+  return _batched(lhs, rhs, expert_num_tokens, row_scale, bias, out_dtype, config, interpret,
+                  False, act, "grouped_gemm")
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))
+def batched_grouped_gemm_gated(lhs: jax.Array, w13: jax.Array, expert_num_tokens: jax.Array, *,
+                               activation: Activation | str = "silu",
+                               bias: jax.Array | None = None,
+                               row_scale: jax.Array | None = None, out_dtype=None,
+                               config: GroupedGemmConfig | None = None, interpret: Any = False
+                               ) -> jax.Array:
+  """Batched format of grouped_gemm_gated: [E, max_tokens, K] x [E, K, 2N] -> [E, max_tokens, N]."""
+  act = as_activation(activation)
+  if not act.is_gated:
+    raise ValueError(f"activation={act.name!r} is not gated: use batched_grouped_gemm")
+  return _batched(lhs, w13, expert_num_tokens, row_scale, bias, out_dtype, config, interpret,
+                  True, act, "grouped_gemm_gated")

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Session 8's device calls (each under the 600 s call limit):
-#   bash benchmarks/gpu_round8.sh train  # one H200: the training path (route kernels with the
-#                                        # tail rows zeroed, GEMM1 writing a and h, the activation's
-#                                        # VJP fused into the d a GEMM) against its variants
-#                                        # with fused epilogues / with the XLA routing, qwen3 and
-#                                        # mixtral at 1024 tokens, XLA's optimized HLO kept
+#   bash benchmarks/gpu_round8.sh train  # one H200: the training path (routing kernels in their
+#                                        # training mode, expert_mlp) against its variants with
+#                                        # fused activation epilogues / with the XLA routing, qwen3
+#                                        # and mixtral at 1024 tokens, XLA's optimized HLO kept
 #   bash benchmarks/gpu_round8.sh aligned # one H200: the qwen3 tgmm sweep on the training layout
 #                                        # (experts padded to 8-row multiples; winners into
 #                                        # tgmm.json), then the training ratio

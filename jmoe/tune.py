@@ -109,6 +109,14 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
     def build_tgmm(cfg):
       return jax.jit(lambda a, b, g: tgmm(a, b, g, config=cfg, interpret=interpret))
     d13 = jax.random.normal(ks[4], (xs.shape[0], 2 * n), jnp.float32).astype(dtype)
+    # the weight gradients run on the training layout (experts padded to 8-row multiples,
+    # pallas_kernels.route.route_for_training): its rows and group sizes
+    m_t = gg.row_alloc(m + 7 * min(e, m), 128)
+    order_t, _, gs_t = permute.moe_align_training(ids.astype(jnp.int32), e, m_t)
+    xs_t = jnp.take(x, jnp.where(order_t >= 0, order_t // top_k, t), axis=0, mode="fill",
+                    fill_value=0)
+    hs_t = jax.random.normal(ks[4], (m_t, n), jnp.float32).astype(dtype)
+    d13_t = jax.random.normal(ks[4], (m_t, 2 * n), jnp.float32).astype(dtype)
     todo = [  # (table, candidate set, output N, contraction K, args, build)
         ("grouped_gemm_gated", "gemm1", n, h, (xs, gs, w13),
          lambda cfg: jax.jit(lambda a, g, w: gg.grouped_gemm_gated(
@@ -117,8 +125,8 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
          lambda cfg: jax.jit(lambda a, g, w, s: gg.grouped_gemm(
              a, w, g, row_scale=s, config=cfg, interpret=interpret))),
         # weight gradients: dW13 = xs^T d(h13) [H, 2N], dW2 = a^T dy [N, H] (keyed K, N)
-        ("tgmm", "tgmm", 2 * n, h, (xs, d13, gs), build_tgmm),
-        ("tgmm", "tgmm", h, n, (hs, xs, gs), build_tgmm),
+        ("tgmm", "tgmm", 2 * n, h, (xs_t, d13_t, gs_t), build_tgmm),
+        ("tgmm", "tgmm", h, n, (hs_t, xs_t, gs_t), build_tgmm),
     ]
     if training:
       def build_plain(cfg, rt=False):
@@ -135,9 +143,10 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
     for (kernel, gemm, n_out, k_in, args, build), on in zip(todo, sel):
       if not on:
         continue
+      m_rows = args[0].shape[0] if kernel == "tgmm" else m  # tgmm looks itself up by its rows
       # the config in use now (tuned entry or heuristic) competes too: a run never writes a
       # config slower than the one it would replace
-      now = (get_tgmm_config(m, k_in, n_out, e, dtype) if kernel == "tgmm" else
+      now = (get_tgmm_config(m_rows, k_in, n_out, e, dtype) if kernel == "tgmm" else
              gg.get_config(kernel, m, n_out, k_in, e, dtype, gated=kernel.endswith("gated")))
       cands = (now,) + _candidates(gemm, e, m)
       if max_candidates:
@@ -157,7 +166,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
           progress()
       if best is None:
         raise RuntimeError(f"every candidate failed for {kernel} at T={t}")
-      key = gg._tuned_key(e, n_out, k_in, dtype, device, gg._m_bucket(m))
+      key = gg._tuned_key(e, n_out, k_in, dtype, device, gg._m_bucket(m_rows))
       results.append(TuneResult(kernel, key, best[0].to_json(), best[1], len(cands), failed))
   return results
 

@@ -12,9 +12,10 @@
 #   bash benchmarks/gpu_round8.sh final  # one H200: the training ratio (d y and d weights of the
 #                                        # gather-sum backward row by row), the block at 1 / 64 /
 #                                        # 1024 tokens with torch._grouped_mm, jmoe bench
-#   bash benchmarks/gpu_round8.sh ab     # one H200: the inference GEMMs against the session's
-#                                        # starting grouped_gemm.py (benchmarks/baseline_grouped_
-#                                        # gemm.py, from cde41bd), alternating rounds
+#   bash benchmarks/gpu_round8.sh ab     # one H200: the inference GEMMs against an older
+#                                        # grouped_gemm.py (not in the repo: first `git show
+#                                        # cde41bd:pallas_kernels/grouped_gemm.py > benchmarks/
+#                                        # baseline_grouped_gemm.py`, untracked, so it travels)
 #   bash benchmarks/gpu_round8.sh epi    # one H200: the fused activation epilogues (d a GEMM with
 #                                        # the activation's VJP; GEMM1 writing a and h) over a few
 #                                        # configs against the unfused pairs (check_act_grad.py)

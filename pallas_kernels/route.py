@@ -334,23 +334,25 @@ def _zero_padding(xs_ref, order_ref, pad_start, pad_rows, b, nb: int, e: int, ep
                   m_alloc: int, hc: int, c, interpret):
   """Training mode: zeros in each expert's padding rows [pad_start[g], + pad_rows[g]) (< _ALIGN
   rows) of xs (column chunk c) and, at chunk 0, -1 in order. Block program b of nb takes
-  experts [b * epb, (b + 1) * epb): one masked [epb * _ALIGN, hc] store."""
+  experts [b * epb, (b + 1) * epb), in groups of at most _ROWS ([_ROWS, ep] one-hot picks, as
+  the row steps): per group and padding row j < _ALIGN one masked [group, hc] store."""
   epb = _pow2(-(-ep // nb))
-  i = lax.broadcasted_iota(jnp.int32, (epb * _ALIGN,), 0)
-  g = b * epb + i // _ALIGN
-  j = i % _ALIGN
-  pick = g[:, None] == lax.broadcasted_iota(jnp.int32, (epb * _ALIGN, ep), 1)
-  start = jnp.sum(jnp.where(pick, pad_start[None, :], 0), axis=1)
-  count = jnp.sum(jnp.where(pick, pad_rows[None, :], 0), axis=1)
-  ok = (g < e) & (j < count)
-  dst = jnp.where(ok, start + j, m_alloc - 1)
+  grp = min(epb, _ROWS)
   cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
-  _store(xs_ref, (dst, cols), jnp.zeros((epb * _ALIGN, hc), xs_ref.dtype), ok[:, None],
-         interpret)
+  experts = lax.broadcasted_iota(jnp.int32, (grp, ep), 1)
+  for q in range(epb // grp):
+    g = b * epb + q * grp + lax.broadcasted_iota(jnp.int32, (grp,), 0)
+    pick = g[:, None] == experts
+    start = jnp.sum(jnp.where(pick, pad_start[None, :], 0), axis=1)
+    count = jnp.sum(jnp.where(pick, pad_rows[None, :], 0), axis=1)
+    for j in range(_PAD):
+      ok = (g < e) & (j < count)
+      dst = jnp.where(ok, start + j, m_alloc - 1)
+      _store(xs_ref, (dst, cols), jnp.zeros((grp, hc), xs_ref.dtype), ok[:, None], interpret)
 
-  @pl.when(c == 0)
-  def _():
-    _store(order_ref, (dst,), jnp.full((epb * _ALIGN,), -1, jnp.int32), ok, interpret)
+      @pl.when(c == 0)
+      def _(dst=dst, ok=ok):
+        _store(order_ref, (dst,), jnp.full((grp,), -1, jnp.int32), ok, interpret)
 
 
 def _zero_tail(xs_ref, order_ref, row0, tail, j, stride: int, m_alloc: int, hc: int, c,

@@ -334,25 +334,32 @@ def _zero_padding(xs_ref, order_ref, pad_start, pad_rows, b, nb: int, e: int, ep
                   m_alloc: int, hc: int, c, interpret):
   """Training mode: zeros in each expert's padding rows [pad_start[g], + pad_rows[g]) (< _ALIGN
   rows) of xs (column chunk c) and, at chunk 0, -1 in order. Block program b of nb takes
-  experts [b * epb, (b + 1) * epb), in groups of at most _ROWS ([_ROWS, ep] one-hot picks, as
-  the row steps): per group and padding row j < _ALIGN one masked [group, hc] store."""
+  experts [b * epb, (b + 1) * epb) in groups of _ROWS // _ALIGN or fewer: per group one masked
+  [group * _ALIGN, hc] store and a [_ROWS, ep] one-hot pick at most, as the row steps (seven
+  smaller stores per group cost qwen3's 1024-token routing 3 µs on an H200)."""
   epb = _pow2(-(-ep // nb))
-  grp = min(epb, _ROWS)
+  grp = min(epb, _ROWS // _ALIGN)
+  i = lax.broadcasted_iota(jnp.int32, (grp * _ALIGN,), 0)
+  experts = lax.broadcasted_iota(jnp.int32, (grp * _ALIGN, ep), 1)
   cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
-  experts = lax.broadcasted_iota(jnp.int32, (grp, ep), 1)
-  for q in range(epb // grp):
-    g = b * epb + q * grp + lax.broadcasted_iota(jnp.int32, (grp,), 0)
+  zeros = jnp.zeros((grp * _ALIGN, hc), xs_ref.dtype)
+
+  def group(q, carry):
+    g = b * epb + q * grp + i // _ALIGN
+    j = i % _ALIGN
     pick = g[:, None] == experts
     start = jnp.sum(jnp.where(pick, pad_start[None, :], 0), axis=1)
     count = jnp.sum(jnp.where(pick, pad_rows[None, :], 0), axis=1)
-    for j in range(_PAD):
-      ok = (g < e) & (j < count)
-      dst = jnp.where(ok, start + j, m_alloc - 1)
-      _store(xs_ref, (dst, cols), jnp.zeros((grp, hc), xs_ref.dtype), ok[:, None], interpret)
+    ok = (g < e) & (j < count)
+    dst = jnp.where(ok, start + j, m_alloc - 1)
+    _store(xs_ref, (dst, cols), zeros, ok[:, None], interpret)
 
-      @pl.when(c == 0)
-      def _(dst=dst, ok=ok):
-        _store(order_ref, (dst,), jnp.full((grp,), -1, jnp.int32), ok, interpret)
+    @pl.when(c == 0)
+    def _():
+      _store(order_ref, (dst,), jnp.full((grp * _ALIGN,), -1, jnp.int32), ok, interpret)
+    return carry
+
+  lax.fori_loop(0, epb // grp, group, 0)
 
 
 def _zero_tail(xs_ref, order_ref, row0, tail, j, stride: int, m_alloc: int, hc: int, c,

@@ -75,6 +75,7 @@ def test_training_path_lowers_for_gpu(h200_tables):
 @pytest.mark.parametrize("preset,t,expect", [
     ("qwen3", 1024, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 8192 slots
     ("mixtral", 4, {"jmoe_route_scatter_rows"}),                              # one kernel
+    ("deepseek", 1, {"jmoe_route_scatter_rows"}),     # one program zeroes 256 experts' padding
 ])
 def test_route_for_training_lowers_for_gpu(preset, t, expect):
   e, k, h, _ = PRESETS[preset]

@@ -162,30 +162,10 @@ def gather_sum(y: jax.Array, inv: jax.Array, weights: jax.Array | None = None, *
   return jnp.sum(g, axis=1).astype(out_dtype or y.dtype)
 
 
-# ----------------------------------------------------------------------------- differentiable pair
-# The permutation is known in both directions (sort_order and inv), so each op's VJP is the
-# other op: a gather, never the scatter-add JAX derives for a gather (149 µs of mixtral's
-# fwd+bwd at 1024 tokens on an H200).
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def permute_rows_diff(x: jax.Array, sort_order: jax.Array, inv: jax.Array, k: int,
-                      impl: str = "xla", interpret=False) -> jax.Array:
-  """permute_rows(x, sort_order, k) whose VJP is gather_sum(d, inv). Rows past the valid slots
-  pass no gradient to x, so their cotangents must be zero (gather_sum_diff's VJP makes them
-  zero; fused_experts_train relies on it)."""
-  return permute_rows(x, sort_order, k, impl=impl, interpret=interpret)
-
-
-def _permute_rows_fwd(x, sort_order, inv, k, impl, interpret):
-  return permute_rows(x, sort_order, k, impl=impl, interpret=interpret), inv
-
-
-def _permute_rows_bwd(k, impl, interpret, inv, d):
-  return gather_sum(d, inv, out_dtype=d.dtype), None, None
-
-
-permute_rows_diff.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+# ----------------------------------------------------------------------------- differentiable
+# The permutation is known in both directions (sort_order and inv), so the gather-sum's VJP is a
+# gather, never the scatter-add JAX derives for a gather (149 µs of mixtral's fwd+bwd at 1024
+# tokens on an H200). The row gather's own VJP is moe.routed_rows'.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))

@@ -12,8 +12,8 @@ dout tiles); or one pipeline across all of a CTA's tiles with hand-issued TMA (c
 
 ``gmm(lhs, rhs, group_sizes)`` is grouped_gemm with a ``jax.custom_vjp``: d lhs = gmm(dout, rhs^T)
 (the forward kernel on transposed weights) and d rhs = tgmm(lhs, dout), so ``jax.grad`` runs on
-the Pallas kernels. (The fused epilogues of grouped_gemm / grouped_gemm_gated are forward-only;
-``pallas_kernels.moe.fused_experts_train`` composes gmm with jnp epilogues for training.)
+the Pallas kernels. (The MoE block's training path, ``pallas_kernels.expert_mlp``, calls the
+GEMMs and tgmm itself, on the routing kernels' tile lists.)
 """
 from __future__ import annotations
 

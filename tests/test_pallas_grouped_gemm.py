@@ -460,27 +460,36 @@ def _routing_with_empty_slots(rng, t, k, e=5, pad=4):
   return ids, jnp.pad(order, (0, pad), constant_values=-1), inv, t * k + pad
 
 
-def test_differentiable_permute_pair_matches_autodiff(rng):
-  # permute_rows_diff / gather_sum_diff: VJPs through the known inverse permutation equal JAX's
-  # own (scatter-add) VJPs, with empty slots (-1) and padded rows past the slots.
-  t, k, h = 7, 3, 16
-  ids, order, inv, m_alloc = _routing_with_empty_slots(rng, t, k)
-  n_valid = int((ids >= 0).sum())
+def test_routed_rows_and_gather_sum_vjps_match_autodiff(rng):
+  # moe.routed_rows (the training layout: experts padded to 8 rows, a zero tail) and the
+  # unweighted gather_sum_diff: VJPs through the known inverse permutation equal JAX's own
+  # (scatter-add) VJPs of the same gathers, with empty slots, padding rows and the tail.
+  t, k, h, e = 7, 3, 64, 5
+  ids = rng.integers(0, e, size=(t, k)).astype(np.int32)
+  ids[1, 2] = ids[4, 0] = -1
+  ids = jnp.asarray(ids)
+  m_alloc = gg.row_alloc(t * k + 7 * min(e, t * k), 64)
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((m_alloc, h)), jnp.float32)
-  row_ok = (jnp.arange(m_alloc) < n_valid)[:, None]
   ct = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
 
-  def chain(x, w, permute, unpermute):
-    y = jnp.where(row_ok, permute(x) * w, 0.0)  # rows past the valid slots: zero, as gmm's mask
-    return jnp.sum(unpermute(y) * ct)
+  def chain(x, w, route, unpermute):
+    xs, inv, order = route(x)
+    return jnp.sum(unpermute(xs * w, inv, order) * ct)
+
+  def route_diff(x_):
+    xs, inv, _, _, order = pmoe.routed_rows(x_, ids, e, m_alloc, (64,), "xla")
+    return xs, inv, order
+
+  def route_jnp(x_):
+    order, inv, _ = perm.moe_align_training(ids, e, m_alloc)
+    return jnp.take(x_, jnp.where(order >= 0, order // k, t), axis=0, mode="fill",
+                    fill_value=0), inv, order
 
   got = jax.grad(chain, argnums=(0, 1))(
-      x, w, lambda x_: perm.permute_rows_diff(x_, order, inv, k),
-      lambda y: perm.gather_sum_diff(y, None, inv, order, k, jnp.float32))
+      x, w, route_diff, lambda y, inv, o: perm.gather_sum_diff(y, None, inv, o, k, jnp.float32))
   want = jax.grad(chain, argnums=(0, 1))(
-      x, w, lambda x_: perm.permute_rows(x_, order, k),
-      lambda y: perm.gather_sum(y, inv, out_dtype=jnp.float32))
+      x, w, route_jnp, lambda y, inv, o: perm.gather_sum(y, inv, out_dtype=jnp.float32))
   for a, b in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 

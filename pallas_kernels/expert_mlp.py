@@ -110,7 +110,9 @@ def _activation(act: Activation, h: jax.Array):
 
 def _group_sums(d: jax.Array, group_sizes: jax.Array, num_groups: int, dtype) -> jax.Array:
   """Per-group row sums of d [M, C] -> [E, C] (the bias gradient)."""
-  gid = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(d.shape[0]), side="right")
+  # compare_all: one fused [M, E] compare-sum (the default scan is a loop of gathers on GPU)
+  gid = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(d.shape[0]), side="right",
+                         method="compare_all")
   return jax.ops.segment_sum(d.astype(jnp.float32), gid, num_segments=num_groups).astype(dtype)
 
 

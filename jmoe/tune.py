@@ -89,6 +89,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
   from pallas_kernels import permute  # noqa: PLC0415
   from pallas_kernels.tgmm import get_tgmm_config, tgmm  # noqa: PLC0415
+  from pallas_kernels.moe import routed_rows  # noqa: PLC0415
 
   sel = _selected(tables, training)  # (checks `tables` before anything is timed)
   ks = jax.random.split(jax.random.key(seed), 5)
@@ -112,9 +113,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
     # the weight gradients run on the training layout (experts padded to 8-row multiples,
     # pallas_kernels.route.route_for_training): its rows and group sizes
     m_t = gg.row_alloc(m + 7 * min(e, m), 128)
-    order_t, _, gs_t = permute.moe_align_training(ids.astype(jnp.int32), e, m_t)
-    xs_t = jnp.take(x, jnp.where(order_t >= 0, order_t // top_k, t), axis=0, mode="fill",
-                    fill_value=0)
+    xs_t, _, gs_t, _, _ = routed_rows(x, ids.astype(jnp.int32), e, m_t, (128,), "xla")
     hs_t = jax.random.normal(ks[4], (m_t, n), jnp.float32).astype(dtype)
     d13_t = jax.random.normal(ks[4], (m_t, 2 * n), jnp.float32).astype(dtype)
     todo = [  # (table, candidate set, output N, contraction K, args, build)

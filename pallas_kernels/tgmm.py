@@ -65,6 +65,13 @@ class TgmmConfig:
   # H200, qwen3 at 1024 tokens (2026-11-30): dW13 338 -> 286 µs (64x256, 4 stages), dW2
   # 171 -> 153 (128x128, 2 CTAs / SM); on mixtral the warp-specialized form stays ahead.
   cross_tile: bool = False
+  # The order a CTA walks its output tiles within an expert. False: N tiles fastest (one lhs
+  # column block is shared by consecutive tiles). True: K tiles fastest (one dout column block
+  # is shared, and the expert's whole lhs slab is re-read per N tile): when dout is wide
+  # (mixtral dW13: 28672 columns, 14.7 MB per expert at 1024 tokens), N-fastest order sweeps
+  # the expert's dout once per K tile and the stored gradient tiles stream through L2 between
+  # two sweeps.
+  k_fastest: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -79,8 +86,6 @@ class TgmmConfig:
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
     if self.warp_specialized and self.ctas_per_sm != 1:
       raise ValueError("warp_specialized=True needs ctas_per_sm=1 (registers)")
-    if self.warp_specialized and self.cross_tile:
-      raise ValueError("cross_tile=True runs one warpgroup (warp_specialized=False)")
 
   @property
   def tile_k(self) -> int:
@@ -135,11 +140,14 @@ class _Tile:
   of the expert are zeroed in lhs (_mask_lhs); rows past the array read as zeros (TMA fills
   them; in interpret mode the wrapper pads the arrays with block_r zero rows)."""
 
-  def __init__(self, lin, starts_ref, ends_ref, *, k_tiles, n_tiles, block_r, align):
+  def __init__(self, lin, starts_ref, ends_ref, *, k_tiles, n_tiles, block_r, align,
+               k_fastest=False):
     self.g = lax.div(lin, jnp.int32(k_tiles * n_tiles))
     rem = lax.rem(lin, jnp.int32(k_tiles * n_tiles))
-    self.ki = lax.div(rem, jnp.int32(n_tiles))
-    self.ni = lax.rem(rem, jnp.int32(n_tiles))
+    if k_fastest:
+      self.ni, self.ki = lax.div(rem, jnp.int32(k_tiles)), lax.rem(rem, jnp.int32(k_tiles))
+    else:
+      self.ki, self.ni = lax.div(rem, jnp.int32(n_tiles)), lax.rem(rem, jnp.int32(n_tiles))
     self.start = starts_ref[self.g]
     self.end = ends_ref[self.g]
     self._base = lax.div(self.start, jnp.int32(align)) * align
@@ -212,7 +220,7 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
 
   def tile_of(lin, starts_ref, ends_ref):
     return _Tile(lin, starts_ref, ends_ref, k_tiles=k_tiles, n_tiles=n_tiles, block_r=br,
-                 align=align)
+                 align=align, k_fastest=cfg.k_fastest)
 
   def in_specs(row, ki, ni, **kw):
     """BlockSpecs of the lhs and dout tiles: step j loads rows [row(j), row(j) + block_r)."""
@@ -303,67 +311,123 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
                  **extra)
 
 
+class _CtaWalk:
+  """The (output tile, row block) steps of one CTA of a cross-tile kernel: CTA c owns the tiles
+  lin = c, c + num_ctas, ...; tile i has max(1, row blocks) steps (an empty expert's tile is one
+  fully masked step, so its zeros get written). Expert bounds are read from SMEM."""
+
+  def __init__(self, cta, bounds_smem, *, num_ctas, num_tiles, k_tiles, n_tiles, block_r,
+               align, k_fastest):
+    self._cta, self._bounds = cta, bounds_smem
+    self._num_ctas, self._num_tiles = num_ctas, num_tiles
+    self._kw = dict(k_tiles=k_tiles, n_tiles=n_tiles, block_r=block_r, align=align,
+                    k_fastest=k_fastest)
+    self.my_tiles = lax.div(num_tiles - cta + num_ctas - 1, num_ctas)
+
+  def tile(self, i):
+    """(tile i of this CTA, its steps). A fetch cursor may run past the CTA's last tile at the
+    end; such tiles are clamped to the last one (never loaded, never stored) so that the
+    bounds reads stay inside bounds_smem."""
+    lin = jnp.minimum(self._cta + i * self._num_ctas, self._num_tiles - 1)
+    t = _Tile(lin, self._bounds.at[0], self._bounds.at[1], **self._kw)
+    return t, jnp.maximum(t.num_blocks, 1)
+
+  @staticmethod
+  def advance(i, j, steps):
+    """The step after (tile i, block j) of a tile of `steps` steps."""
+    last = j + 1 >= steps
+    return jnp.where(last, i + 1, i), jnp.where(last, 0, j + 1)
+
+  def total(self):
+    return lax.fori_loop(0, self.my_tiles, lambda i, acc: acc + self.tile(i)[1], jnp.int32(0))
+
+
+def _cross_tile_common(*, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, interpret):
+  """What both cross-tile kernels share: (walk(cta, bounds_smem) -> _CtaWalk, fetch(lhs_ref,
+  dout_ref, t, j, x_dst, dy_dst, barrier) loading block j of tile t (lhs columns of a whole
+  CTA tile), scratch of the SMEM ring, output tile(s), bounds and their barriers)."""
+  tk, bn, br, st = cfg.tile_k, cfg.block_n, cfg.block_r, cfg.num_stages
+  nwg = 2 if cfg.warp_specialized else 1
+  k_tiles, n_tiles = k // tk, n // bn
+  tik = cfg.transpose_in_kernel
+  align = _row_align(tik, interpret)
+  itemsize = jnp.dtype(dtype).itemsize
+
+  def walk(cta, bounds_smem):
+    return _CtaWalk(cta, bounds_smem, num_ctas=num_ctas, num_tiles=e * k_tiles * n_tiles,
+                    k_tiles=k_tiles, n_tiles=n_tiles, block_r=br, align=align,
+                    k_fastest=cfg.k_fastest)
+
+  def fetch(lhs_ref, dout_ref, t, j, x_dst, dy_dst, barrier):
+    r0 = t.rows(j)[1]
+    x_src = (lhs_ref.at[pl.ds(r0, br), pl.ds(t.ki * tk, tk)] if tik else
+             lhs_ref.at[pl.ds(t.ki * tk, tk), pl.ds(r0, br)])
+    plgpu.copy_gmem_to_smem(x_src, x_dst, barrier)
+    plgpu.copy_gmem_to_smem(dout_ref.at[pl.ds(r0, br), pl.ds(t.ni * bn, bn)], dy_dst, barrier)
+
+  x_block = (br, tk) if tik else (tk, br)
+  tf = lambda minor, isz=itemsize: _compat.smem_transforms(minor, isz)
+  o_shape = (nwg, cfg.block_k, bn) if nwg > 1 else (cfg.block_k, bn)
+  scratch = [
+      plgpu.SMEM((st, *x_block), dtype, transforms=tf(x_block[1])),
+      plgpu.SMEM((st, br, bn), dtype, transforms=tf(bn)),
+      plgpu.SMEM(o_shape, out_dtype, transforms=tf(bn, jnp.dtype(out_dtype).itemsize)),
+      plgpu.SMEM((2, _pad_groups(e)), jnp.int32),
+      plgpu.Barrier(num_arrivals=2, num_barriers=st),  # a slot's two TMA loads landed
+      plgpu.Barrier(num_arrivals=1, num_barriers=1),  # the bounds landed
+  ]
+  return walk, fetch, scratch
+
+
+def _store_tile(acc, o_smem, out_ref, g, row0, col0, out_dtype):
+  """acc -> o_smem -> out_ref[g, row0:, col0:] (TMA store, left in flight)."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read o_smem
+  o_smem[...] = acc.astype(out_dtype)
+  plgpu.commit_smem()
+  rows, cols = o_smem.shape
+  plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(row0, rows), pl.ds(col0, cols)])
+
+
 def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas,
                            interpret):
   """The cross-tile pipeline: operands (bounds [2, E padded] = starts / ends, lhs, dout).
 
-  CTA c owns the tiles lin = c, c + num_ctas, ...; tile i has max(1, row blocks) steps (an
-  empty expert's tile is one fully masked step, so its zeros get written). Step s waits for
-  its slot, masks, issues its wgmma, waits for step s - 1's (one stays in flight), then loads
-  step s + stages - 1 into the slot step s - 1 read; the tile's last step stores it.
+  Step s waits for its slot, masks, issues its wgmma, waits for step s - 1's (one stays in
+  flight), then loads step s + stages - 1 into the slot step s - 1 read; the tile's last step
+  stores it.
   """
+  if cfg.warp_specialized:
+    return _build_tgmm_ws_cross_tile(m=m, k=k, n=n, e=e, dtype=dtype, out_dtype=out_dtype,
+                                      cfg=cfg, num_ctas=num_ctas, interpret=interpret)
   bk, bn, br, st = cfg.block_k, cfg.block_n, cfg.block_r, cfg.num_stages
-  k_tiles, n_tiles = k // bk, n // bn
-  num_tiles = e * k_tiles * n_tiles
   tik = cfg.transpose_in_kernel
-  align = _row_align(tik, interpret)
-  itemsize = jnp.dtype(dtype).itemsize
   _cast = _compat.layout_cast(interpret)
   # GPU interpret mode cannot store into a wgmma accumulator (as in grouped_gemm's cross-item
   # pipeline): there a tile's starting value is kept in SMEM and subtracted.
   emulate_reset = interpret is not None
-  x_block = (br, bk) if tik else (bk, br)
+  walk, fetch_block, scratch = _cross_tile_common(
+      k=k, n=n, e=e, dtype=dtype, out_dtype=out_dtype, cfg=cfg, num_ctas=num_ctas,
+      interpret=interpret)
 
   def body(bounds_ref, lhs_ref, dout_ref, out_ref, x_buf, dy_buf, o_smem, bounds_smem, bars,
            bounds_bar, *bases):
-    cta = lax.axis_index("sm")
     plgpu.copy_gmem_to_smem(bounds_ref, bounds_smem, bounds_bar.at[0])
     plgpu.barrier_wait(bounds_bar.at[0])
-    my_tiles = lax.div(num_tiles - cta + num_ctas - 1, num_ctas)
-
-    def tile(i):
-      """(tile i of this CTA, its steps). The fetch cursor runs past the CTA's last tile at
-      the end; those tiles are clamped to the last one (never loaded, never stored) so that
-      the bounds reads stay inside bounds_smem."""
-      lin = jnp.minimum(cta + i * num_ctas, num_tiles - 1)
-      t = _Tile(lin, bounds_smem.at[0], bounds_smem.at[1], k_tiles=k_tiles, n_tiles=n_tiles,
-                block_r=br, align=align)
-      return t, jnp.maximum(t.num_blocks, 1)
-
-    def advance(i, j, steps):
-      """The step after (tile i, block j) of a tile of `steps` steps."""
-      last = j + 1 >= steps
-      return jnp.where(last, i + 1, i), jnp.where(last, 0, j + 1)
-
-    total = lax.fori_loop(0, my_tiles, lambda i, acc: acc + tile(i)[1], jnp.int32(0))
+    w = walk(lax.axis_index("sm"), bounds_smem)
+    total = w.total()
 
     def fetch(s, t, j):
       """Loads block j of tile t as step s (if the CTA has a step s)."""
       @pl.when(s < total)
       def _fetch():
-        r0 = t.rows(j)[1]
         slot = lax.rem(s, st)
-        x_src = (lhs_ref.at[pl.ds(r0, br), pl.ds(t.ki * bk, bk)] if tik else
-                 lhs_ref.at[pl.ds(t.ki * bk, bk), pl.ds(r0, br)])
-        plgpu.copy_gmem_to_smem(x_src, x_buf.at[slot], bars.at[slot])
-        plgpu.copy_gmem_to_smem(dout_ref.at[pl.ds(r0, br), pl.ds(t.ni * bn, bn)],
-                                dy_buf.at[slot], bars.at[slot])
+        fetch_block(lhs_ref, dout_ref, t, j, x_buf.at[slot], dy_buf.at[slot], bars.at[slot])
 
     def prologue(s, ij):
       i, j = ij
-      t, steps = tile(i)
+      t, steps = w.tile(i)
       fetch(s, t, j)
-      return advance(i, j, steps)
+      return w.advance(i, j, steps)
 
     fetch_at = lax.fori_loop(0, st - 1, prologue, (jnp.int32(0), jnp.int32(0)))
 
@@ -372,7 +436,7 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
         i, j, fi, fj = carry
         slot = lax.rem(s, st)
         plgpu.barrier_wait(bars.at[slot])
-        t, steps = tile(i)
+        t, steps = w.tile(i)
 
         @pl.when(j == 0)
         def _reset():
@@ -387,7 +451,7 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
         plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)) if tik else x_smem,
                     dy_buf.at[slot])
         plgpu.wgmma_wait(1)  # step s - 1's wgmma is done: its slot takes step s + st - 1
-        ft, fsteps = tile(fi)
+        ft, fsteps = w.tile(fi)
         fetch(s + st - 1, ft, fj)
 
         @pl.when(j == steps - 1)
@@ -396,13 +460,9 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
           acc = acc_ref[...]
           if emulate_reset:
             acc = acc - bases[0][...]
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read it
-          o_smem[...] = acc.astype(out_dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              o_smem, out_ref.at[t.g, pl.ds(t.ki * bk, bk), pl.ds(t.ni * bn, bn)])
+          _store_tile(acc, o_smem, out_ref, t.g, t.ki * bk, t.ni * bn, out_dtype)
 
-        return (*advance(i, j, steps), *advance(fi, fj, fsteps))
+        return (*w.advance(i, j, steps), *w.advance(fi, fj, fsteps))
 
       lax.fori_loop(0, total, step, (jnp.int32(0), jnp.int32(0), *fetch_at))
       plgpu.wgmma_wait(0)
@@ -410,19 +470,115 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
     pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-  tf = lambda minor, isz=itemsize: _compat.smem_transforms(minor, isz)
-  scratch = [
-      plgpu.SMEM((st, *x_block), dtype, transforms=tf(x_block[1])),
-      plgpu.SMEM((st, br, bn), dtype, transforms=tf(bn)),
-      plgpu.SMEM((bk, bn), out_dtype, transforms=tf(bn, jnp.dtype(out_dtype).itemsize)),
-      plgpu.SMEM((2, _pad_groups(e)), jnp.int32),
-      plgpu.Barrier(num_arrivals=2, num_barriers=st),
-      plgpu.Barrier(num_arrivals=1, num_barriers=1),
-  ]
   if emulate_reset:
     scratch.append(plgpu.SMEM((bk, bn), jnp.float32))
   return _launch(body, (e, k, n), out_dtype, scratch, num_ctas, interpret,
                  "jmoe_tgmm_xt" + ("_2cta" if cfg.ctas_per_sm == 2 else ""))
+
+
+_PRODUCER_REGISTERS = 40  # the TMA warpgroup's registers per thread (the rest go to compute)
+
+
+def _build_tgmm_ws_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas,
+                              interpret):
+  """The cross-tile pipeline, warp specialized: operands as _build_tgmm_cross_tile's.
+
+  Warpgroup 2 walks all of the CTA's steps and loads each into the ring as soon as both
+  compute warpgroups released the slot's previous step, so the next tile's first blocks land
+  while this tile finishes and stores (Pallas' warp-specialized pipeline waits for every slot
+  at the end of each tile). Warpgroups 0 and 1 each compute block_k rows of a (2 block_k) x
+  block_n tile from the shared dout block, one wgmma in flight; a step's slot is released
+  once the next step's wgmma is issued and the step's own has completed.
+  """
+  bk, bn, br, st = cfg.block_k, cfg.block_n, cfg.block_r, cfg.num_stages
+  tk = cfg.tile_k
+  tik = cfg.transpose_in_kernel
+  _cast = _compat.layout_cast(interpret)
+  walk, fetch_block, scratch = _cross_tile_common(
+      k=k, n=n, e=e, dtype=dtype, out_dtype=out_dtype, cfg=cfg, num_ctas=num_ctas,
+      interpret=interpret)
+  compute_registers = min(232, (512 - _PRODUCER_REGISTERS) // 2 // 8 * 8)
+
+  def body(bounds_ref, lhs_ref, dout_ref, out_ref, x_buf, dy_buf, o_smem, bounds_smem, full,
+           bounds_bar, free):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 2)
+    def _issue_bounds():
+      plgpu.copy_gmem_to_smem(bounds_ref, bounds_smem, bounds_bar.at[0])
+
+    plgpu.barrier_wait(bounds_bar.at[0])
+    w = walk(lax.axis_index("sm"), bounds_smem)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+      total = w.total()
+
+      def step(s, ij):
+        i, j = ij
+        slot = lax.rem(s, st)
+
+        @pl.when(s >= st)
+        def _wait_free():  # both compute warpgroups are done with step s - st
+          plgpu.barrier_wait(free.at[slot])
+
+        t, steps = w.tile(i)
+        fetch_block(lhs_ref, dout_ref, t, j, x_buf.at[slot], dy_buf.at[slot], full.at[slot])
+        return w.advance(i, j, steps)
+
+      lax.fori_loop(0, total, step, (jnp.int32(0), jnp.int32(0)))
+
+      # the last releases (kept in phase: every release is awaited once)
+      @pl.loop(jnp.maximum(total - st, 0), total)
+      def _quiesce(s):
+        plgpu.barrier_wait(free.at[lax.rem(s, st)])
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(compute_registers, action="increase")
+
+      def one_tile(i, s):
+        t, steps = w.tile(i)
+
+        def scope(acc_ref):
+          def block(j, s):
+            slot = lax.rem(s, st)
+            plgpu.barrier_wait(full.at[slot])
+            lo, r0 = t.rows(j)
+            x_smem = x_buf.at[slot]
+            x_smem = (x_smem.at[:, pl.ds(wg * bk, bk)] if tik else
+                      x_smem.at[pl.ds(wg * bk, bk), :])
+            _mask_lhs(x_smem, r0, lo, t.end, br=br, tik=tik, cast=_cast)
+            plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)) if tik else x_smem,
+                        dy_buf.at[slot])
+            plgpu.wgmma_wait(1)  # step s - 1's wgmma is done: release its slot
+
+            @pl.when(s > 0)
+            def _release():
+              plgpu.barrier_arrive(free.at[lax.rem(s - 1, st)])
+
+            return s + 1
+
+          s_next = lax.fori_loop(0, steps, block, s)
+          plgpu.wgmma_wait(0)
+          return acc_ref[...], s_next
+
+        acc, s = pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
+        _store_tile(acc, o_smem.at[wg], out_ref, t.g, t.ki * tk + wg * bk, t.ni * bn, out_dtype)
+        return s
+
+      s = lax.fori_loop(0, w.my_tiles, one_tile, jnp.int32(0))
+
+      @pl.when(s > 0)
+      def _release_last():
+        plgpu.barrier_arrive(free.at[lax.rem(s - 1, st)])
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=st))  # both compute WGs released
+  return _launch(body, (e, k, n), out_dtype, scratch, num_ctas, interpret, "jmoe_tgmm_ws_xt",
+                 num_threads=3, thread_name="wg")
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "out_dtype", "config", "interpret"))

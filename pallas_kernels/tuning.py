@@ -74,6 +74,18 @@ SWEEP_TGMM = (  # weight gradient; H200 (mixtral / qwen3 at 1024 tokens)
     TC(block_k=128, block_n=128, block_r=128, num_stages=3, cross_tile=True),
     # 64x256 tiles: rows of the stored gradient tile twice as long
     TC(block_k=64, block_n=256, block_r=64, num_stages=4, cross_tile=True),
+    # warp specialized and cross-tile: the TMA warpgroup loads the next tile's first blocks
+    # while the compute warpgroups finish and store this one (stages refitted: 3)
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True),
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True),
+    # K tiles fastest: consecutive tiles share a dout column block (wide dout: mixtral dW13)
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, k_fastest=True),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
+       k_fastest=True),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, cross_tile=True, k_fastest=True),
 )
 
 

@@ -93,8 +93,13 @@ def test_route_for_training_lowers_for_gpu(preset, t, expect):
     (dict(cross_tile=True, num_stages=4), "jmoe_tgmm_xt"),
     (dict(cross_tile=True, num_stages=2, ctas_per_sm=2), "jmoe_tgmm_xt_2cta"),
     (dict(cross_tile=True, num_stages=3, transpose_in_kernel=False), "jmoe_tgmm_xt"),
+    (dict(cross_tile=True, warp_specialized=True, num_stages=3), "jmoe_tgmm_ws_xt"),
+    (dict(cross_tile=True, warp_specialized=True, num_stages=3, k_fastest=True,
+          transpose_in_kernel=False), "jmoe_tgmm_ws_xt"),
+    (dict(warp_specialized=True, num_stages=3, k_fastest=True), "jmoe_tgmm_ws"),
 ], ids=["two_ctas", "ws", "ws_lhs_transposed_by_xla", "rows_128", "cross_tile",
-        "cross_tile_two_ctas", "cross_tile_lhs_transposed_by_xla"])
+        "cross_tile_two_ctas", "cross_tile_lhs_transposed_by_xla", "ws_cross_tile",
+        "ws_cross_tile_k_fastest_lhs_transposed_by_xla", "ws_k_fastest"])
 def test_tgmm_lowers_for_gpu(cfg, name):
   cfg = tg.TgmmConfig(block_k=128, block_n=128, **cfg)
   found = _kernels(lambda a, b, g: tg.tgmm(a, b, g, config=cfg), S((8192, 2048), jnp.bfloat16),

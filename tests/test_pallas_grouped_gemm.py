@@ -680,6 +680,14 @@ TGMM_CFGS = {
     "ws_r128": dict(block_k=64, block_n=128, block_r=128, num_stages=3, warp_specialized=True),
     "cross_tile": dict(block_k=64, block_n=64, block_r=64, num_stages=3, cross_tile=True),
     "cross_tile_2st": dict(block_k=64, block_n=128, block_r=64, num_stages=2, cross_tile=True),
+    "cross_tile_k_fastest": dict(block_k=64, block_n=64, block_r=64, num_stages=3,
+                                 cross_tile=True, k_fastest=True),
+    "one_wg_k_fastest": dict(block_k=64, block_n=64, block_r=64, num_stages=2, k_fastest=True),
+    # the producer runs two steps ahead across tiles; 2 tiles per CTA on the 1-CTA interpreter
+    "ws_cross_tile": dict(block_k=64, block_n=64, block_r=64, num_stages=2,
+                          warp_specialized=True, cross_tile=True),
+    "ws_cross_tile_3st": dict(block_k=64, block_n=64, block_r=64, num_stages=3,
+                              warp_specialized=True, cross_tile=True, k_fastest=True),
 }
 
 
@@ -710,6 +718,26 @@ def test_tgmm(rng, sizes, cfg):
   for g, s in enumerate(sizes):
     if s == 0:
       assert (out[g] == 0).all()
+
+
+@pytest.mark.parametrize("k_fastest", [False, True], ids=["n_fastest", "k_fastest"])
+def test_tgmm_ws_cross_tile_walks_k_and_n_tiles(rng, k_fastest):
+  """The warp-specialized cross-tile kernel over 2 K tiles x 2 N tiles per expert (each
+  compute warpgroup's rows land at ki * 2 block_k + wg * block_k), in either tile order."""
+  from pallas_kernels import tgmm as tg
+  m, k, n = 120, 256, 128
+  sizes = [40, 0, 57]
+  gs = jnp.array(sizes, jnp.int32)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  cfg = tg.TgmmConfig(block_k=64, block_n=64, block_r=64, num_stages=3, warp_specialized=True,
+                      cross_tile=True, k_fastest=k_fastest)
+  out = _call(tg.tgmm, x, dy, gs, config=cfg, out_dtype=jnp.float32)
+  ends = np.cumsum(sizes)
+  x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  ref = np.stack([x64[e_ - s:e_].T @ dy64[e_ - s:e_] for s, e_ in zip(sizes, ends)])
+  assert _rel(out, ref) < 1e-5
+  assert (out[1] == 0).all()
 
 
 @settings(max_examples=40)

@@ -8,6 +8,7 @@ inference GEMMs? Each side uses its own config lookup (the same tables). Device 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 
@@ -19,12 +20,21 @@ from jmoe import timing
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels import permute
 
-SHAPES = (  # name, E, k, T, K (lhs cols), N (output cols), gated
-    ("qwen3 GEMM1 1024", 128, 8, 1024, 2048, 768, True),
-    ("qwen3 GEMM2 1024", 128, 8, 1024, 768, 2048, False),
-    ("mixtral GEMM1 1024", 8, 2, 1024, 4096, 14336, True),
-    ("mixtral GEMM1 64", 8, 2, 64, 4096, 14336, True),
+SHAPES = (  # name, E, k, T, K (lhs cols), N (output cols), kind (gated / plain / rt: the
+            # backward's d lhs GEMM on transposed weights)
+    ("qwen3 GEMM1 1024", 128, 8, 1024, 2048, 768, "gated"),
+    ("qwen3 GEMM2 1024", 128, 8, 1024, 768, 2048, "plain"),
+    ("mixtral GEMM1 1024", 8, 2, 1024, 4096, 14336, "gated"),
+    ("mixtral GEMM1 64", 8, 2, 64, 4096, 14336, "gated"),
+    ("mixtral GEMM2 1024", 8, 2, 1024, 14336, 4096, "plain"),
+    ("mixtral d x 1024", 8, 2, 1024, 28672, 4096, "rt"),
 )
+
+
+def _fn(mod, kind):
+  if kind == "gated":
+    return jax.jit(mod.grouped_gemm_gated)
+  return jax.jit(functools.partial(mod.grouped_gemm, transpose_rhs=kind == "rt"))
 
 
 def _load(path):
@@ -42,16 +52,16 @@ def main() -> int:
   args = ap.parse_args()
   base = _load(args.baseline)
   ok = True
-  for name, e, k, t, kdim, n, gated in SHAPES:
+  for name, e, k, t, kdim, n, kind in SHAPES:
+    gated = kind == "gated"
     keys = jax.random.split(jax.random.key(e + n + t), 3)
     m = t * k
     x = jax.random.normal(keys[0], (m, kdim), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(keys[1], (e, kdim, 2 * n if gated else n), jnp.float32)
-         / kdim ** 0.5).astype(jnp.bfloat16)
+    w_shape = (e, n, kdim) if kind == "rt" else (e, kdim, 2 * n if gated else n)
+    w = (jax.random.normal(keys[1], w_shape, jnp.float32) / kdim ** 0.5).astype(jnp.bfloat16)
     _, ids = jax.lax.top_k(jax.random.normal(keys[2], (t, e)), k)
     _, gs, _ = permute.moe_align(ids.astype(jnp.int32), e)
-    fns = {lab: jax.jit(mod.grouped_gemm_gated if gated else mod.grouped_gemm)
-           for lab, mod in (("new", gg), ("base", base))}
+    fns = {lab: _fn(mod, kind) for lab, mod in (("new", gg), ("base", base))}
     outs = {lab: np.asarray(f(x, w, gs), np.float32) for lab, f in fns.items()}
     rows = int(np.asarray(gs).sum())
     diff = float(np.abs(outs["new"][:rows] - outs["base"][:rows]).max())

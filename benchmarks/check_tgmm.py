@@ -7,7 +7,7 @@ same run. With --write-tables a correct config >= 2 % faster than the current on
 tgmm.json. Exits 1 on a mismatch or a failure.
 
   PYTHONPATH=$PWD python3 benchmarks/check_tgmm.py [--json out.json] [--write-tables]
-      [--baseline old_tgmm.py] [--shapes qwen3,mixtral]
+      [--baseline old_tgmm.py] [--shapes qwen3,mixtral] [--aligned] [--configs ' kf']
 """
 from __future__ import annotations
 
@@ -71,7 +71,9 @@ def main() -> int:
       ("--shapes", dict(default="", help="comma-separated name prefixes (default: all)")),
       ("--aligned", dict(action="store_true",
                          help="the training layout: every expert's rows padded to a multiple "
-                              "of 8 (route_for_training), so row blocks start at each expert"))])
+                              "of 8 (route_for_training), so row blocks start at each expert")),
+      ("--configs", dict(default="", help="time only the sweep candidates whose tag (as "
+                                          "printed) contains this text, e.g. ' kf'"))])
   base_mod = _load_baseline(args.baseline) if args.baseline else None
   rows, better = [], []
   wanted = [w for w in args.shapes.split(",") if w]
@@ -93,7 +95,8 @@ def main() -> int:
     variants = [("current", tg.tgmm, current)]
     if base_mod is not None:
       variants.append(("baseline", base_mod.tgmm, base_mod.DEFAULT_CONFIG))
-    variants += [("sweep", tg.tgmm, c) for c in tuning.SWEEP_TGMM if c != current]
+    variants += [("sweep", tg.tgmm, c) for c in tuning.SWEEP_TGMM
+                 if c != current and args.configs in _tag(c)]
     first_out, timed = None, {}
     for label, fn, cfg in variants:
       rec = dict(problem=name, variant=label, config=cfg.to_json())

@@ -4,8 +4,16 @@
 #                                        # the warp-specialized cross-tile kernel and K-fastest
 #                                        # tile order (mixtral, then qwen3; winners into
 #                                        # tgmm.json), then the training ratio on those tables
-#   bash benchmarks/gpu_round9.sh final  # one H200: the training ratio, the block at 1 / 64 /
-#                                        # 1024 tokens with torch._grouped_mm, jmoe bench
+#   bash benchmarks/gpu_round9.sh tune   # one H200: more K-fastest tgmm candidates on the dW13
+#                                        # shapes, `jmoe tune` of mixtral's training GEMMs (d lhs on
+#                                        # transposed weights, plain GEMM1), the training ratio
+#   bash benchmarks/gpu_round9.sh final  # one H200: A/B of grouped_gemm.py against the session's
+#                                        # starting copy (first `git show 137cdc4:pallas_kernels/
+#                                        # grouped_gemm.py > benchmarks/baseline_grouped_gemm.py`,
+#                                        # untracked, so it travels), the K-fastest tgmm candidates
+#                                        # on mixtral dW13, the training ratio, the block at 1 / 64
+#                                        # / 1024 tokens with torch._grouped_mm, jmoe bench
+#   bash benchmarks/gpu_round9.sh ratio  # one H200: the training ratio and the block again
 NAME=gpu_round9; source benchmarks/gpu_env.sh
 B=benchmarks/bench_grouped_gemm.py
 case ${1:-tgmm} in
@@ -18,11 +26,30 @@ case ${1:-tgmm} in
     step 170 env OUT=$OUT/train python3 $B --stages train \
       --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default \
       --budget-s 150 ;;
-  final)
+  tune)
+    step 150 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_dw13.json \
+      --shapes "mixtral dW13,qwen3 dW13" --aligned --write-tables
+    step 200 python3 -m jmoe tune --preset mixtral-8x7b --tokens 1024 --train \
+      --tables grouped_gemm_rt,grouped_gemm
+    cp pallas_kernels/configs/tgmm.json pallas_kernels/configs/grouped_gemm_rt.json \
+      pallas_kernels/configs/grouped_gemm.json $OUT/
     step 150 env OUT=$OUT/train python3 $B --stages train \
-      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default --budget-s 130
-    step 170 env OUT=$OUT/block python3 $B --stages block --presets qwen3-30b-a3b,mixtral-8x7b \
-      --tokens 1,64,1024 --iters 4 --budget-s 140
-    step 80 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default \
+      --budget-s 130 ;;
+  final)
+    step 110 python3 benchmarks/check_gg_ab.py --baseline benchmarks/baseline_grouped_gemm.py
+    step 70 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_kf.json \
+      --shapes "mixtral dW13" --aligned --configs " kf" --write-tables
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 130 env OUT=$OUT/train python3 $B --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default --budget-s 110
+    step 150 env OUT=$OUT/block python3 $B --stages block --presets qwen3-30b-a3b,mixtral-8x7b \
+      --tokens 1,64,1024 --iters 4 --budget-s 125
+    step 70 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
+  ratio)
+    step 130 env OUT=$OUT/train python3 $B --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default --budget-s 110
+    step 130 env OUT=$OUT/block python3 $B --stages block --presets mixtral-8x7b,qwen3-30b-a3b \
+      --tokens 1,64,1024 --iters 4 --budget-s 110 ;;
 esac

@@ -86,6 +86,10 @@ SWEEP_TGMM = (  # weight gradient; H200 (mixtral / qwen3 at 1024 tokens)
     TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
        k_fastest=True),
     TC(block_k=128, block_n=128, block_r=64, num_stages=4, cross_tile=True, k_fastest=True),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=6, cross_tile=True, k_fastest=True),
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, cross_tile=True, k_fastest=True),
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, k_fastest=True),
 )
 
 

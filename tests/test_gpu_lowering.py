@@ -55,9 +55,10 @@ def test_fused_experts_lowers_for_gpu(h200_tables, preset, t, expect):
     assert not any("route" in name for name in found)
 
 
-def test_training_path_lowers_for_gpu(h200_tables):
-  e, k, h, n = PRESETS["qwen3"]
-  t = 256
+@pytest.mark.parametrize("preset,t", [("qwen3", 256), ("mixtral", 1024)])
+def test_training_path_lowers_for_gpu(h200_tables, preset, t):
+  # mixtral at 1024 tokens: the tuned tables pick the warp-specialized cross-tile tgmm
+  e, k, h, n = PRESETS[preset]
 
   def loss(x, w13, w2, tw, ti):
     return jnp.sum(pmoe.fused_experts_train(x, w13, w2, tw, ti).astype(jnp.float32))
@@ -67,6 +68,8 @@ def test_training_path_lowers_for_gpu(h200_tables):
                    S((t, k), jnp.float32), S((t, k), jnp.int32))
   assert any(name.startswith("jmoe_tgmm") for name in found), found
   assert any(name.endswith("_rt") for name in found), found  # d lhs on transposed weights
+  if preset == "mixtral":
+    assert "jmoe_tgmm_ws_xt" in found, found
   if route.available():  # the routing kernels in their training mode
     assert {"jmoe_route_block_counts", "jmoe_route_scatter_rows"} <= found, found
 

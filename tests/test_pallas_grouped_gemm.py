@@ -203,12 +203,16 @@ def test_transposed_rhs_reads_its_own_tuned_table(rng, monkeypatch):
   assert _rel(out, _oracle(lhs, rhs, [10, 0, 30])) < TOL[jnp.bfloat16]
 
 
+@pytest.mark.parametrize("sizes", [[0, 77, 0, 123], [40, 0, 100, 60]],
+                         ids=["both_halves_busy", "idle_halves"])
 @pytest.mark.parametrize("cfg", [CFG_WS_N, CFG_WS_M, CFG_2CTA],
                          ids=["ws_split_n", "ws_split_m", "two_ctas"])
-def test_grouped_gemm_warp_specialized(rng, cfg):
+def test_grouped_gemm_warp_specialized(rng, cfg, sizes):
+  """idle_halves: with wg_split="m", expert 0's only tile leaves its second warpgroup no rows
+  to store, and expert 3's tile (shifted back inside the array) its first."""
   m, k, n, e = 200, 96, 128, 4
   lhs, rhs = _data(rng, m, k, n, e, jnp.bfloat16)
-  gs = np.array([0, 77, 0, 123])
+  gs = np.array(sizes)
   scale = rng.uniform(0.1, 1.0, size=m).astype(np.float32)
   out = _call(gg.grouped_gemm, lhs, rhs, jnp.asarray(gs, jnp.int32), row_scale=scale, config=cfg)
   ref = np.asarray(gg.grouped_gemm_reference(lhs, rhs, jnp.asarray(gs), row_scale=scale,

@@ -14,6 +14,9 @@
 #                                        # on mixtral dW13, the training ratio, the block at 1 / 64
 #                                        # / 1024 tokens with torch._grouped_mm, jmoe bench
 #   bash benchmarks/gpu_round9.sh ratio  # one H200: the training ratio and the block again
+#   bash benchmarks/gpu_round9.sh dw2    # one H200: warp-specialized cross-tile candidates for
+#                                        # mixtral dW2, the training ratio, qwen3's block at 1 and
+#                                        # 1024 tokens
 NAME=gpu_round9; source benchmarks/gpu_env.sh
 B=benchmarks/bench_grouped_gemm.py
 case ${1:-tgmm} in
@@ -52,4 +55,12 @@ case ${1:-tgmm} in
       --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default --budget-s 110
     step 130 env OUT=$OUT/block python3 $B --stages block --presets mixtral-8x7b,qwen3-30b-a3b \
       --tokens 1,64,1024 --iters 4 --budget-s 110 ;;
+  dw2)
+    step 60 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_dw2.json \
+      --shapes "mixtral dW2" --aligned --configs " ws xt" --write-tables
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 130 env OUT=$OUT/train python3 $B --stages train \
+      --train-presets mixtral-8x7b,qwen3-30b-a3b --iters 5 --train-variants default --budget-s 110
+    step 60 env OUT=$OUT/block python3 $B --stages block --presets qwen3-30b-a3b \
+      --tokens 1,1024 --iters 8 --budget-s 50 ;;
 esac

@@ -6,9 +6,11 @@
 sum(group_sizes) are ignored). Mosaic GPU: a persistent grid over (expert, K tile, N tile); the
 contraction runs over the expert's own rows only, in blocks that start at its first row
 rounded down to 8 (pipelined TMA, wgmma with a transposed lhs tile); a block's rows outside the
-expert are zeroed in SMEM. Three schedules (TgmmConfig): a pipeline per output tile (one or two
+expert are zeroed in SMEM. Four schedules (TgmmConfig): a pipeline per output tile (one or two
 CTAs per SM); the same, warp specialized (a TMA warpgroup, two compute warpgroups sharing the
-dout tiles); or one pipeline across all of a CTA's tiles with hand-issued TMA (cross_tile).
+dout tiles); one pipeline across all of a CTA's tiles with hand-issued TMA (cross_tile); or
+that, warp specialized, with hand-written producer / consumer barriers (both flags). Tiles are
+walked N-fastest or K-fastest (k_fastest) within an expert.
 
 ``gmm(lhs, rhs, group_sizes)`` is grouped_gemm with a ``jax.custom_vjp``: d lhs = gmm(dout, rhs^T)
 (the forward kernel on transposed weights) and d rhs = tgmm(lhs, dout), so ``jax.grad`` runs on

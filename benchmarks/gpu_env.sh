@@ -13,3 +13,13 @@ step() {
   timeout $lim "$@" 2>&1 | grep -v "^W0000\|^I0000\|^E0000\|^WARNING"
   return ${PIPESTATUS[0]}
 }
+# The training ratio and the MoE block (benchmarks/bench_grouped_gemm.py), as the rounds run them
+train_ratio() {  # LIMIT BUDGET_S [PRESETS]
+  step $1 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
+    --train-presets ${3:-qwen3-30b-a3b,mixtral-8x7b} --iters 5 --train-variants default \
+    --budget-s $2
+}
+block_run() {  # LIMIT BUDGET_S PRESETS TOKENS ITERS
+  step $1 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
+    --presets $3 --tokens $4 --iters $5 --budget-s $2
+}

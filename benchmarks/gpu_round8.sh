@@ -42,10 +42,8 @@ case ${1:-train} in
       --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default,xla_route \
       --budget-s 180 ;;
   final)
-    step 150 env OUT=$OUT/train python3 $B --stages train \
-      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default --budget-s 130
-    step 170 env OUT=$OUT/block python3 $B --stages block --presets qwen3-30b-a3b,mixtral-8x7b \
-      --tokens 1,64,1024 --iters 4 --budget-s 140
+    train_ratio 150 130
+    block_run 170 140 qwen3-30b-a3b,mixtral-8x7b 1,64,1024 4
     step 80 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
   ab)

@@ -18,7 +18,6 @@
 #                                        # mixtral dW2, the training ratio, qwen3's block at 1 and
 #                                        # 1024 tokens
 NAME=gpu_round9; source benchmarks/gpu_env.sh
-B=benchmarks/bench_grouped_gemm.py
 case ${1:-tgmm} in
   tgmm)
     step 230 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_mixtral.json \
@@ -26,9 +25,7 @@ case ${1:-tgmm} in
     step 90 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_qwen3.json --shapes qwen3 \
       --aligned --write-tables
     cp pallas_kernels/configs/tgmm.json $OUT/
-    step 170 env OUT=$OUT/train python3 $B --stages train \
-      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default \
-      --budget-s 150 ;;
+    train_ratio 170 150 ;;
   tune)
     step 150 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_dw13.json \
       --shapes "mixtral dW13,qwen3 dW13" --aligned --write-tables
@@ -36,31 +33,23 @@ case ${1:-tgmm} in
       --tables grouped_gemm_rt,grouped_gemm
     cp pallas_kernels/configs/tgmm.json pallas_kernels/configs/grouped_gemm_rt.json \
       pallas_kernels/configs/grouped_gemm.json $OUT/
-    step 150 env OUT=$OUT/train python3 $B --stages train \
-      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default \
-      --budget-s 130 ;;
+    train_ratio 150 130 ;;
   final)
     step 110 python3 benchmarks/check_gg_ab.py --baseline benchmarks/baseline_grouped_gemm.py
     step 70 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_kf.json \
       --shapes "mixtral dW13" --aligned --configs " kf" --write-tables
     cp pallas_kernels/configs/tgmm.json $OUT/
-    step 130 env OUT=$OUT/train python3 $B --stages train \
-      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default --budget-s 110
-    step 150 env OUT=$OUT/block python3 $B --stages block --presets qwen3-30b-a3b,mixtral-8x7b \
-      --tokens 1,64,1024 --iters 4 --budget-s 125
+    train_ratio 130 110
+    block_run 150 125 qwen3-30b-a3b,mixtral-8x7b 1,64,1024 4
     step 70 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
   ratio)
-    step 130 env OUT=$OUT/train python3 $B --stages train \
-      --train-presets qwen3-30b-a3b,mixtral-8x7b --iters 5 --train-variants default --budget-s 110
-    step 130 env OUT=$OUT/block python3 $B --stages block --presets mixtral-8x7b,qwen3-30b-a3b \
-      --tokens 1,64,1024 --iters 4 --budget-s 110 ;;
+    train_ratio 130 110
+    block_run 130 110 mixtral-8x7b,qwen3-30b-a3b 1,64,1024 4 ;;
   dw2)
     step 60 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_dw2.json \
       --shapes "mixtral dW2" --aligned --configs " ws xt" --write-tables
     cp pallas_kernels/configs/tgmm.json $OUT/
-    step 130 env OUT=$OUT/train python3 $B --stages train \
-      --train-presets mixtral-8x7b,qwen3-30b-a3b --iters 5 --train-variants default --budget-s 110
-    step 60 env OUT=$OUT/block python3 $B --stages block --presets qwen3-30b-a3b \
-      --tokens 1,1024 --iters 8 --budget-s 50 ;;
+    train_ratio 130 110 mixtral-8x7b,qwen3-30b-a3b
+    block_run 60 50 qwen3-30b-a3b 1,1024 8 ;;
 esac

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import types
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -742,6 +744,31 @@ def test_tgmm_ws_cross_tile_walks_k_and_n_tiles(rng, k_fastest):
   ref = np.stack([x64[e_ - s:e_].T @ dy64[e_ - s:e_] for s, e_ in zip(sizes, ends)])
   assert _rel(out, ref) < 1e-5
   assert (out[1] == 0).all()
+
+
+@settings(max_examples=25)
+@given(e=st.integers(1, 4), k_tiles=st.integers(1, 5), n_tiles=st.integers(1, 5),
+       num_ctas=st.integers(1, 9), k_fastest=st.booleans())
+def test_tgmm_cta_walk_visits_every_tile_once(e, k_tiles, n_tiles, num_ctas, k_fastest):
+  """The cross-tile kernels' per-CTA tile lists (tgmm._CtaWalk) partition the output tiles
+  (expert, K tile, N tile), in either tile order; K-fastest order changes the K tile first."""
+  from pallas_kernels import tgmm as tg
+  bounds = types.SimpleNamespace(at=np.zeros((2, e), np.int32))  # bounds_smem.at[0 / 1]
+  seen = []
+  for cta in range(num_ctas):
+    w = tg._CtaWalk(jnp.int32(cta), bounds, num_ctas=num_ctas, num_tiles=e * k_tiles * n_tiles,
+                    k_tiles=k_tiles, n_tiles=n_tiles, block_r=64, align=8, k_fastest=k_fastest)
+    for i in range(int(w.my_tiles)):
+      t, steps = w.tile(jnp.int32(i))
+      assert int(steps) == 1  # empty experts: one masked step, so zeros get written
+      seen.append((int(t.g), int(t.ki), int(t.ni)))
+  assert sorted(seen) == [(g, ki, ni) for g in range(e) for ki in range(k_tiles)
+                          for ni in range(n_tiles)]
+  t1 = tg._CtaWalk(jnp.int32(1), bounds, num_ctas=1, num_tiles=e * k_tiles * n_tiles,
+                   k_tiles=k_tiles, n_tiles=n_tiles, block_r=64, align=8,
+                   k_fastest=k_fastest).tile(jnp.int32(0))[0]
+  if k_tiles > 1 and n_tiles > 1:  # the second tile of the list
+    assert (int(t1.ki), int(t1.ni)) == ((1, 0) if k_fastest else (0, 1))
 
 
 @settings(max_examples=40)

@@ -10,7 +10,6 @@ Shapes are tiny: interpretation is slow (seconds per kernel call).
 from __future__ import annotations
 
 import dataclasses
-
 import types
 
 import numpy as np

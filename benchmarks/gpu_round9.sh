@@ -17,6 +17,9 @@
 #   bash benchmarks/gpu_round9.sh dw2    # one H200: warp-specialized cross-tile candidates for
 #                                        # mixtral dW2, the training ratio, qwen3's block at 1 and
 #                                        # 1024 tokens
+#   bash benchmarks/gpu_round9.sh deepseek # one H200: warp-specialized cross-tile candidates for
+#                                        # deepseek-v3's tgmm shapes (r9f: dW13 only, then the
+#                                        # step limit)
 NAME=gpu_round9; source benchmarks/gpu_env.sh
 case ${1:-tgmm} in
   tgmm)
@@ -52,4 +55,8 @@ case ${1:-tgmm} in
     cp pallas_kernels/configs/tgmm.json $OUT/
     train_ratio 130 110 mixtral-8x7b,qwen3-30b-a3b
     block_run 60 50 qwen3-30b-a3b 1,1024 8 ;;
+  deepseek)
+    step 200 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_deepseek.json \
+      --shapes deepseek --aligned --configs " ws xt" --write-tables
+    cp pallas_kernels/configs/tgmm.json $OUT/ ;;
 esac

@@ -896,6 +896,49 @@ def test_fused_experts_train_grad(rng, empty_slot, route_impl, fused, activation
     assert _rel(a, b) < 2e-2
 
 
+@pytest.fixture
+def cross_tile_tgmm(monkeypatch):
+  """The training path's weight gradients on the warp-specialized cross-tile kernel in K-fastest
+  order (what the H200 tables pick for mixtral and qwen3); tgmm's trace cache is cleared on
+  both sides so that no other test runs with (or without) the patched lookup."""
+  from pallas_kernels import tgmm as tg
+  cfg = tg.TgmmConfig(block_k=64, block_n=64, block_r=64, num_stages=2, warp_specialized=True,
+                      cross_tile=True, k_fastest=True)
+  seen = []
+  monkeypatch.setattr(tg, "get_tgmm_config", lambda *a, **kw: seen.append(a) or cfg)
+  tg.tgmm.clear_cache()
+  yield seen
+  tg.tgmm.clear_cache()
+
+
+@pytest.mark.slow
+def test_fused_experts_train_grad_on_cross_tile_tgmm(rng, cross_tile_tgmm):
+  # dW13 [E, 128, 128] runs warp specialized (2 x 64 rows per tile); dW2 [E, 64, 128] has K=64,
+  # so it falls back to one warpgroup (the non-WS cross-tile kernel); an empty slot puts a row
+  # into the zeroed tail
+  t, k, e, h, n = 6, 2, 3, 128, 64
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / 8, jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((e, n, h)) / 8, jnp.bfloat16)
+  tw, ti = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((t, e)), jnp.float32)), k)
+  ti = ti.at[2, 1].set(-1)
+
+  def loss(x, w13, w2, tw):
+    out = pmoe.fused_experts_train(x, w13, w2, tw, ti, interpret=_interpret())
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  def loss_ref(x, w13, w2, tw):
+    return jnp.sum(pmoe.fused_experts_reference(x, w13, w2, tw, ti) ** 2)
+
+  g = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w13, w2, tw)
+  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
+  assert len(cross_tile_tgmm) == 2, "both weight gradients looked their config up"
+  g_ref = jax.grad(loss_ref, argnums=(0, 1, 2, 3))(x, w13, w2, tw)
+  for a, b in zip(g, g_ref):
+    assert np.isfinite(np.asarray(a, np.float32)).all()
+    assert _rel(a, b) < 2e-2
+
+
 def test_fused_experts_train_rejects_preact_without_gate(rng):
   x = jnp.zeros((4, 64), jnp.bfloat16)
   w13 = jnp.zeros((2, 64, 64), jnp.bfloat16)

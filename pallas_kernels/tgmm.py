@@ -515,21 +515,23 @@ def _build_tgmm_ws_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, 
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-      total = w.total()
 
-      def step(s, ij):
-        i, j = ij
-        slot = lax.rem(s, st)
-
-        @pl.when(s >= st)
-        def _wait_free():  # both compute warpgroups are done with step s - st
-          plgpu.barrier_wait(free.at[slot])
-
+      def one_tile(i, s):  # the same tile / block loops as the compute warpgroups', s counted
         t, steps = w.tile(i)
-        fetch_block(lhs_ref, dout_ref, t, j, x_buf.at[slot], dy_buf.at[slot], full.at[slot])
-        return w.advance(i, j, steps)
 
-      lax.fori_loop(0, total, step, (jnp.int32(0), jnp.int32(0)))
+        def block(j, s):
+          slot = lax.rem(s, st)
+
+          @pl.when(s >= st)
+          def _wait_free():  # both compute warpgroups are done with step s - st
+            plgpu.barrier_wait(free.at[slot])
+
+          fetch_block(lhs_ref, dout_ref, t, j, x_buf.at[slot], dy_buf.at[slot], full.at[slot])
+          return s + 1
+
+        return lax.fori_loop(0, steps, block, s)
+
+      total = lax.fori_loop(0, w.my_tiles, one_tile, jnp.int32(0))
 
       # the last releases (kept in phase: every release is awaited once)
       @pl.loop(jnp.maximum(total - st, 0), total)

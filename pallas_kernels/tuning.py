@@ -80,14 +80,12 @@ SWEEP_TGMM = (  # weight gradient; H200 (mixtral / qwen3 at 1024 tokens)
        cross_tile=True),
     TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True),
-    # K tiles fastest: consecutive tiles share a dout column block (wide dout: mixtral dW13)
+    # K tiles fastest: consecutive tiles share a dout column block (wide dout: mixtral dW13).
+    # Dropped after the 2026-11-30 sweep, slower than these on every shape: per-tile WS K-fastest,
+    # cross-tile K-fastest with 6 stages or 64x256 tiles
     TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True, k_fastest=True),
-    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
-       k_fastest=True),
     TC(block_k=128, block_n=128, block_r=64, num_stages=4, cross_tile=True, k_fastest=True),
-    TC(block_k=128, block_n=128, block_r=64, num_stages=6, cross_tile=True, k_fastest=True),
-    TC(block_k=64, block_n=256, block_r=64, num_stages=4, cross_tile=True, k_fastest=True),
     # the mixtral / qwen3 dW13 winner (2026-11-30): mixtral 1264 -> 959 µs, qwen3 258 -> 233
     TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True, k_fastest=True),

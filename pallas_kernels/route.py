@@ -1,4 +1,4 @@
-"""Routing in two kernels: moe_align + tile metadata + the token gather, for the sorted layout.
+"""Routing in one or two kernels: moe_align + tile metadata + the token gather, for the sorted layout.
 
 The jnp path (permute.moe_align, grouped_gemm.tile_metadata, permute.gather_rows) is ~16 small
 XLA kernels plus a row-copy kernel: at qwen3 / 1024 tokens on an H200 that is ~24 µs of
@@ -10,8 +10,12 @@ launches (1-2 µs each) and an 11 µs copy. Here (same run) it is 4.0 + 13.9 µs
    (small) block-count table into expert offsets; a block program computes its slots' sorted
    positions ``pos = offset[e] + slots of e in earlier blocks + rank`` and copies their token
    rows (its column chunk) there, and writes ``inv``; a tile-list program writes 32 entries of
-   a GEMM's work list. With a single block (<= 128 slots: decode) kernel 2 ranks and counts the
-   slots itself and kernel 1 is not launched, so the sorted decode block is 4 kernels.
+   a GEMM's work list.
+
+Up to ONE_KERNEL_BLOCKS blocks (512 slots: qwen3 / deepseek-v3 at 64 tokens) kernel 1 is not
+launched, so the sorted block is 4 kernels. A block program of kernel 2 then gets its slots'
+positions from one compare with every slot's key (the slots before it in a stable sort by key),
+and only the tile-list programs count the experts.
 
 ``route_for_training`` is the same pair of kernels (one builder, a static flag) in the layout of
 the training path (moe.fused_experts_train): every expert's rows padded to a multiple of 8 with
@@ -42,7 +46,10 @@ from pallas_kernels import grouped_gemm as gg
 BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels
 _TASKS = 32          # tile-list entries per tile-list program of kernel 2
-ONE_KERNEL_BLOCKS = 1  # route()'s default: one kernel up to this many blocks
+_DIRECT = 128        # keys per compare of the one-kernel form's sorted positions ([_ROWS, 128])
+ONE_KERNEL_BLOCKS = 4  # route()'s default: one kernel up to this many blocks
+ONE_KERNEL_BLOCKS_TRAINING = 1  # route_for_training()'s: there every program of the one-
+                                # kernel form counts every block (its rows need the table)
 _ALIGN = 8           # route_for_training: experts start on multiples of this many rows
 _PAD = _ALIGN - 1    # at most this many padding rows per expert
 _MAX_SLOTS = 8192    # above this the jnp path (its sort/count kernels amortize; and kernel 2
@@ -88,6 +95,14 @@ def _ranks(key, block, row0: int | jax.Array):
   i = row0 + lax.broadcasted_iota(jnp.int32, (key.shape[0], block.shape[0]), 0)
   j = lax.broadcasted_iota(jnp.int32, (key.shape[0], block.shape[0]), 1)
   return jnp.sum(((key[:, None] == block[None, :]) & (j < i)).astype(jnp.int32), axis=1)
+
+
+def _sorted_before(key, slot, keys, j0: int):
+  """For each slot of `key` (flat slot indices `slot`): how many of the slots j0 + j with keys
+  `keys` come before it in a stable sort by key: [len(key)]."""
+  j = j0 + lax.broadcasted_iota(jnp.int32, (key.shape[0], keys.shape[0]), 1)
+  before = (keys[None, :] < key[:, None]) | ((keys[None, :] == key[:, None]) & (j < slot[:, None]))
+  return jnp.sum(before.astype(jnp.int32), axis=1)
 
 
 def _counts(key, e0: int, ec: int):
@@ -136,8 +151,8 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
     num_experts: E.
     m_alloc: rows of the gathered array (>= T * k, see grouped_gemm.row_alloc).
     block_ms: the row-tile heights whose tile work lists to build (GEMM1's, GEMM2's).
-    one_kernel_blocks: up to this many blocks of BLOCK slots, kernel 2 counts and ranks the
-      slots itself (every program counts every block) and kernel 1 is not launched.
+    one_kernel_blocks: up to this many blocks of BLOCK slots, kernel 2 ranks the slots itself
+      and kernel 1 is not launched.
   Returns:
     xs [m_alloc, H]: row p is the token of the slot at sorted position p; rows at and past the
       number of valid slots are unwritten.
@@ -151,7 +166,8 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
 
 
 def route_for_training(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
-                       block_ms: Sequence[int], *, one_kernel_blocks: int = ONE_KERNEL_BLOCKS,
+                       block_ms: Sequence[int], *,
+                       one_kernel_blocks: int = ONE_KERNEL_BLOCKS_TRAINING,
                        interpret: Any = False
                        ) -> tuple[jax.Array, jax.Array, jax.Array,
                                   list[tuple[jax.Array, jax.Array]], jax.Array]:
@@ -224,39 +240,57 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
     order_ref = outs[3] if training else None
     b = pl.program_id(0)
     c = pl.program_id(1)
-    if one_block:
-      total = before = jnp.zeros((ep,), jnp.int32)
-      for q in range(nb):
-        cq = _counts(_load_keys(ids_ref, q * BLOCK, BLOCK, n, e), 0, ep)
-        total = total + cq
-        before = before + jnp.where(q < b, cq, 0)
-      block = _load_keys(ids_ref, jnp.minimum(b, nb - 1) * BLOCK, BLOCK, n, e)
-    else:
-      blk = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
-      cnt = cnt_ref[jnp.minimum(blk, nb - 1), :]                       # [nbp, ep]
-      blk = lax.broadcasted_iota(jnp.int32, (nbp, ep), 0)
-      cnt = jnp.where(blk < nb, cnt, 0)
-      before = jnp.sum(jnp.where(blk < b, cnt, 0), axis=0)  # slots per expert in blocks before b
-      total = jnp.sum(cnt, axis=0)
-    if training:  # experts padded to multiples of _ALIGN rows
-      asize = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e,
-                        (total + _PAD) // _ALIGN * _ALIGN, 0)
-      offsets = jnp.cumsum(asize) - asize
-    else:
-      offsets = jnp.cumsum(total) - total
+
+    def expert_table():
+      """(total [ep]: slots per expert, before [ep]: of them in blocks before b, offsets [ep]:
+      each expert's first row, asize [ep]: padded sizes in training, else None)."""
+      if one_block:
+        total = before = jnp.zeros((ep,), jnp.int32)
+        for q in range(nb):
+          cq = _counts(_load_keys(ids_ref, q * BLOCK, BLOCK, n, e), 0, ep)
+          total = total + cq
+          before = before + jnp.where(q < b, cq, 0)
+      else:
+        blk = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
+        cnt = cnt_ref[jnp.minimum(blk, nb - 1), :]                       # [nbp, ep]
+        blk = lax.broadcasted_iota(jnp.int32, (nbp, ep), 0)
+        cnt = jnp.where(blk < nb, cnt, 0)
+        before = jnp.sum(jnp.where(blk < b, cnt, 0), axis=0)  # per expert, blocks before b
+        total = jnp.sum(cnt, axis=0)
+      if training:  # experts padded to multiples of _ALIGN rows
+        asize = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e,
+                          (total + _PAD) // _ALIGN * _ALIGN, 0)
+        return total, before, jnp.cumsum(asize) - asize, asize
+      return total, before, jnp.cumsum(total) - total, None
+
+    # Inference in one kernel: a block program finds its slots' sorted positions by comparing
+    # them with every slot's key (no per-expert table), and only the tile-list programs count
+    # the experts. With every program counting every block, one kernel took 2x the two-kernel
+    # form's time at 4 blocks (sixth round).
+    direct = one_block and not training
+    if not direct:
+      total, before, offsets, asize = expert_table()
 
     @pl.when(b < nb)
     def _copy_block():
-      base = offsets + before
-      experts = lax.broadcasted_iota(jnp.int32, (_ROWS, ep), 1)
       cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
+      if direct:
+        keys = [_load_keys(ids_ref, q0, _DIRECT, n, e) for q0 in range(0, nb * BLOCK, _DIRECT)]
+      else:
+        base = offsets + before
+        experts = lax.broadcasted_iota(jnp.int32, (_ROWS, ep), 1)
+        block = _load_keys(ids_ref, jnp.minimum(b, nb - 1) * BLOCK, BLOCK, n, e)
 
       def copy(r, carry):
         r0 = pl.multiple_of(b * BLOCK + r * _ROWS, _ROWS)
         key = _load_keys(ids_ref, r0, _ROWS, n, e)
-        pos = jnp.sum(jnp.where(key[:, None] == experts, base[None, :], 0), axis=1)
-        pos = pos + (_ranks(key, block, r * _ROWS) if one_block else rank_ref[pl.ds(r0, _ROWS)])
         slot = r0 + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
+        if direct:
+          pos = sum(_sorted_before(key, slot, kq, q * _DIRECT) for q, kq in enumerate(keys))
+        else:
+          pos = jnp.sum(jnp.where(key[:, None] == experts, base[None, :], 0), axis=1)
+          pos = pos + (_ranks(key, block, r * _ROWS) if one_block
+                       else rank_ref[pl.ds(r0, _ROWS)])
         live = key < e
         tok = jnp.where(live, slot // k, 0)
         rows = x_ref[tok, cols]
@@ -276,12 +310,11 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
         _zero_padding(xs_ref, order_ref, offsets + total, asize - total, b, nb, e, ep, m_alloc,
                       hc, c, interpret)
 
-    sizes = jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, total, 0)
     if training:
       # the tail rows [sum(asize), m_alloc) go to the last expert in the tile lists
       n_rows = jnp.sum(asize)
       tail = m_alloc - n_rows
-      sizes = asize + jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) == e - 1, tail, 0)
+      tail_sizes = asize + jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) == e - 1, tail, 0)
       _zero_tail(xs_ref, order_ref, n_rows, tail, grid_b - 1 - b, grid_b, m_alloc, hc, c,
                  interpret)
 
@@ -290,7 +323,10 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
       @pl.when((b >= q0) & (b < q0 + nq) & (c == 0))
       def _tiles(bm=bm, q0=q0, m_ref=m_ref, nt_ref=nt_ref):
         t0 = pl.multiple_of((b - q0) * _TASKS, _TASKS)
-        rows, num_tasks = gg.tile_rows(offsets, offsets + sizes, bm,
+        cnt, _, first, _ = expert_table() if direct else (total, None, offsets, None)
+        sizes = (tail_sizes if training
+                 else jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, cnt, 0))
+        rows, num_tasks = gg.tile_rows(first, first + sizes, bm,
                                        t0 + lax.broadcasted_iota(jnp.int32, (_TASKS,), 0))
         for i, v in enumerate(rows):
           m_ref[i, pl.ds(t0, _TASKS)] = v
@@ -301,7 +337,7 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
 
     @pl.when((b == nb) & (c == 0))
     def _sizes():
-      gs_ref[...] = asize if training else total
+      gs_ref[...] = asize if training else (expert_table()[0] if direct else total)
 
   out = lambda shape, dtype=jnp.int32: _compat.out_struct(shape, dtype, ids)
   out_shape = [out((m_alloc, hdim), x.dtype), out((nb * BLOCK,)), out((ep,))]

@@ -89,11 +89,19 @@ def test_route_matches_jnp_path(rng, t, k, e, h, block_ms, case):
 
 
 @pytest.mark.parametrize("one_kernel_blocks", [0, 8])
-def test_route_one_and_two_kernels(rng, one_kernel_blocks):
-  # 3 blocks: two kernels (block counts, then scatter) or one (every program counts every block);
-  # 0 also sends a single block through the two-kernel form
-  for t, k, e in [(150, 2, 8), (3, 2, 8)]:
+@pytest.mark.parametrize("case", ["random", "one_expert", "all_empty", "last_expert_only"])
+def test_route_one_and_two_kernels(rng, one_kernel_blocks, case):
+  # 3 blocks: two kernels (block counts, then scatter) or one (a block program compares its
+  # slots with every slot; the tile-list programs count the experts); 0 also sends a single
+  # block through the two-kernel form
+  for t, k, e in [(150, 2, 8), (3, 2, 8), (64, 4, 128)]:
     ids = rng.integers(-1, e + 1, (t, k)).astype(np.int32)
+    if case == "one_expert":
+      ids[:] = rng.integers(0, e)
+    elif case == "all_empty":
+      ids[:] = e
+    elif case == "last_expert_only":  # every valid slot sorts after all others but the empty
+      ids[::2] = e - 1
     _check_route(_tokens(rng, t, 64), ids, e, (64, 128), one_kernel_blocks=one_kernel_blocks)
 
 

@@ -6,6 +6,9 @@
 #                                         # deepseek-v3: 4 blocks, now one routing kernel) and
 #                                         # 1024; the training ratio on the reviewed tgmm
 #                                         # producer; deepseek-v3's dW2 tgmm candidates
+#   bash benchmarks/gpu_round10.sh route2 # one H200: the same routing comparison with the one-
+#                                         # kernel form's block programs at one row step (32
+#                                         # slots) each; the block at 16 / 64 tokens
 NAME=gpu_round10; source benchmarks/gpu_env.sh
 case ${1:-route} in
   route)
@@ -16,4 +19,8 @@ case ${1:-route} in
     step 120 python3 benchmarks/check_tgmm.py --json $OUT/check_tgmm_deepseek_dw2.json \
       --shapes "deepseek dW2" --aligned --configs " ws xt" --write-tables
     cp pallas_kernels/configs/tgmm.json $OUT/ ;;
+  route2)
+    step 90 python3 benchmarks/bench_route.py --json $OUT/bench_route.json \
+      --presets qwen3-30b-a3b,deepseek-v3,mixtral-8x7b --tokens 16,32,64,128,256
+    block_run 150 130 qwen3-30b-a3b,deepseek-v3,mixtral-8x7b 16,64 4 ;;
 esac

@@ -46,7 +46,7 @@ from pallas_kernels import grouped_gemm as gg
 BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels
 _TASKS = 32          # tile-list entries per tile-list program of kernel 2
-_DIRECT = 128        # keys per compare of the one-kernel form's sorted positions ([_ROWS, 128])
+_DIRECT = 512        # keys per compare of the one-kernel form's sorted positions
 ONE_KERNEL_BLOCKS = 4  # route()'s default: one kernel up to this many blocks
 ONE_KERNEL_BLOCKS_TRAINING = 1  # route_for_training()'s: there every program of the one-
                                 # kernel form counts every block (its rows need the table)
@@ -220,13 +220,21 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   if not one_block:
     rank, counts = _block_counts(ids, e, ep, interpret)
   nbp = _pow2(nb)
-  # tile-list programs: _TASKS tasks each, per block_m (grid rows nb + q of column 0)
+  # Inference in one kernel: a block program gets its slots' sorted positions from one compare
+  # with every slot's key (no per-expert table) and takes one row step (_ROWS slots), so its
+  # chain of reductions is short; only the tile-list programs count the experts. (With every
+  # program counting every block and ranking 4 row steps, one kernel took 2-3x the two-kernel
+  # form's time at 4 blocks: sixth round, r10a.)
+  direct = one_block and not training
+  per_prog = _ROWS if direct else BLOCK  # slots per block program
+  npb = -(-n // per_prog)                # block programs
+  # tile-list programs: _TASKS tasks each, per block_m (grid rows npb + q of column 0)
   chunks = [-(-(-(-m_alloc // bm) + e - 1) // _TASKS) for bm in block_ms]
-  first_chunk = [nb + sum(chunks[:i]) for i in range(len(chunks))]
-  hc = _col_chunk(hdim, nb)
+  first_chunk = [npb + sum(chunks[:i]) for i in range(len(chunks))]
+  hc = _col_chunk(hdim, npb)
   n_hc = hdim // hc
 
-  grid_b = nb + sum(chunks)
+  grid_b = npb + sum(chunks)
 
   def body(*refs):
     n_in = 2 if one_block else 4
@@ -263,30 +271,26 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
         return total, before, jnp.cumsum(asize) - asize, asize
       return total, before, jnp.cumsum(total) - total, None
 
-    # Inference in one kernel: a block program finds its slots' sorted positions by comparing
-    # them with every slot's key (no per-expert table), and only the tile-list programs count
-    # the experts. With every program counting every block, one kernel took 2x the two-kernel
-    # form's time at 4 blocks (sixth round).
-    direct = one_block and not training
     if not direct:
       total, before, offsets, asize = expert_table()
 
-    @pl.when(b < nb)
+    @pl.when(b < npb)
     def _copy_block():
       cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
       if direct:
-        keys = [_load_keys(ids_ref, q0, _DIRECT, n, e) for q0 in range(0, nb * BLOCK, _DIRECT)]
+        kn = min(max(_pow2(n), _ROWS), _DIRECT)
+        keys = [_load_keys(ids_ref, q0, kn, n, e) for q0 in range(0, n, kn)]
       else:
         base = offsets + before
         experts = lax.broadcasted_iota(jnp.int32, (_ROWS, ep), 1)
         block = _load_keys(ids_ref, jnp.minimum(b, nb - 1) * BLOCK, BLOCK, n, e)
 
       def copy(r, carry):
-        r0 = pl.multiple_of(b * BLOCK + r * _ROWS, _ROWS)
+        r0 = pl.multiple_of(b * per_prog + r * _ROWS, _ROWS)
         key = _load_keys(ids_ref, r0, _ROWS, n, e)
         slot = r0 + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
         if direct:
-          pos = sum(_sorted_before(key, slot, kq, q * _DIRECT) for q, kq in enumerate(keys))
+          pos = sum(_sorted_before(key, slot, kq, q * kn) for q, kq in enumerate(keys))
         else:
           pos = jnp.sum(jnp.where(key[:, None] == experts, base[None, :], 0), axis=1)
           pos = pos + (_ranks(key, block, r * _ROWS) if one_block
@@ -305,7 +309,7 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
             _store(order_ref, (dst,), slot, live, interpret)
         return carry
 
-      lax.fori_loop(0, BLOCK // _ROWS, copy, 0)
+      lax.fori_loop(0, per_prog // _ROWS, copy, 0)
       if training:
         _zero_padding(xs_ref, order_ref, offsets + total, asize - total, b, nb, e, ep, m_alloc,
                       hc, c, interpret)
@@ -335,7 +339,7 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
         def _():
           nt_ref[...] = jnp.broadcast_to(num_tasks, (1,))
 
-    @pl.when((b == nb) & (c == 0))
+    @pl.when((b == npb) & (c == 0))
     def _sizes():
       gs_ref[...] = asize if training else (expert_table()[0] if direct else total)
 

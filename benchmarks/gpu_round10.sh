@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_round10.sh route2 # one H200: the same routing comparison with the one-
 #                                         # kernel form's block programs at one row step (32
 #                                         # slots) each; the block at 16 / 64 tokens
+#   bash benchmarks/gpu_round10.sh route3 # one H200: route2 with every key load issued before the
+#                                         # counts and the token rows' gather before the ranks
 NAME=gpu_round10; source benchmarks/gpu_env.sh
 case ${1:-route} in
   route)
@@ -23,4 +25,8 @@ case ${1:-route} in
     step 90 python3 benchmarks/bench_route.py --json $OUT/bench_route.json \
       --presets qwen3-30b-a3b,deepseek-v3,mixtral-8x7b --tokens 16,32,64,128,256
     block_run 150 130 qwen3-30b-a3b,deepseek-v3,mixtral-8x7b 16,64 4 ;;
+  route3)
+    step 80 python3 benchmarks/bench_route.py --json $OUT/bench_route.json \
+      --presets qwen3-30b-a3b,deepseek-v3 --tokens 16,32,64,128
+    block_run 120 100 qwen3-30b-a3b,deepseek-v3 16,64 4 ;;
 esac

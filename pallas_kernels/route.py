@@ -254,8 +254,10 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
       each expert's first row, asize [ep]: padded sizes in training, else None)."""
       if one_block:
         total = before = jnp.zeros((ep,), jnp.int32)
-        for q in range(nb):
-          cq = _counts(_load_keys(ids_ref, q * BLOCK, BLOCK, n, e), 0, ep)
+        # every load first: one memory round trip, not one per block before its count
+        keys = [_load_keys(ids_ref, q * BLOCK, BLOCK, n, e) for q in range(nb)]
+        for q, kq in enumerate(keys):
+          cq = _counts(kq, 0, ep)
           total = total + cq
           before = before + jnp.where(q < b, cq, 0)
       else:
@@ -289,15 +291,15 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
         r0 = pl.multiple_of(b * per_prog + r * _ROWS, _ROWS)
         key = _load_keys(ids_ref, r0, _ROWS, n, e)
         slot = r0 + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
+        live = key < e
+        tok = jnp.where(live, slot // k, 0)
+        rows = x_ref[tok, cols]  # issued before the position's reductions, which it overlaps
         if direct:
           pos = sum(_sorted_before(key, slot, kq, q * kn) for q, kq in enumerate(keys))
         else:
           pos = jnp.sum(jnp.where(key[:, None] == experts, base[None, :], 0), axis=1)
           pos = pos + (_ranks(key, block, r * _ROWS) if one_block
                        else rank_ref[pl.ds(r0, _ROWS)])
-        live = key < e
-        tok = jnp.where(live, slot // k, 0)
-        rows = x_ref[tok, cols]
         # a dead slot's masked store aims at the last row (and stores nothing)
         dst = jnp.where(live, pos, m_alloc - 1)
         _store(xs_ref, (dst, cols), rows, live[:, None], interpret)

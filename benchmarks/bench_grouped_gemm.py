@@ -38,7 +38,10 @@ from jmoe import timing  # noqa: E402
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from pallas_kernels import moe as pmoe  # noqa: E402
 from pallas_kernels import permute as perm  # noqa: E402
+from pallas_kernels import route as _route  # noqa: E402
 from pallas_kernels.grouped_gemm import GroupedGemmConfig as C  # noqa: E402
+
+ONE_KERNEL_BLOCKS_DEFAULT = _route.ONE_KERNEL_BLOCKS
 
 PRESETS = {
     "mixtral-8x7b": dict(E=8, k=2, H=4096, N=14336),
@@ -338,14 +341,20 @@ def stage_block(args):
                    floor_bw_us=wbytes / BW * 1e6, floor_flop_us=flops / args.peak_tflops / 1e6)
         rec["floor_us"] = max(rec["floor_bw_us"], rec["floor_flop_us"])
         c1, c2 = block_configs(args, p, T)
+        # "kernels:N": the routing kernels in one kernel up to N blocks (route.ONE_KERNEL_BLOCKS
+        # for this variant, read when it is traced)
+        impl, _, okb = route.partition(":")
+        if okb:
+          _route.ONE_KERNEL_BLOCKS = int(okb)
         f0 = jax.jit(lambda x, tw, ti, w13, w2, c1=c1, c2=c2: pmoe.fused_experts(
             x, w13, w2, tw, ti, activation="silu", config1=c1, config2=c2,
             interpret=INTERPRET, permute_impl=PERMUTE_IMPL, layout=args.layout,
-            route_impl=route))
+            route_impl=impl))
         sets = [s_ + (w13, w2) for s_ in sets]
         f = f0
         t = time.time()
         out = jax.block_until_ready(f(*sets[0]))
+        _route.ONE_KERNEL_BLOCKS = ONE_KERNEL_BLOCKS_DEFAULT
         rec["compile_s"] = time.time() - t
         nchk = min(T, args.check_tokens)
         x, tw, ti = sets[0][:3]
@@ -646,7 +655,8 @@ def main():
                   choices=["auto", "sorted", "per_slot", "fused_decode"],
                   help="fused_experts layout for the block stage (per_slot: decode, no sort)")
   ap.add_argument("--route-impls", default="auto",
-                  help="comma list of fused_experts route_impl values, each timed (sorted layout)")
+                  help="comma list of fused_experts route_impl values, each timed (sorted "
+                       "layout); 'kernels:N' = the routing kernels in one kernel up to N blocks")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test (GPU interpret mode)")
   args = ap.parse_args()
   global INTERPRET, PERMUTE_IMPL

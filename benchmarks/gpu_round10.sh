@@ -11,6 +11,9 @@
 #                                         # slots) each; the block at 16 / 64 tokens
 #   bash benchmarks/gpu_round10.sh route3 # one H200: route2 with every key load issued before the
 #                                         # counts and the token rows' gather before the ranks
+#   bash benchmarks/gpu_round10.sh inblock # one H200: the block at 16 / 32 / 64 tokens with the
+#                                         # routing in two kernels (kernels:0) and in one up to
+#                                         # 4 blocks (kernels:4), in the same run
 NAME=gpu_round10; source benchmarks/gpu_env.sh
 case ${1:-route} in
   route)
@@ -29,4 +32,8 @@ case ${1:-route} in
     step 80 python3 benchmarks/bench_route.py --json $OUT/bench_route.json \
       --presets qwen3-30b-a3b,deepseek-v3 --tokens 16,32,64,128
     block_run 120 100 qwen3-30b-a3b,deepseek-v3 16,64 4 ;;
+  inblock)
+    step 240 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets qwen3-30b-a3b,deepseek-v3,mixtral-8x7b --tokens 16,32,64 --iters 4 \
+      --route-impls kernels:0,kernels:4 --budget-s 220 ;;
 esac

@@ -141,7 +141,7 @@ def _block_counts(ids: jax.Array, e: int, ep: int, interpret: bool):
 
 
 def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
-          block_ms: Sequence[int], *, one_kernel_blocks: int = ONE_KERNEL_BLOCKS,
+          block_ms: Sequence[int], *, one_kernel_blocks: int | None = None,
           interpret: Any = False):
   """Sort token slots by expert and gather their token rows.
 
@@ -152,7 +152,7 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
     m_alloc: rows of the gathered array (>= T * k, see grouped_gemm.row_alloc).
     block_ms: the row-tile heights whose tile work lists to build (GEMM1's, GEMM2's).
     one_kernel_blocks: up to this many blocks of BLOCK slots, kernel 2 ranks the slots itself
-      and kernel 1 is not launched.
+      and kernel 1 is not launched (None: ONE_KERNEL_BLOCKS, read at trace time).
   Returns:
     xs [m_alloc, H]: row p is the token of the slot at sorted position p; rows at and past the
       number of valid slots are unwritten.
@@ -161,6 +161,8 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
     metas: one (meta [4, tasks], num_tasks [1]) per entry of block_ms, in the format of
       grouped_gemm.tile_metadata (tasks >= cdiv(m_alloc, block_m) + E - 1).
   """
+  if one_kernel_blocks is None:
+    one_kernel_blocks = ONE_KERNEL_BLOCKS
   return _route(x, topk_ids, num_experts, m_alloc, tuple(block_ms), one_kernel_blocks,
                 interpret, training=False)
 

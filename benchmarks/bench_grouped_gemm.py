@@ -344,7 +344,8 @@ def stage_block(args):
         # "kernels:N": the routing kernels in one kernel up to N blocks (route.ONE_KERNEL_BLOCKS
         # for this variant, read when it is traced)
         impl, _, okb = route.partition(":")
-        if okb:
+        if okb:  # fused_experts is jitted: its cached trace would keep the last variant's form
+          jax.clear_caches()
           _route.ONE_KERNEL_BLOCKS = int(okb)
         f0 = jax.jit(lambda x, tw, ti, w13, w2, c1=c1, c2=c2: pmoe.fused_experts(
             x, w13, w2, tw, ti, activation="silu", config1=c1, config2=c2,

@@ -14,6 +14,10 @@
 #   bash benchmarks/gpu_round10.sh inblock # one H200: the block at 16 / 32 / 64 tokens with the
 #                                         # routing in two kernels (kernels:0) and in one up to
 #                                         # 4 blocks (kernels:4), in the same run
+#   bash benchmarks/gpu_round10.sh final  # one H200: the block at 16 / 32 / 64 tokens with the
+#                                         # routing in two kernels and in the default form (one
+#                                         # kernel up to 2 blocks), same run; the block at 1 and
+#                                         # 1024 tokens; jmoe bench
 NAME=gpu_round10; source benchmarks/gpu_env.sh
 case ${1:-route} in
   route)
@@ -36,4 +40,11 @@ case ${1:-route} in
     step 240 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
       --presets qwen3-30b-a3b,deepseek-v3,mixtral-8x7b --tokens 16,32,64 --iters 4 \
       --route-impls kernels:0,kernels:4 --budget-s 220 ;;
+  final)
+    step 200 env OUT=$OUT/small python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets qwen3-30b-a3b,deepseek-v3,mixtral-8x7b --tokens 16,32,64 --iters 4 \
+      --route-impls auto,kernels:0 --budget-s 180
+    block_run 150 130 qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 1,1024 4
+    step 80 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
+      --json $OUT/jmoe_bench.json ;;
 esac

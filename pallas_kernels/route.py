@@ -12,7 +12,7 @@ launches (1-2 µs each) and an 11 µs copy. Here (same run) it is 4.0 + 13.9 µs
    rows (its column chunk) there, and writes ``inv``; a tile-list program writes 32 entries of
    a GEMM's work list.
 
-Up to ONE_KERNEL_BLOCKS blocks (512 slots: qwen3 / deepseek-v3 at 64 tokens) kernel 1 is not
+Up to ONE_KERNEL_BLOCKS blocks (256 slots: qwen3 / deepseek-v3 at 32 tokens) kernel 1 is not
 launched, so the sorted block is 4 kernels. A block program of kernel 2 then gets its slots'
 positions from one compare with every slot's key (the slots before it in a stable sort by key),
 and only the tile-list programs count the experts.
@@ -47,7 +47,7 @@ BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels
 _TASKS = 32          # tile-list entries per tile-list program of kernel 2
 _DIRECT = 512        # keys per compare of the one-kernel form's sorted positions
-ONE_KERNEL_BLOCKS = 4  # route()'s default: one kernel up to this many blocks
+ONE_KERNEL_BLOCKS = 2  # route()'s default: one kernel up to this many blocks (r10)
 ONE_KERNEL_BLOCKS_TRAINING = 1  # route_for_training()'s: there every program of the one-
                                 # kernel form counts every block (its rows need the table)
 _ALIGN = 8           # route_for_training: experts start on multiples of this many rows
@@ -326,26 +326,29 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
       _zero_tail(xs_ref, order_ref, n_rows, tail, grid_b - 1 - b, grid_b, m_alloc, hc, c,
                  interpret)
 
-    for bm, q0, nq, m_ref, nt_ref in zip(block_ms, first_chunk, chunks, meta_refs[0::2],
-                                         meta_refs[1::2]):
-      @pl.when((b >= q0) & (b < q0 + nq) & (c == 0))
-      def _tiles(bm=bm, q0=q0, m_ref=m_ref, nt_ref=nt_ref):
-        t0 = pl.multiple_of((b - q0) * _TASKS, _TASKS)
-        cnt, _, first, _ = expert_table() if direct else (total, None, offsets, None)
-        sizes = (tail_sizes if training
-                 else jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, cnt, 0))
-        rows, num_tasks = gg.tile_rows(first, first + sizes, bm,
-                                       t0 + lax.broadcasted_iota(jnp.int32, (_TASKS,), 0))
-        for i, v in enumerate(rows):
-          m_ref[i, pl.ds(t0, _TASKS)] = v
+    @pl.when((b >= npb) & (c == 0))
+    def _tile_lists():
+      # the one-kernel form counts the experts here, once per tile-list program
+      cnt, _, first, _ = expert_table() if direct else (total, None, offsets, None)
+      sizes = (tail_sizes if training
+               else jnp.where(lax.broadcasted_iota(jnp.int32, (ep,), 0) < e, cnt, 0))
+      for bm, q0, nq, m_ref, nt_ref in zip(block_ms, first_chunk, chunks, meta_refs[0::2],
+                                           meta_refs[1::2]):
+        @pl.when((b >= q0) & (b < q0 + nq))
+        def _tiles(bm=bm, q0=q0, m_ref=m_ref, nt_ref=nt_ref):
+          t0 = pl.multiple_of((b - q0) * _TASKS, _TASKS)
+          rows, num_tasks = gg.tile_rows(first, first + sizes, bm,
+                                         t0 + lax.broadcasted_iota(jnp.int32, (_TASKS,), 0))
+          for i, v in enumerate(rows):
+            m_ref[i, pl.ds(t0, _TASKS)] = v
 
-        @pl.when(b == q0)
-        def _():
-          nt_ref[...] = jnp.broadcast_to(num_tasks, (1,))
+          @pl.when(b == q0)
+          def _():
+            nt_ref[...] = jnp.broadcast_to(num_tasks, (1,))
 
-    @pl.when((b == npb) & (c == 0))
-    def _sizes():
-      gs_ref[...] = asize if training else (expert_table()[0] if direct else total)
+      @pl.when(b == npb)
+      def _sizes():
+        gs_ref[...] = asize if training else cnt
 
   out = lambda shape, dtype=jnp.int32: _compat.out_struct(shape, dtype, ids)
   out_shape = [out((m_alloc, hdim), x.dtype), out((nb * BLOCK,)), out((ep,))]

@@ -15,6 +15,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import sys
 
 import jax
@@ -36,6 +37,8 @@ def main():
   ap.add_argument("--dispatch-dtypes", default="bf16,fp8",
                   help="activation dtypes on the dispatch wire (bf16 = as is)")
   ap.add_argument("--small", action="store_true")
+  ap.add_argument("--hlo", type=int, default=0,
+                  help="print the fused computations of the N costliest XLA fusions")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ep_dispatch_profile"))
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
@@ -94,8 +97,30 @@ def main():
              else ""), flush=True)
     for k, v in list(rec.get("kernels_us_per_gpu", {}).items())[:args.top]:
       print(f"   {v:9.1f}  {k}")
+    if args.hlo:
+      fusions = [k for k in rec.get("kernels_us_per_gpu", {}) if "fusion" in k][:args.hlo]
+      print_fusions(f.lower(*xs).compile().as_text(), fusions or None)
   with open(os.path.join(args.out, "ep_dispatch_profile.json"), "w") as fh:
     json.dump(res, fh, indent=1)
+
+
+def print_fusions(hlo: str, names, max_lines: int = 30):
+  """The fused computations that the named fusion instructions call (every fusion if None)."""
+  comps, cur = {}, None
+  for line in hlo.splitlines():
+    m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if m and "=" not in line.split("{")[0]:
+      cur = m.group(1)
+      comps[cur] = []
+    elif cur is not None:
+      comps[cur].append(line.strip())
+  for line in hlo.splitlines():
+    m = re.match(r"\s*%?([\w.\-]+) = .*fusion\(.*calls=%?([\w.\-]+)", line)
+    if not m or (names is not None and m.group(1) not in names):
+      continue
+    print(f"   --- {m.group(1)}: {line.strip()[:300]}")
+    for body in comps.get(m.group(2), [])[:max_lines]:
+      print(f"       {body[:220]}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@
 #                                         # routing in two kernels and in the default form (one
 #                                         # kernel up to 2 blocks), same run; the block at 1 and
 #                                         # 1024 tokens; jmoe bench
+#   bash benchmarks/gpu_round10.sh ep     # nvidia-h200-x2: the dispatch profile with the fused
+#                                         # computations of its costliest XLA fusions, then the
+#                                         # peak and dispatch/combine stages (bf16), with the
+#                                         # ragged paths' receive buffers uninitialized
 NAME=gpu_round10; source benchmarks/gpu_env.sh
 case ${1:-route} in
   route)
@@ -47,4 +51,9 @@ case ${1:-route} in
     block_run 150 130 qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 1,1024 4
     step 80 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
+  ep)
+    step 150 python3 benchmarks/ep_dispatch_profile.py --out $OUT --backends \
+      ragged_dedup,ragged_a2a,allgather --dispatch-dtypes bf16 --hlo 4
+    step 200 python3 benchmarks/bench_ep_multigpu.py --stages peak,comm --torch --out $OUT \
+      --tag comm --backends allgather,ragged_a2a,ragged_dedup --dispatch-dtypes bf16 ;;
 esac

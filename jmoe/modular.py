@@ -142,10 +142,12 @@ def weighted_row_sum(src: jax.Array, idx: jax.Array, weights: jax.Array, out_dty
   if src.shape[0] == 0 or idx.size == 0:  # nothing routed anywhere (e.g. zero tokens)
     return jnp.zeros(idx.shape[:1] + src.shape[1:], out_dtype)
   valid = idx >= 0
-  src, idx, w = jax.lax.optimization_barrier(
+  src, idx, w, valid = jax.lax.optimization_barrier(
       (src, jnp.where(valid, idx, 0).astype(jnp.int32),
-       jnp.where(valid, weights.astype(jnp.float32), 0.0)))
+       jnp.where(valid, weights.astype(jnp.float32), 0.0), valid))
   rows = jnp.take(src, idx, axis=0, mode="clip").astype(jnp.float32)  # [T, k, H]
+  # selected, not only weighted by 0: src rows nobody wrote may hold NaN (an EP receive buffer)
+  rows = jnp.where(valid[..., None], rows, 0.0)
   return jnp.sum(rows * w[..., None], axis=1).astype(out_dtype)
 
 

@@ -126,6 +126,21 @@ def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outp
   return jnp.where(mask, vals, output)
 
 
+def receive_buffer(shape: tuple, dtype) -> jax.Array:
+  """An output buffer for ragged_all_to_all whose rows nobody writes are never read.
+
+  jax.lax.empty: on GPU an uninitialized allocation (XLA's AllocateBuffer), so the receive
+  buffer costs no fill kernel (the zero fill of ragged_dedup's [ep * T, H] buffer took 70 µs of
+  its 500 µs dispatch at deepseek-v3 / 4096 tokens on 2 H200s); zeros where lax.empty is
+  missing and on CPU (where XLA lowers it to zeros). Only for buffers whose unwritten rows no
+  computation that reaches a result reads: their contents are arbitrary, NaN included.
+  """
+  empty = getattr(jax.lax, "empty", None)
+  if empty is None:  # pragma: no cover (a jax without lax.empty)
+    return jnp.zeros(shape, dtype)
+  return empty(tuple(shape), dtype)
+
+
 def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
   c = jnp.cumsum(x, axis=axis)
   return c - x

@@ -294,9 +294,10 @@ class RaggedA2A(EPPrepareFinalize):
     r = self.recv_rows(t, k, el)
 
     def send(v):
+      # rows past the received total are labelled expert -1 from the counts: never computed
       return collectives.ragged_all_to_all(
-          v, jnp.zeros((r,) + v.shape[1:], v.dtype), in_off[me], cnt[me], out_off[me],
-          cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
+          v, collectives.receive_buffer((r,) + v.shape[1:], v.dtype), in_off[me], cnt[me],
+          out_off[me], cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
 
     if a1_scale is None:
       recv, scale = send(a1q[src]), None
@@ -374,13 +375,15 @@ class RaggedDedupA2A(EPPrepareFinalize):
     out_off = collectives.exclusive_cumsum(cnt, axis=0)  # offset in the receiver
     me = self.rank()
 
-    def send(v, fill):  # fill: a scalar or a row, for the rows nobody sends
+    def send(v, fill):  # fill: a scalar or a row for the rows nobody sends, None: left unwritten
+      out = (collectives.receive_buffer((n,) + v.shape[1:], v.dtype) if fill is None
+             else jnp.full((n,) + v.shape[1:], fill, v.dtype))
       return collectives.ragged_all_to_all(
-          v, jnp.full((n,) + v.shape[1:], fill, v.dtype), in_off[me], cnt[me], out_off[me],
-          cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
+          v, out, in_off[me], cnt[me], out_off[me], cnt[:, me], axis_name=self.expert_axis,
+          impl=self.ragged_impl)
 
     if a1_scale is None:
-      recv = send(x_send, 0)
+      recv = send(x_send, None)  # the rows nobody sends have ids -1 (below): never computed
       recv_ids = send(ids_send, -1)  # rows nobody sent keep -1: no expert computes them
       recv_w = send(w_send, 0)
       scale = None
@@ -408,9 +411,11 @@ class RaggedDedupA2A(EPPrepareFinalize):
     hit, pos, cnt = plan["hit"], plan["pos"], plan["cnt"]
     t, ep = hit.shape
     me = self.rank()
+    # only the rows of hit (token, rank) pairs are read below, and each of them comes back
     back = collectives.ragged_all_to_all(
-        y, jnp.zeros((ep * t,) + y.shape[1:], y.dtype), plan["out_off"][:, me], cnt[:, me],
-        plan["in_off"][:, me], cnt[me], axis_name=self.expert_axis, impl=self.ragged_impl)
+        y, collectives.receive_buffer((ep * t,) + y.shape[1:], y.dtype), plan["out_off"][:, me],
+        cnt[:, me], plan["in_off"][:, me], cnt[me], axis_name=self.expert_axis,
+        impl=self.ragged_impl)
     idx = jnp.where(hit, pos.reshape(ep, t).T, -1)  # [t, ep]: send row of (token, rank)
     out = weighted_row_sum(back, idx, jnp.ones(idx.shape, jnp.float32), jnp.float32)
     return self._tensor_psum(out).astype(out_dtype)

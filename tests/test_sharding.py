@@ -219,6 +219,33 @@ def test_output_sharded_like_input(prob):
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref[0]), **TOL)
 
 
+def _poisoned_receive_buffer(shape, dtype):
+  """What an uninitialized GPU buffer may hold: NaN floats (0xFF bytes: NaN in float8_e4m3fn)."""
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.full(shape, jnp.nan, dtype)
+  return jnp.full(shape, jnp.iinfo(dtype).max, dtype)
+
+
+@pytest.mark.parametrize("a2a,runner", [("ragged_a2a", "xla"), ("ragged_dedup", "xla"),
+                                        ("ragged_dedup", "reference")])
+def test_unwritten_receive_rows_are_never_read(monkeypatch, a2a, runner):
+  # On the GPU the ragged paths' receive buffers are lax.empty (uninitialized; zeros on CPU).
+  # Poisoned with NaN here, the layer and its gradients must still equal the single-device
+  # reference (empty slots, experts without tokens), and so must the fp8 dispatch, whose
+  # packed wire rows land in the same buffers
+  monkeypatch.setattr(sharding.collectives, "receive_buffer", _poisoned_receive_buffer)
+  p = _skewed("uneven")
+  assert_same(ep(p, parallel("d2e4"), a2a, runner), reference(p))
+  x_dq = dequantize_rows_fp8(*quantize_rows_fp8(p["x"]), p["x"].dtype)
+  want = jmoe.fused_moe(x_dq, p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"],
+                        w2_bias=p["b2"], runner_backend="reference")
+  got = jax.jit(lambda x: jmoe.fused_moe(
+      x, p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"], w2_bias=p["b2"],
+      runner_backend=runner, a2a_backend=a2a,
+      parallel=parallel("d2e4", dispatch_dtype="fp8")))(p["x"])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
 @pytest.mark.parametrize("a2a", ["padded_a2a", "ragged_a2a"])
 def test_capacity_counts_drops(a2a):
   p = problem(seed=5, k=2, bias=False)

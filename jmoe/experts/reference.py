@@ -23,7 +23,11 @@ class ReferenceExperts(Experts):
   def apply(self, inp, weights, *, activation, expert_map, out_dtype):
     check_weights_for_activation(weights, activation)
     e = weights.num_experts
-    x = inp.a.astype(jnp.float32)
+    local = local_expert_ids(inp.topk_ids, e, expert_map)  # [T, k]
+    valid = local < e
+    # rows without a local slot are zeros: an EP receive buffer leaves them unwritten (NaN
+    # possible), and the dense weight gradient below would multiply them by 0
+    x = jnp.where(jnp.any(valid, axis=1)[:, None], inp.a.astype(jnp.float32), 0.0)
     h = jnp.einsum("th,ehn->ten", x, weights.w13.astype(jnp.float32), precision=_HI)
     if weights.w13_bias is not None:
       h = h + weights.w13_bias.astype(jnp.float32)[None]
@@ -31,7 +35,5 @@ class ReferenceExperts(Experts):
     y = jnp.einsum("ten,enh->teh", act, weights.w2.astype(jnp.float32), precision=_HI)
     if weights.w2_bias is not None:
       y = y + weights.w2_bias.astype(jnp.float32)[None]
-    local = local_expert_ids(inp.topk_ids, e, expert_map)  # [T, k]
-    valid = local < e
     per_slot = jnp.take_along_axis(y, jnp.clip(local, 0, e - 1)[..., None], axis=1)
     return jnp.where(valid[..., None], per_slot, 0.0)  # [T, k, H] f32

@@ -36,8 +36,10 @@ class XlaExperts(Experts):
     e = weights.num_experts
     local = local_expert_ids(inp.topk_ids, e, expert_map)
     order, inv, group_sizes = sort_slots_by_expert(local, e)
-    xs = inp.a[order // k]  # [T*k, H]
     expert_of_row = local.reshape(-1)[order]
+    # empty slots' rows are zeros: an EP receive buffer's rows that no slot uses are
+    # unwritten (NaN possible), and ragged_dot's weight gradient would multiply them by 0
+    xs = jnp.where((expert_of_row < e)[:, None], inp.a[order // k], 0)  # [T*k, H]
     y = expert_mlp_sorted(xs, weights, group_sizes, expert_of_row, activation,
                           jnp.result_type(inp.a.dtype, weights.w13.dtype))
     per_slot = y[inv].reshape(t, k, y.shape[-1])

@@ -55,5 +55,5 @@ case ${1:-route} in
     step 150 python3 benchmarks/ep_dispatch_profile.py --out $OUT --backends \
       ragged_dedup,ragged_a2a,allgather --dispatch-dtypes bf16 --hlo 4
     step 200 python3 benchmarks/bench_ep_multigpu.py --stages peak,comm --torch --out $OUT \
-      --tag comm --backends allgather,ragged_a2a,ragged_dedup --dispatch-dtypes bf16 ;;
+      --tag comm --backends allgather,ragged_a2a,ragged_dedup --dispatch-dtypes ${DTYPES:-bf16} ;;
 esac

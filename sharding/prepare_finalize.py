@@ -314,7 +314,7 @@ class RaggedA2A(EPPrepareFinalize):
       seg_id = jnp.searchsorted(ends, jnp.arange(r, dtype=ends.dtype), side="right")
       rle = jnp.where(seg_id < ep * el, seg_id % el, -1).astype(jnp.int32)
       plan = dict(order=order, cnt=cnt, in_off=in_off, out_off=out_off, ids=topk_ids,
-                  weights=topk_weights)
+                  weights=topk_weights, kept=kept.reshape(t, k))
       a, a_scale = self._arrived(recv, scale, quant, x.dtype)
       return ExpertsInput(a=a, a_scale=a_scale, topk_weights=jnp.ones((r, 1), jnp.float32),
                           topk_ids=rle[:, None], dropped=dropped, extra=plan,
@@ -328,12 +328,13 @@ class RaggedA2A(EPPrepareFinalize):
     t, k = plan["ids"].shape
     me = self.rank()
     cnt, in_off, out_off = plan["cnt"], plan["in_off"], plan["out_off"]
+    # every kept slot's row comes back; the others (empty, dropped) are not read
     back = collectives.ragged_all_to_all(
-        y, jnp.zeros((t * k,) + y.shape[1:], y.dtype), out_off[:, me], cnt[:, me],
-        in_off[:, me], cnt[me], axis_name=self.expert_axis, impl=self.ragged_impl)
+        y, collectives.receive_buffer((t * k,) + y.shape[1:], y.dtype), out_off[:, me],
+        cnt[:, me], in_off[:, me], cnt[me], axis_name=self.expert_axis, impl=self.ragged_impl)
     inv = inverse_permutation(plan["order"]).reshape(t, k)
-    ids = plan["ids"]
-    out = weighted_row_sum(back, jnp.where(ids >= 0, inv, -1), plan["weights"], jnp.float32)
+    out = weighted_row_sum(back, jnp.where(plan["kept"], inv, -1), plan["weights"],
+                           jnp.float32)
     return self._tensor_psum(out).astype(out_dtype)
 
 
@@ -362,7 +363,13 @@ class RaggedDedupA2A(EPPrepareFinalize):
     hit = jnp.any(dest[:, None, :] == jnp.arange(ep, dtype=jnp.int32)[None, :, None], axis=-1)
     # (rank, token) pairs in rank-major order; the send buffer packs the hit ones in that order
     hit_rt = hit.T.reshape(-1).astype(jnp.int32)  # [ep * t]
-    pos = jnp.cumsum(hit_rt) - hit_rt  # send row of each hit pair
+    incl = jnp.cumsum(hit_rt)
+    pos = incl - hit_rt  # send row of each hit pair
+    # hit pairs per destination rank, read off the running count at each rank's last pair:
+    # jnp.sum(hit, axis=0), a column reduction, fused with pos into one XLA kernel that took
+    # 70 µs of the 440 µs dispatch (deepseek-v3, 4096 tokens, 2 H200s)
+    ends = incl[t - 1::t] if t else jnp.zeros((ep,), jnp.int32)
+    sent = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     pair = jnp.zeros((n,), jnp.int32).at[jnp.where(hit_rt > 0, pos, n)].set(
         jnp.arange(n, dtype=jnp.int32), mode="drop")  # send row -> pair (rows past the total: 0)
     tok = pair % t
@@ -370,7 +377,7 @@ class RaggedDedupA2A(EPPrepareFinalize):
     x_send = a1q[tok]
     ids_send = jnp.where(dest[tok] == rank_of_row[:, None], lidx[tok], -1)  # [n, k] local ids
     w_send = topk_weights.astype(jnp.float32)[tok]
-    cnt = jax.lax.all_gather(jnp.sum(hit, axis=0).astype(jnp.int32), self.expert_axis)
+    cnt = jax.lax.all_gather(sent, self.expert_axis)
     in_off = collectives.exclusive_cumsum(cnt, axis=1)  # [src, dst]: offset in the sender
     out_off = collectives.exclusive_cumsum(cnt, axis=0)  # offset in the receiver
     me = self.rank()

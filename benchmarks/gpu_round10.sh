@@ -22,6 +22,8 @@
 #                                         # computations of its costliest XLA fusions, then the
 #                                         # peak and dispatch/combine stages (bf16), with the
 #                                         # ragged paths' receive buffers uninitialized
+#   bash benchmarks/gpu_round10.sh layer  # nvidia-h200-x2: the EP layer at EP = 1 and 2 (deepseek-v3,
+#                                         # qwen3) with allgather and ragged_dedup
 NAME=gpu_round10; source benchmarks/gpu_env.sh
 case ${1:-route} in
   route)
@@ -56,4 +58,9 @@ case ${1:-route} in
       ragged_dedup,ragged_a2a,allgather --dispatch-dtypes bf16 --hlo 4
     step 200 python3 benchmarks/bench_ep_multigpu.py --stages peak,comm --torch --out $OUT \
       --tag comm --backends allgather,ragged_a2a,ragged_dedup --dispatch-dtypes ${DTYPES:-bf16} ;;
+  layer)
+    for p in deepseek-v3 qwen3-30b-a3b; do
+      step 200 python3 benchmarks/bench_ep_multigpu.py --stages layer --layer-presets $p \
+        --out $OUT --tag layer_$p --backends ragged_dedup,allgather,ragged_a2a
+    done ;;
 esac

@@ -241,14 +241,7 @@ def test_unwritten_receive_rows_are_never_read(monkeypatch, a2a, runner):
         x, p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"], w2_bias=p["b2"],
         a2a_backend=a2a, parallel=parallel("e8"), capacity=1))(p["x"])
     assert np.isfinite(np.asarray(out)).all()
-  x_dq = dequantize_rows_fp8(*quantize_rows_fp8(p["x"]), p["x"].dtype)
-  want = jmoe.fused_moe(x_dq, p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"],
-                        w2_bias=p["b2"], runner_backend="reference")
-  got = jax.jit(lambda x: jmoe.fused_moe(
-      x, p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"], w2_bias=p["b2"],
-      runner_backend=runner, a2a_backend=a2a,
-      parallel=parallel("d2e4", dispatch_dtype="fp8")))(p["x"])
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+  _check_fp8_dispatch(p, "d2e4", a2a, runner)
 
 
 @pytest.mark.parametrize("a2a", ["padded_a2a", "ragged_a2a"])
@@ -366,10 +359,8 @@ def test_fp8_rows_round_trip_within_e4m3_rounding(rows, h, mag, seed):
 FP8_CASES = [("e8",) + c for c in CORE] + [("e4t2",) + c for c in CORE[:3]]
 
 
-@pytest.mark.parametrize("mesh,a2a,runner", FP8_CASES, ids=["-".join(c) for c in FP8_CASES])
-def test_fp8_dispatch_equals_the_layer_on_fp8_rounded_tokens(prob, mesh, a2a, runner):
-  """The experts see each token row rounded to fp8 (per 128-channel scale) and nothing else."""
-  p, ref = prob
+def _check_fp8_dispatch(p, mesh: str, a2a: str, runner: str):
+  """The fp8-dispatch layer equals the reference layer on fp8-rounded tokens; returns it."""
   x_dq = dequantize_rows_fp8(*quantize_rows_fp8(p["x"]), p["x"].dtype)
   want = jmoe.fused_moe(x_dq, p["w13"], p["w2"], p["tw"], p["ti"], w13_bias=p["b13"],
                         w2_bias=p["b2"], runner_backend="reference")
@@ -378,6 +369,14 @@ def test_fp8_dispatch_equals_the_layer_on_fp8_rounded_tokens(prob, mesh, a2a, ru
       runner_backend=runner, a2a_backend=a2a,
       parallel=parallel(mesh, dispatch_dtype="fp8")))(p["x"])
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+  return got
+
+
+@pytest.mark.parametrize("mesh,a2a,runner", FP8_CASES, ids=["-".join(c) for c in FP8_CASES])
+def test_fp8_dispatch_equals_the_layer_on_fp8_rounded_tokens(prob, mesh, a2a, runner):
+  """The experts see each token row rounded to fp8 (per 128-channel scale) and nothing else."""
+  p, ref = prob
+  got = _check_fp8_dispatch(p, mesh, a2a, runner)
   err = np.linalg.norm(np.asarray(got) - np.asarray(ref[0])) / np.linalg.norm(np.asarray(ref[0]))
   assert 1e-4 < err < 0.1  # it did quantize, at fp8's precision
 

@@ -75,7 +75,10 @@ class ExpertsInput:
 
   Standard: `a` [M, H] (M = tokens this rank computes for), `topk_ids` [M, k] in *global*
     numbering (experts map them with `expert_map` when they support it), `topk_weights` [M, k]
-    (ones when the router weight was applied on the input).
+    (ones when the router weight was applied on the input). A row of `a` none of whose slots
+    this rank computes may hold anything, NaN included (the ragged EP paths leave such rows of
+    their receive buffers unwritten): experts must not let it reach a result or a gradient,
+    for example through a 0 weight times its value.
   Batched: `a` [E_local, C, H], `expert_num_tokens` [E_local]; `slot_expert`/`slot_pos` [T, k]
     locate each token slot in the batched layout (slot_pos = -1: not computed here) so that
     finalize can gather it back; `dropped` counts slots that did not fit the capacity C.

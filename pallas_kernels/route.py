@@ -1,4 +1,4 @@
-"""Routing in one or two kernels: moe_align + tile metadata + the token gather, for the sorted layout.
+"""Routing in one or two kernels: moe_align + tile metadata + the token gather (sorted layout).
 
 The jnp path (permute.moe_align, grouped_gemm.tile_metadata, permute.gather_rows) is ~16 small
 XLA kernels plus a row-copy kernel: at qwen3 / 1024 tokens on an H200 that is ~24 µs of
@@ -47,7 +47,8 @@ BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels
 _TASKS = 32          # tile-list entries per tile-list program of kernel 2
 _DIRECT = 512        # keys per compare of the one-kernel form's sorted positions
-ONE_KERNEL_BLOCKS = 2  # route()'s default: one kernel up to this many blocks (r10)
+ONE_KERNEL_BLOCKS = 2  # route()'s default: one kernel up to this many blocks (at 4, one kernel
+                       # lost to two in the block on an H200: BENCHMARKS.md, tenth round)
 ONE_KERNEL_BLOCKS_TRAINING = 1  # route_for_training()'s: there every program of the one-
                                 # kernel form counts every block (its rows need the table)
 _ALIGN = 8           # route_for_training: experts start on multiples of this many rows
@@ -226,7 +227,7 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   # with every slot's key (no per-expert table) and takes one row step (_ROWS slots), so its
   # chain of reductions is short; only the tile-list programs count the experts. (With every
   # program counting every block and ranking 4 row steps, one kernel took 2-3x the two-kernel
-  # form's time at 4 blocks: sixth round, r10a.)
+  # form's time at 4 blocks: sixth round and r10a.)
   direct = one_block and not training
   per_prog = _ROWS if direct else BLOCK  # slots per block program
   npb = -(-n // per_prog)                # block programs

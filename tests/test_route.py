@@ -94,7 +94,8 @@ def test_route_one_and_two_kernels(rng, one_kernel_blocks, case):
   # 3 blocks: two kernels (block counts, then scatter) or one (a block program compares its
   # slots with every slot; the tile-list programs count the experts); 0 also sends a single
   # block through the two-kernel form
-  for t, k, e in [(150, 2, 8), (3, 2, 8), (64, 4, 128)]:
+  # (150, 4, 16): 600 slots, so the one-kernel form compares in two chunks of 512 keys
+  for t, k, e in [(150, 2, 8), (3, 2, 8), (64, 4, 128), (150, 4, 16)]:
     ids = rng.integers(-1, e + 1, (t, k)).astype(np.int32)
     if case == "one_expert":
       ids[:] = rng.integers(0, e)

@@ -3,8 +3,13 @@ path (moe_align + tile_metadata + the token gather), CUPTI device time, outputs 
 
     python benchmarks/bench_route.py --json OUT.json [--presets ...] [--tokens ...]
 
-Per (preset, T): µs and kernel count of each variant; route's one-kernel form (kernel 2 counts
-every block itself) is timed at one_kernel_blocks = number of blocks, the two-kernel form at 0.
+Per (preset, T): µs and kernel count of each variant; route's one-kernel form is timed at
+one_kernel_blocks = number of blocks, the two-kernel form at 0.
+
+Inside the MoE block the one-kernel form at 4 blocks took about twice its time here (tenth
+round). Two differences can be tried apart: `--block-ms 128,64` builds two tile lists, as the
+block does, and `--cold` streams a 256 MB buffer through L2 before every call, as the block's
+GEMMs do (timed inside the call; only the routing kernels' time is reported then).
 """
 from __future__ import annotations
 
@@ -33,11 +38,16 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
   ap.add_argument("--tokens", default="16,64,128,256,1024")
-  ap.add_argument("--block-m", type=int, default=128)
+  ap.add_argument("--block-ms", default="128",
+                  help="comma list: the row-tile heights whose tile lists route builds")
+  ap.add_argument("--cold", action="store_true",
+                  help="stream a 256 MB buffer through L2 before every call")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   rows = []
+  # a 256 MB buffer, more than the H200's 50 MB L2: adding 1 to it evicts the routing's inputs
+  flush = jnp.zeros((64 << 20,), jnp.float32) if args.cold else None
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind}")
   print(f"{'preset':14s} {'T':>5s} {'blocks':>6s} {'jnp':>14s} {'route 2 kern':>14s} "
         f"{'route 1 kern':>14s}  outputs")
@@ -47,7 +57,8 @@ def main():
       n = t * k
       if not route.supports(n, h, e):
         continue
-      m_alloc = gg.row_alloc(n, args.block_m)
+      bms = tuple(int(v) for v in args.block_ms.split(","))
+      m_alloc = gg.row_alloc(n, *bms)
       nb = -(-n // route.BLOCK)
       sets = []
       for i in range(3):
@@ -56,13 +67,13 @@ def main():
         _, ids = jax.lax.top_k(jax.random.normal(k2, (t, e)), k)
         sets.append((x, ids.astype(jnp.int32)))
       fns = {
-          "jnp": jax.jit(lambda x, i: pmoe.route_xla(x, i, e, m_alloc, (args.block_m,))),
-          "two": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, (args.block_m,),
+          "jnp": jax.jit(lambda x, i: pmoe.route_xla(x, i, e, m_alloc, bms)),
+          "two": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, bms,
                                                   one_kernel_blocks=0)),
-          "one": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, (args.block_m,),
+          "one": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, bms,
                                                   one_kernel_blocks=nb)),
       }
-      rec = dict(preset=pname, T=t, slots=n, blocks=nb)
+      rec = dict(preset=pname, T=t, slots=n, blocks=nb, block_ms=bms, cold=args.cold)
       ref = jax.block_until_ready(fns["jnp"](*sets[0]))
       nv = int(jnp.sum(ref[2]))
       same = []
@@ -73,7 +84,17 @@ def main():
                          and np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))
                          and np.array_equal(np.asarray(out[3][0][0])[:, :q],
                                             np.asarray(ref[3][0][0])[:, :q])))
-        us, _, kernels = timing.device_time(f, sets, iters=args.iters)
+        if args.cold and name != "jnp":  # only the routing kernels' time counts then
+          def timed(x, i, buf, f=f):  # the routing waits for the flush (a barrier)
+            x, i, buf = jax.lax.optimization_barrier((x, i, buf + 1))
+            return f(x, i), buf
+          timed = jax.jit(timed)
+          _, _, kernels = timing.device_time(timed, [s_ + (flush,) for s_ in sets],
+                                             iters=args.iters)
+          kernels = {k_: v for k_, v in kernels.items() if "jmoe_route" in k_}
+          us = sum(kernels.values())
+        else:
+          us, _, kernels = timing.device_time(f, sets, iters=args.iters)
         rec[name] = dict(us=us, kernels=kernels)
       rec["outputs_equal"] = all(same)
       rows.append(rec)

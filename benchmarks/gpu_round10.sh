@@ -24,6 +24,10 @@
 #                                         # ragged paths' receive buffers uninitialized
 #   bash benchmarks/gpu_round10.sh layer  # nvidia-h200-x2: the EP layer at EP = 1 and 2 (deepseek-v3,
 #                                         # qwen3) with allgather and ragged_dedup
+#   bash benchmarks/gpu_round10.sh diag   # one H200 (not run this session: no device time left):
+#                                         # why one routing kernel at 4 blocks loses in the block;
+#                                         # bench_route with the block's two tile lists, then also
+#                                         # with L2 flushed before every call
 NAME=gpu_round10; source benchmarks/gpu_env.sh
 case ${1:-route} in
   route)
@@ -58,6 +62,11 @@ case ${1:-route} in
       ragged_dedup,ragged_a2a,allgather --dispatch-dtypes bf16 --hlo 4
     step 200 python3 benchmarks/bench_ep_multigpu.py --stages peak,comm --torch --out $OUT \
       --tag comm --backends allgather,ragged_a2a,ragged_dedup --dispatch-dtypes ${DTYPES:-bf16} ;;
+  diag)
+    for cold in "" --cold; do
+      step 80 python3 benchmarks/bench_route.py --presets qwen3-30b-a3b,deepseek-v3 \
+        --tokens 32,64 --block-ms 128,64 $cold
+    done ;;
   layer)
     for p in deepseek-v3 qwen3-30b-a3b; do
       step 200 python3 benchmarks/bench_ep_multigpu.py --stages layer --layer-presets $p \

@@ -184,6 +184,23 @@ def test_route_for_training_matches_jnp_path(rng, t, k, e, h, block_ms, case, m_
   assert nv == int(((ids >= 0) & (ids < e)).sum())
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=90), st.sampled_from([16, 32, 64]))
+def test_sorted_before_is_the_stable_sort_position(keys, chunk):
+  # the one-kernel form's position rule, outside a kernel: summed over key chunks, the slots
+  # before each slot in a stable sort by key (7 marks empty slots, sorted last)
+  n = len(keys)
+  padded = np.full(-(-n // chunk) * chunk, 7, np.int32)
+  padded[:n] = keys
+  key = jnp.asarray(padded[:n])
+  slot = jnp.arange(n, dtype=jnp.int32)
+  pos = sum(route._sorted_before(key, slot, jnp.asarray(padded[q:q + chunk]), q)
+            for q in range(0, len(padded), chunk))
+  want = np.empty(n, np.int64)
+  want[np.argsort(np.asarray(keys), kind="stable")] = np.arange(n)
+  np.testing.assert_array_equal(np.asarray(pos), want)
+
+
 @settings(max_examples=6)
 @given(st.data())
 def test_route_property(data):

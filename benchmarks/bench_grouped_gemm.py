@@ -344,9 +344,10 @@ def stage_block(args):
         # "kernels:N": the routing kernels in one kernel up to N blocks (route.ONE_KERNEL_BLOCKS
         # for this variant, read when it is traced)
         impl, _, okb = route.partition(":")
-        if okb:  # fused_experts is jitted: its cached trace would keep the last variant's form
+        if any(":" in r for r in args.route_impls.split(",")):
+          # fused_experts is jitted: a cached trace would keep another variant's form
           jax.clear_caches()
-          _route.ONE_KERNEL_BLOCKS = int(okb)
+          _route.ONE_KERNEL_BLOCKS = int(okb) if okb else ONE_KERNEL_BLOCKS_DEFAULT
         f0 = jax.jit(lambda x, tw, ti, w13, w2, c1=c1, c2=c2: pmoe.fused_experts(
             x, w13, w2, tw, ti, activation="silu", config1=c1, config2=c2,
             interpret=INTERPRET, permute_impl=PERMUTE_IMPL, layout=args.layout,
@@ -355,7 +356,6 @@ def stage_block(args):
         f = f0
         t = time.time()
         out = jax.block_until_ready(f(*sets[0]))
-        _route.ONE_KERNEL_BLOCKS = ONE_KERNEL_BLOCKS_DEFAULT
         rec["compile_s"] = time.time() - t
         nchk = min(T, args.check_tokens)
         x, tw, ti = sets[0][:3]
@@ -386,6 +386,7 @@ def stage_block(args):
             pk.items(), key=lambda kv: -kv[1])[:4]))
       except Exception as e:  # noqa: BLE001
         fail(rec, f"block {pname} T={T}", e)
+      _route.ONE_KERNEL_BLOCKS = ONE_KERNEL_BLOCKS_DEFAULT
       RESULTS["block"].append(rec)
       save()
     del w13, w2, tw13, tw2

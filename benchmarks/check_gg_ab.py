@@ -1,7 +1,8 @@
 """A/B of the grouped GEMM kernels against another copy of pallas_kernels/grouped_gemm.py (e.g.
 `git show REV:pallas_kernels/grouped_gemm.py > benchmarks/baseline_grouped_gemm.py`), same data,
 same process, alternating A and B rounds: was a change to the kernel builder neutral for the
-inference GEMMs (and mixtral's d x GEMM of the backward)? Each side uses its own config lookup (the same tables). Device µs, CUPTI.
+inference GEMMs (and mixtral's d x GEMM of the backward)? Each side uses its own config lookup
+(the same tables). Device µs, CUPTI.
 
   PYTHONPATH=$PWD python3 benchmarks/check_gg_ab.py --baseline benchmarks/baseline_grouped_gemm.py
 """

@@ -12,8 +12,8 @@ launches (1-2 µs each) and an 11 µs copy. Here (same run) it is 4.0 + 13.9 µs
    rows (its column chunk) there, and writes ``inv``; a tile-list program writes 32 entries of
    a GEMM's work list.
 
-Up to ONE_KERNEL_BLOCKS blocks (256 slots: qwen3 / deepseek-v3 at 32 tokens) kernel 1 is not
-launched, so the sorted block is 4 kernels. A block program of kernel 2 then gets its slots'
+Up to ONE_KERNEL_BLOCKS blocks (512 slots: qwen3 / deepseek-v3 at 64 tokens, mixtral at 256)
+kernel 1 is not launched, so the sorted block is 4 kernels. A block program of kernel 2 then gets its slots'
 positions from one compare with every slot's key (the slots before it in a stable sort by key),
 and only the tile-list programs count the experts.
 
@@ -47,8 +47,10 @@ BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels
 _TASKS = 32          # tile-list entries per tile-list program of kernel 2
 _DIRECT = 512        # keys per compare of the one-kernel form's sorted positions
-ONE_KERNEL_BLOCKS = 2  # route()'s default: one kernel up to this many blocks (at 4, one kernel
-                       # lost to two in the block on an H200: BENCHMARKS.md, tenth round)
+ONE_KERNEL_BLOCKS = 4  # route()'s default: one kernel up to this many blocks. At 4, in the
+                       # block on an H200: qwen3 8.2 vs 9.8 µs, deepseek-v3 24.6 vs 17.3 (0.15 %
+                       # of its block); at 8 one kernel took 23-44 µs against 9-16 (BENCHMARKS.md,
+                       # eleventh round)
 ONE_KERNEL_BLOCKS_TRAINING = 1  # route_for_training()'s: there every program of the one-
                                 # kernel form counts every block (its rows need the table)
 _ALIGN = 8           # route_for_training: experts start on multiples of this many rows

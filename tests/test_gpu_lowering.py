@@ -42,7 +42,8 @@ def _kernels(fn, *shapes) -> set:
     ("qwen3", 128, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 8 blocks
     ("mixtral", 4, {"jmoe_route_scatter_rows"}),                        # one routing kernel
     ("deepseek", 32, {"jmoe_route_scatter_rows"}),      # 2 blocks of 128 slots: one kernel
-    ("deepseek", 64, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 4 blocks
+    ("deepseek", 64, {"jmoe_route_scatter_rows"}),      # 4 blocks: one kernel
+    ("deepseek", 128, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 8 blocks
 ])
 def test_fused_experts_lowers_for_gpu(h200_tables, preset, t, expect):
   e, k, h, n = PRESETS[preset]

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 11's device calls (each under the 600 s call limit):
+#   bash benchmarks/gpu_round11.sh diag   # one H200: why one routing kernel at 4 blocks loses in
+#                                         # the block. bench_route with the block's two tile
+#                                         # lists, then with L2 flushed before every call; then
+#                                         # the block at 64 tokens with the routing in two
+#                                         # kernels and in one (kernels:4), same run
+NAME=gpu_round11; source benchmarks/gpu_env.sh
+case ${1:-diag} in
+  diag)
+    for cold in "" --cold; do
+      step 80 python3 benchmarks/bench_route.py --presets qwen3-30b-a3b,deepseek-v3 \
+        --tokens 32,64 --block-ms 128,64 $cold --json $OUT/bench_route${cold}.json
+    done
+    step 200 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets qwen3-30b-a3b,deepseek-v3 --tokens 64 --iters 4 \
+      --route-impls kernels:0,kernels:4 --budget-s 180 ;;
+esac

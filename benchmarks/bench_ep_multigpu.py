@@ -21,12 +21,14 @@ chosen by XLA_FLAGS at start-up: the in-process "one-shot" kernel (default) and 
 (--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false with
 --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true; it gave no result in 80 s in one
 process on 2 H200s); JMOE_RAGGED_A2A_CHUNKS cuts each peer's slice into pieces (default 256).
-Run the script once per setting with --tag.
+Run the script once per setting with --tag. A backend written `ragged_dedup@P` is ragged_dedup
+with its dispatch cut into P parts (sharding.prepare_finalize.DEDUP_PARTS).
 Writes $OUT/ep_multigpu[_TAG].json; prints one line per measurement.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -50,6 +52,24 @@ BACKENDS = ("allgather", "ragged_a2a", "ragged_dedup", "padded_a2a")
 
 def log(*a):
   print(*a, flush=True)
+
+
+def backend_parts(name: str) -> tuple[str, int | None]:
+  """"ragged_dedup@2" -> ("ragged_dedup", 2); a plain name -> (name, None)."""
+  base, _, parts = name.partition("@")
+  return base, (int(parts) if parts else None)
+
+
+@contextlib.contextmanager
+def dedup_parts(parts):
+  """DEDUP_PARTS set while a variant's functions are built and traced (None: the default)."""
+  from sharding import prepare_finalize  # noqa: PLC0415
+  old = prepare_finalize.DEDUP_PARTS
+  prepare_finalize.DEDUP_PARTS = old if parts is None else parts
+  try:
+    yield
+  finally:
+    prepare_finalize.DEDUP_PARTS = old
 
 
 def measure(fn, args, iters):
@@ -179,6 +199,7 @@ def _dispatch_combine(par, a2a, cfg, combine: bool):
   result), so the time is the dispatch (and combine) alone."""
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   from sharding.ep import select_parts  # noqa: PLC0415
+  a2a, _ = backend_parts(a2a)
   batched = a2a == "padded_a2a"
   pf, _, _ = select_parts(par, runner_backend="xla_batched" if batched else "xla",
                           a2a_backend=a2a, problem=(jnp.bfloat16, cfg.hidden_size,
@@ -212,25 +233,27 @@ def stage_comm(args, cfg, devs):
       for a2a in args.backends:
         rec = dict(a2a=a2a, ep=ep, tokens_per_gpu=t, dispatch_dtype=wire)
         try:
-          model = comm_model.bytes_per_token(a2a, hidden=cfg.hidden_size, top_k=cfg.top_k,
-                                             num_experts=cfg.num_experts, ep=ep,
-                                             tokens_per_rank=t, fp8_dispatch=wire == "fp8")
-          d_us = measure(_dispatch_combine(par, a2a, cfg, False), tuple(xs), args.iters)
-          dc_us = measure(_dispatch_combine(par, a2a, cfg, True), tuple(xs), args.iters)
-          # bytes per GPU (the model counts per token, summed over the group's ranks / ep)
-          d_bytes = model["dispatch"] * t
-          c_bytes = model["combine"] * t
-          rec.update(dispatch_us=d_us, combine_us=dc_us - d_us,
-                     dispatch_gbps=d_bytes / d_us / 1e3)
-          # combine = (dispatch + combine) - dispatch: meaningful only above the timing noise
-          rec["combine_gbps"] = (c_bytes / rec["combine_us"] / 1e3 if rec["combine_us"] > 0
-                                 else None)
-          if peak:
-            rec["dispatch_vs_peak"] = rec["dispatch_gbps"] / peak
-          log(f"[comm] {a2a:12s} {wire:4s} ep={ep} T/gpu={t}: dispatch {d_us:.1f}us "
-              f"({rec['dispatch_gbps']:.1f} GB/s), combine {rec['combine_us']:.1f}us "
-              f"({rec['combine_gbps'] or float('nan'):.1f} GB/s)"
-              + (f", dispatch/peak {rec['dispatch_vs_peak']:.2f}" if peak else ""))
+          with dedup_parts(backend_parts(a2a)[1]):
+            model = comm_model.bytes_per_token(
+                backend_parts(a2a)[0], hidden=cfg.hidden_size, top_k=cfg.top_k,
+                num_experts=cfg.num_experts, ep=ep, tokens_per_rank=t,
+                fp8_dispatch=wire == "fp8")
+            d_us = measure(_dispatch_combine(par, a2a, cfg, False), tuple(xs), args.iters)
+            dc_us = measure(_dispatch_combine(par, a2a, cfg, True), tuple(xs), args.iters)
+            # bytes per GPU (the model counts per token, summed over the group's ranks / ep)
+            d_bytes = model["dispatch"] * t
+            c_bytes = model["combine"] * t
+            rec.update(dispatch_us=d_us, combine_us=dc_us - d_us,
+                       dispatch_gbps=d_bytes / d_us / 1e3)
+            # combine = (dispatch + combine) - dispatch: meaningful only above the timing noise
+            rec["combine_gbps"] = (c_bytes / rec["combine_us"] / 1e3 if rec["combine_us"] > 0
+                                   else None)
+            if peak:
+              rec["dispatch_vs_peak"] = rec["dispatch_gbps"] / peak
+            log(f"[comm] {a2a:12s} {wire:4s} ep={ep} T/gpu={t}: dispatch {d_us:.1f}us "
+                f"({rec['dispatch_gbps']:.1f} GB/s), combine {rec['combine_us']:.1f}us "
+                f"({rec['combine_gbps'] or float('nan'):.1f} GB/s)"
+                + (f", dispatch/peak {rec['dispatch_vs_peak']:.2f}" if peak else ""))
         except Exception as e:  # noqa: BLE001
           rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
           log(f"[comm] {a2a} {wire} ERROR {rec['error']}")
@@ -272,38 +295,40 @@ def stage_layer(args, cfg, devs, name):
         rec = dict(preset=name, ep=ep, a2a=a2a, shared=shared, micro_batches=mb,
                    dispatch_dtype=wire, tokens_per_gpu=t)
         try:
-          if a2a == "none":
-            f = jax.jit(lambda *a, shared=shared: no_ep(*a, shared))
-            args_ = (x, w["w13"], w["w2"], tw, ti, w["s13"], w["s2"])
-          else:
-            kw = dict(shared_w13=w["s13"], shared_w2=w["s2"]) if shared else {}
-            f = jax.jit(lambda x, w13, w2, tw, ti, a2a=a2a, kw=kw, mb=mb, par=par:
-                        sharding.ep_fused_moe(x, w13, w2, tw, ti, activation=act, parallel=par,
-                                              a2a_backend=a2a, micro_batches=mb, **kw))
-            args_ = (sharding.shard_tokens(x, par), sharding.shard_expert_weights(w["w13"], par),
-                     sharding.shard_expert_weights(w["w2"], par), sharding.shard_tokens(tw, par),
-                     sharding.shard_tokens(ti, par))
-            if shared not in ref:
-              ref[shared] = np.asarray(jax.jit(lambda *a, shared=shared: no_ep(*a, shared))(
-                  x, w["w13"], w["w2"], tw, ti, w["s13"], w["s2"]), np.float32)
-            out = np.asarray(f(*args_), np.float32)
-            rec["rel_err_vs_1gpu"] = float(np.linalg.norm(out - ref[shared])
-                                           / np.linalg.norm(ref[shared]))
-          us = measure(f, args_, args.iters)
-          rec.update(us=us, tokens_per_s_per_gpu=t / us * 1e6)
-          if jax.devices()[0].platform == "gpu":
-            rec["kernel_us_per_gpu"] = kernel_shares(f, args_, ep)
-          if ep == 1 and wire == "bf16":
-            base[shared] = rec["tokens_per_s_per_gpu"]
-          if shared in base:
-            rec["efficiency_vs_ep1"] = rec["tokens_per_s_per_gpu"] / base[shared]
-          log(f"[layer] {name} ep={ep} {a2a:12s} {wire:4s} shared={shared} mb={mb}: {us:.1f}us "
-              f"{rec['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
-              f"eff={rec.get('efficiency_vs_ep1', float('nan')):.2f} "
-              f"err={rec.get('rel_err_vs_1gpu', float('nan')):.1e}"
-              + ("  kernels/GPU: " + " ".join(f"{k} {v:.0f}us" for k, v in
-                                               rec["kernel_us_per_gpu"].items())
-                 if "kernel_us_per_gpu" in rec else ""))
+          with dedup_parts(backend_parts(a2a)[1]):
+            if a2a == "none":
+              f = jax.jit(lambda *a, shared=shared: no_ep(*a, shared))
+              args_ = (x, w["w13"], w["w2"], tw, ti, w["s13"], w["s2"])
+            else:
+              kw = dict(shared_w13=w["s13"], shared_w2=w["s2"]) if shared else {}
+              base_a2a = backend_parts(a2a)[0]
+              f = jax.jit(lambda x, w13, w2, tw, ti, a2a=base_a2a, kw=kw, mb=mb, par=par:
+                          sharding.ep_fused_moe(x, w13, w2, tw, ti, activation=act, parallel=par,
+                                                a2a_backend=a2a, micro_batches=mb, **kw))
+              args_ = (sharding.shard_tokens(x, par), sharding.shard_expert_weights(w["w13"], par),
+                       sharding.shard_expert_weights(w["w2"], par), sharding.shard_tokens(tw, par),
+                       sharding.shard_tokens(ti, par))
+              if shared not in ref:
+                ref[shared] = np.asarray(jax.jit(lambda *a, shared=shared: no_ep(*a, shared))(
+                    x, w["w13"], w["w2"], tw, ti, w["s13"], w["s2"]), np.float32)
+              out = np.asarray(f(*args_), np.float32)
+              rec["rel_err_vs_1gpu"] = float(np.linalg.norm(out - ref[shared])
+                                             / np.linalg.norm(ref[shared]))
+            us = measure(f, args_, args.iters)
+            rec.update(us=us, tokens_per_s_per_gpu=t / us * 1e6)
+            if jax.devices()[0].platform == "gpu":
+              rec["kernel_us_per_gpu"] = kernel_shares(f, args_, ep)
+            if ep == 1 and wire == "bf16":
+              base[shared] = rec["tokens_per_s_per_gpu"]
+            if shared in base:
+              rec["efficiency_vs_ep1"] = rec["tokens_per_s_per_gpu"] / base[shared]
+            log(f"[layer] {name} ep={ep} {a2a:12s} {wire:4s} shared={shared} mb={mb}: {us:.1f}us "
+                f"{rec['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
+                f"eff={rec.get('efficiency_vs_ep1', float('nan')):.2f} "
+                f"err={rec.get('rel_err_vs_1gpu', float('nan')):.1e}"
+                + ("  kernels/GPU: " + " ".join(f"{k} {v:.0f}us" for k, v in
+                                                 rec["kernel_us_per_gpu"].items())
+                   if "kernel_us_per_gpu" in rec else ""))
         except Exception as e:  # noqa: BLE001
           rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
           log(f"[layer] {name} ep={ep} {a2a} ERROR {rec['error']}")
@@ -332,7 +357,7 @@ def main():
   args.dispatch_dtypes = args.dispatch_dtypes.split(",")
   if not set(args.dispatch_dtypes) <= {"bf16", "fp8"}:
     ap.error(f"--dispatch-dtypes: {args.dispatch_dtypes} (choose from bf16, fp8)")
-  unknown = set(args.backends) - set(BACKENDS)
+  unknown = {backend_parts(b)[0] for b in args.backends} - set(BACKENDS)
   if unknown:
     ap.error(f"--backends: unknown {sorted(unknown)}; choose from {BACKENDS}")
   os.makedirs(args.out, exist_ok=True)

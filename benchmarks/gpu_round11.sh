@@ -5,6 +5,10 @@
 #                                         # lists, then with L2 flushed before every call; then
 #                                         # the block at 64 tokens with the routing in two
 #                                         # kernels and in one (kernels:4), same run
+#   bash benchmarks/gpu_round11.sh ep     # nvidia-h200-x2: ragged_dedup's dispatch in 1, 2 (and 4)
+#                                         # parts: the kernel timeline of one call per GPU and
+#                                         # stream, the peak and dispatch/combine stages (bf16),
+#                                         # then the deepseek-v3 layer at EP = 1, 2
 NAME=gpu_round11; source benchmarks/gpu_env.sh
 case ${1:-diag} in
   diag)
@@ -15,4 +19,12 @@ case ${1:-diag} in
     step 200 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
       --presets qwen3-30b-a3b,deepseek-v3 --tokens 64 --iters 4 \
       --route-impls kernels:0,kernels:4 --budget-s 180 ;;
+  ep)
+    step 120 python3 benchmarks/ep_timeline.py --out $OUT --max-events 70 \
+      --backends ragged_dedup,ragged_dedup@2
+    step 200 python3 benchmarks/bench_ep_multigpu.py --stages peak,comm --torch --out $OUT \
+      --tag comm --tokens 4096 --backends ragged_dedup,ragged_dedup@2,ragged_dedup@4 \
+      --dispatch-dtypes bf16
+    step 200 python3 benchmarks/bench_ep_multigpu.py --stages layer --layer-presets deepseek-v3 \
+      --out $OUT --tag layer --backends ragged_dedup,ragged_dedup@2 --dispatch-dtypes bf16 ;;
 esac

@@ -57,30 +57,35 @@ def one_shot_kernel_applies(peers: int) -> bool:
 
 def split_slices(offsets: jax.Array, sizes: jax.Array, chunks: int
                  ) -> tuple[jax.Array, jax.Array]:
-  """[P] slices -> [P * chunks] pieces (peer-major): piece j of a slice of s rows starts at
-  j * ceil(s / chunks) and is empty past the slice's end. Sender and receiver cut a slice the
-  same way from its size alone, so their piece lists agree."""
+  """[P] slices, or [P, m] (m sub-slices per peer) -> [P * m * chunks] pieces (peer-major):
+  piece j of a slice of s rows starts at j * ceil(s / chunks) and is empty past the slice's end.
+  Sender and receiver cut a slice the same way from its size alone, so their piece lists
+  agree."""
+  offsets = offsets.reshape(offsets.shape[0], -1)
+  sizes = sizes.reshape(sizes.shape[0], -1)
   if chunks == 1:
-    return offsets, sizes
+    return offsets.reshape(-1), sizes.reshape(-1)
   piece = (sizes + chunks - 1) // chunks
-  j = jnp.arange(chunks, dtype=sizes.dtype)[None, :]
-  start = jnp.minimum(j * piece[:, None], sizes[:, None])
-  size = jnp.minimum(piece[:, None], sizes[:, None] - start)
-  return (offsets[:, None] + start).reshape(-1), size.reshape(-1)
+  j = jnp.arange(chunks, dtype=sizes.dtype)
+  start = jnp.minimum(j * piece[..., None], sizes[..., None])
+  size = jnp.minimum(piece[..., None], sizes[..., None] - start)
+  return (offsets[..., None] + start).reshape(-1), size.reshape(-1)
 
 
 def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
                       send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
                       axis_name: str, impl: str = "native",
                       chunks: Optional[int] = None) -> jax.Array:
-  """`jax.lax.ragged_all_to_all` semantics, one slice per peer (arrays of length axis size).
+  """`jax.lax.ragged_all_to_all` semantics, one slice per peer (arrays [P], P = axis size) or
+  m slices per peer (arrays [P, m]).
 
   Slice i of `operand` (`operand[input_offsets[i]:+send_sizes[i]]`) goes to peer i, where it
-  lands at `output_offsets[i]` of the peer's `output`; `recv_sizes[i]` rows come from peer i.
-  Rows of `output` nobody writes keep their value. `chunks` cuts every slice into that many
-  pieces on the wire (the result is the same); by default `default_chunks()` for the native op
-  where XLA's one-shot kernel runs it (`one_shot_kernel_applies`), else 1 (also for the
-  emulation, whose cost grows with the number of pieces).
+  lands at `output_offsets[i]` of the peer's `output`; `recv_sizes[i]` rows come from peer i
+  ([P, m]: row i holds peer i's m slices, in the order the peer sends them). Rows of `output`
+  nobody writes keep their value. `chunks` cuts every peer's rows into that many pieces on the
+  wire (chunks // m per slice; the result is the same); by default `default_chunks()` for the
+  native op where XLA's one-shot kernel runs it (`one_shot_kernel_applies`), else 1 (also for
+  the emulation, whose cost grows with the number of pieces).
   """
   peers = jax.lax.axis_size(axis_name)
   native = impl == "native" and peers > 1
@@ -88,6 +93,8 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
     chunks = default_chunks() if native and one_shot_kernel_applies(peers) else 1
   if chunks < 1:
     raise ValueError(f"chunks must be >= 1, got {chunks}")
+  per_peer = input_offsets.size // max(input_offsets.shape[0], 1)
+  chunks = max(1, chunks // per_peer)
   in_off, send = split_slices(input_offsets, send_sizes, chunks)
   out_off, _ = split_slices(output_offsets, send_sizes, chunks)
   _, recv = split_slices(jnp.zeros_like(recv_sizes), recv_sizes, chunks)

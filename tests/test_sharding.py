@@ -453,6 +453,37 @@ def test_ragged_all_to_all_emulation_matches_numpy(chunks):
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_ragged_all_to_all_several_slices_per_peer(chunks):
+  """[P, m] arrays: m slices per peer, each landing at its own offset (chunks // m pieces each)."""
+  mesh = make_ep_mesh(expert=8, keep_unit_axes=False)
+  ep_, m, rows, h = 8, 2, 40, 2
+  rng = np.random.default_rng(1)
+  sizes = rng.integers(0, 3, size=(ep_, ep_, m))  # sizes[src, dst, slice]
+  ops = rng.normal(size=(ep_, rows, h)).astype(np.float32)
+  # sender: slice j of every peer in region j (rows [20 j, ...)); receiver: slice-major
+  in_off = np.cumsum(sizes, 1) - sizes + 20 * np.arange(m)
+  flat = sizes.transpose(2, 0, 1).reshape(m * ep_, ep_)  # [(slice, src), dst]
+  out_off = (np.cumsum(flat, 0) - flat).reshape(m, ep_, ep_).transpose(1, 2, 0)  # [src, dst, j]
+  want = np.full((ep_, rows, h), -1.0, np.float32)
+  for s_ in range(ep_):
+    for d in range(ep_):
+      for j in range(m):
+        want[d, out_off[s_, d, j]:out_off[s_, d, j] + sizes[s_, d, j]] = \
+            ops[s_, in_off[s_, d, j]:in_off[s_, d, j] + sizes[s_, d, j]]
+
+  def body(op, io, ss, oo, rs):
+    out = jnp.full((rows, h), -1.0, jnp.float32)
+    return collectives.ragged_all_to_all(op[0], out, io[0], ss[0], oo[0], rs[0],
+                                         axis_name="expert", impl="emulated",
+                                         chunks=chunks)[None]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+  i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+  got = f(jnp.asarray(ops), i32(in_off), i32(sizes), i32(out_off),
+          i32(sizes.transpose(1, 0, 2)))
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 40)), min_size=1, max_size=8),
        st.integers(1, 9))
 @settings(max_examples=40, deadline=None)
@@ -642,6 +673,27 @@ def test_placement_maps(kind):
     expert_placement(10, 4, kind)
   with pytest.raises(ValueError, match="not known"):
     expert_placement(8, 4, "random")
+
+
+@pytest.mark.parametrize("mesh,parts", [("e8", 2), ("e8", 4), ("e8", 3), ("d2e4", 2)])
+def test_ragged_dedup_dispatch_in_parts(monkeypatch, mesh, parts):
+  """The dispatch cut into parts (one collective each, into one receive buffer) equals the
+  reference, forward and gradients; 3 parts do not divide 8 tokens per rank: one part."""
+  monkeypatch.setattr(sharding.prepare_finalize, "DEDUP_PARTS", parts)
+  p = problem(seed=11, t=64)
+  assert_same(ep(p, parallel(mesh), "ragged_dedup", "xla"), reference(p))
+  # fp8 wire: rows, scales, ids and weights in one collective per part
+  fp8 = lambda x: jmoe.fused_moe(x, p["w13"], p["w2"], p["tw"], p["ti"],  # noqa: E731
+                                 a2a_backend="ragged_dedup",
+                                 parallel=parallel(mesh, dispatch_dtype="fp8"))
+  x_dq = dequantize_rows_fp8(*quantize_rows_fp8(p["x"]), p["x"].dtype)
+  want = jmoe.fused_moe(x_dq, p["w13"], p["w2"], p["tw"], p["ti"], runner_backend="reference")
+  np.testing.assert_allclose(np.asarray(jax.jit(fp8)(p["x"])), np.asarray(want), **TOL)
+
+
+def test_ragged_dedup_parts_must_be_positive():
+  with pytest.raises(ValueError, match="parts must be a positive int"):
+    sharding.RaggedDedupA2A(parallel("e8"), parts=0)
 
 
 def test_ragged_dedup_sends_one_copy_per_rank():

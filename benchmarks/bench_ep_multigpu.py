@@ -21,8 +21,9 @@ chosen by XLA_FLAGS at start-up: the in-process "one-shot" kernel (default) and 
 (--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false with
 --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true; it gave no result in 80 s in one
 process on 2 H200s); JMOE_RAGGED_A2A_CHUNKS cuts each peer's slice into pieces (default 256).
-Run the script once per setting with --tag. A backend written `ragged_dedup@P` is ragged_dedup
-with its dispatch cut into P parts (sharding.prepare_finalize.DEDUP_PARTS).
+Run the script once per setting with --tag. A backend written `ragged_dedup@packed` (or
+`@direct`) is ragged_dedup with its rows packed per destination first (or sent from the
+token array).
 Writes $OUT/ep_multigpu[_TAG].json; prints one line per measurement.
 """
 from __future__ import annotations
@@ -54,22 +55,25 @@ def log(*a):
   print(*a, flush=True)
 
 
-def backend_parts(name: str) -> tuple[str, int | None]:
-  """"ragged_dedup@2" -> ("ragged_dedup", 2); a plain name -> (name, None)."""
-  base, _, parts = name.partition("@")
-  return base, (int(parts) if parts else None)
+def backend_variant(name: str) -> tuple[str, str | None]:
+  """"ragged_dedup@packed" -> ("ragged_dedup", "packed"); a plain name -> (name, None)."""
+  base, _, variant = name.partition("@")
+  if variant not in ("", "packed", "direct"):
+    raise ValueError(f"{name!r}: the variant after @ is 'packed' or 'direct'")
+  return base, variant or None
 
 
 @contextlib.contextmanager
-def dedup_parts(parts):
-  """DEDUP_PARTS set while a variant's functions are built and traced (None: the default)."""
+def dedup_rows(variant):
+  """DEDUP_DIRECT_ROWS set while a variant's functions are built and traced (None: as is)."""
   from sharding import prepare_finalize  # noqa: PLC0415
-  old = prepare_finalize.DEDUP_PARTS
-  prepare_finalize.DEDUP_PARTS = old if parts is None else parts
+  old = prepare_finalize.DEDUP_DIRECT_ROWS
+  if variant is not None:
+    prepare_finalize.DEDUP_DIRECT_ROWS = variant == "direct"
   try:
     yield
   finally:
-    prepare_finalize.DEDUP_PARTS = old
+    prepare_finalize.DEDUP_DIRECT_ROWS = old
 
 
 def measure(fn, args, iters):
@@ -199,7 +203,7 @@ def _dispatch_combine(par, a2a, cfg, combine: bool):
   result), so the time is the dispatch (and combine) alone."""
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   from sharding.ep import select_parts  # noqa: PLC0415
-  a2a, _ = backend_parts(a2a)
+  a2a, _ = backend_variant(a2a)
   batched = a2a == "padded_a2a"
   pf, _, _ = select_parts(par, runner_backend="xla_batched" if batched else "xla",
                           a2a_backend=a2a, problem=(jnp.bfloat16, cfg.hidden_size,
@@ -233,9 +237,9 @@ def stage_comm(args, cfg, devs):
       for a2a in args.backends:
         rec = dict(a2a=a2a, ep=ep, tokens_per_gpu=t, dispatch_dtype=wire)
         try:
-          with dedup_parts(backend_parts(a2a)[1]):
+          with dedup_rows(backend_variant(a2a)[1]):
             model = comm_model.bytes_per_token(
-                backend_parts(a2a)[0], hidden=cfg.hidden_size, top_k=cfg.top_k,
+                backend_variant(a2a)[0], hidden=cfg.hidden_size, top_k=cfg.top_k,
                 num_experts=cfg.num_experts, ep=ep, tokens_per_rank=t,
                 fp8_dispatch=wire == "fp8")
             d_us = measure(_dispatch_combine(par, a2a, cfg, False), tuple(xs), args.iters)
@@ -295,13 +299,13 @@ def stage_layer(args, cfg, devs, name):
         rec = dict(preset=name, ep=ep, a2a=a2a, shared=shared, micro_batches=mb,
                    dispatch_dtype=wire, tokens_per_gpu=t)
         try:
-          with dedup_parts(backend_parts(a2a)[1]):
+          with dedup_rows(backend_variant(a2a)[1]):
             if a2a == "none":
               f = jax.jit(lambda *a, shared=shared: no_ep(*a, shared))
               args_ = (x, w["w13"], w["w2"], tw, ti, w["s13"], w["s2"])
             else:
               kw = dict(shared_w13=w["s13"], shared_w2=w["s2"]) if shared else {}
-              base_a2a = backend_parts(a2a)[0]
+              base_a2a = backend_variant(a2a)[0]
               f = jax.jit(lambda x, w13, w2, tw, ti, a2a=base_a2a, kw=kw, mb=mb, par=par:
                           sharding.ep_fused_moe(x, w13, w2, tw, ti, activation=act, parallel=par,
                                                 a2a_backend=a2a, micro_batches=mb, **kw))
@@ -357,7 +361,7 @@ def main():
   args.dispatch_dtypes = args.dispatch_dtypes.split(",")
   if not set(args.dispatch_dtypes) <= {"bf16", "fp8"}:
     ap.error(f"--dispatch-dtypes: {args.dispatch_dtypes} (choose from bf16, fp8)")
-  unknown = {backend_parts(b)[0] for b in args.backends} - set(BACKENDS)
+  unknown = {backend_variant(b)[0] for b in args.backends} - set(BACKENDS)
   if unknown:
     ap.error(f"--backends: unknown {sorted(unknown)}; choose from {BACKENDS}")
   os.makedirs(args.out, exist_ok=True)

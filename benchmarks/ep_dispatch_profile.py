@@ -84,7 +84,7 @@ def main():
                                      args.dispatch_dtypes.split(",")):
     par_w = sharding.make_parallel(expert=len(devs), devices=devs,
                                    dispatch_dtype=None if wire == "bf16" else wire)
-    with ep.dedup_parts(ep.backend_parts(a2a)[1]):  # `ragged_dedup@2`: in 2 parts
+    with ep.dedup_rows(ep.backend_variant(a2a)[1]):  # `ragged_dedup@packed`: rows packed first
       f = ep._dispatch_combine(par_w, a2a, cfg, False)
       rec = dict(wall_us=ep.measure(f, xs, 5))
       if devs[0].platform == "gpu":

@@ -1,4 +1,4 @@
-"""When each kernel of an EP dispatch runs, per GPU and stream: the critical path that CUPTI sums hide.
+"""When each kernel of an EP dispatch runs, per GPU and stream (what CUPTI sums hide).
 
     PYTHONPATH=$PWD python3 benchmarks/ep_timeline.py --out $OUT               # all GPUs
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
@@ -9,7 +9,8 @@ for what: a collective's time includes its wait for the peer, and kernels on oth
 overlap. Here a jax.profiler trace of a few calls (each call alone, 2 ms apart) is read back
 (its Chrome-trace JSON) and, for the median call, every device event is listed with its
 stream, start (µs from the call's first event on any GPU) and duration, with the span from the
-first event to the last. Backends as in bench_ep_multigpu.py (`ragged_dedup@2`: in 2 parts).
+first event to the last. Backends as in bench_ep_multigpu.py (`ragged_dedup@packed`: rows
+packed first).
 Writes $OUT/ep_timeline.json.
 """
 from __future__ import annotations
@@ -82,7 +83,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--preset", default="deepseek-v3")
   ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
-  ap.add_argument("--backends", default="ragged_dedup,ragged_dedup@2")
+  ap.add_argument("--backends", default="ragged_dedup@packed,ragged_dedup@direct")
   ap.add_argument("--combine", action="store_true", help="dispatch + combine (identity experts)")
   ap.add_argument("--calls", type=int, default=7)
   ap.add_argument("--pids", default="/device:GPU", help="trace processes to read")
@@ -103,7 +104,7 @@ def main():
                        preset=args.preset, tokens_per_gpu=args.tokens, combine=args.combine),
              backends={})
   for a2a in args.backends.split(","):
-    with ep.dedup_parts(ep.backend_parts(a2a)[1]):
+    with ep.dedup_rows(ep.backend_variant(a2a)[1]):
       f = ep._dispatch_combine(par, a2a, cfg, args.combine)
       for _ in range(3):
         jax.block_until_ready(f(*xs))

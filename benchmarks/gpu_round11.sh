@@ -5,10 +5,15 @@
 #                                         # lists, then with L2 flushed before every call; then
 #                                         # the block at 64 tokens with the routing in two
 #                                         # kernels and in one (kernels:4), same run
-#   bash benchmarks/gpu_round11.sh ep     # nvidia-h200-x2: ragged_dedup's dispatch in 1, 2 (and 4)
-#                                         # parts: the kernel timeline of one call per GPU and
+#   bash benchmarks/gpu_round11.sh ep     # nvidia-h200-x2 (run at aa5d3e6, when ragged_dedup had
+#                                         # DEDUP_PARTS, since removed): its dispatch in 1, 2 and
+#                                         # 4 parts: the kernel timeline of one call per GPU and
 #                                         # stream, the peak and dispatch/combine stages (bf16),
 #                                         # then the deepseek-v3 layer at EP = 1, 2
+#   bash benchmarks/gpu_round11.sh direct # nvidia-h200-x2: ragged_dedup's rows packed first or
+#                                         # sent from the token array (one piece per token):
+#                                         # timeline, comm at 128 / 4096 tokens (bf16, fp8), the
+#                                         # layer (deepseek-v3, qwen3) at EP = 1, 2
 NAME=gpu_round11; source benchmarks/gpu_env.sh
 case ${1:-diag} in
   diag)
@@ -27,4 +32,14 @@ case ${1:-diag} in
       --dispatch-dtypes bf16
     step 200 python3 benchmarks/bench_ep_multigpu.py --stages layer --layer-presets deepseek-v3 \
       --out $OUT --tag layer --backends ragged_dedup,ragged_dedup@2 --dispatch-dtypes bf16 ;;
+  direct)
+    step 100 python3 benchmarks/ep_timeline.py --out $OUT --max-events 40 \
+      --backends ragged_dedup@packed,ragged_dedup@direct
+    step 150 python3 benchmarks/bench_ep_multigpu.py --stages peak,comm --torch --out $OUT \
+      --tag comm --backends ragged_dedup@packed,ragged_dedup@direct --dispatch-dtypes bf16,fp8
+    for p in deepseek-v3 qwen3-30b-a3b; do
+      step 150 python3 benchmarks/bench_ep_multigpu.py --stages layer --layer-presets $p \
+        --out $OUT --tag layer_$p --backends ragged_dedup@packed,ragged_dedup@direct \
+        --dispatch-dtypes bf16
+    done ;;
 esac

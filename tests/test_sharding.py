@@ -675,25 +675,20 @@ def test_placement_maps(kind):
     expert_placement(8, 4, "random")
 
 
-@pytest.mark.parametrize("mesh,parts", [("e8", 2), ("e8", 4), ("e8", 3), ("d2e4", 2)])
-def test_ragged_dedup_dispatch_in_parts(monkeypatch, mesh, parts):
-  """The dispatch cut into parts (one collective each, into one receive buffer) equals the
-  reference, forward and gradients; 3 parts do not divide 8 tokens per rank: one part."""
-  monkeypatch.setattr(sharding.prepare_finalize, "DEDUP_PARTS", parts)
+@pytest.mark.parametrize("mesh,direct", [("e8", True), ("e8", False), ("d2e4", True),
+                                         ("e4t2", False)])
+def test_ragged_dedup_row_sources(monkeypatch, mesh, direct):
+  """Rows sent straight from the token array (one piece per (destination, token)) or packed
+  per destination first: both equal the reference, forward and gradients, and with fp8 rows."""
+  monkeypatch.setattr(sharding.prepare_finalize, "DEDUP_DIRECT_ROWS", direct)
   p = problem(seed=11, t=64)
   assert_same(ep(p, parallel(mesh), "ragged_dedup", "xla"), reference(p))
-  # fp8 wire: rows, scales, ids and weights in one collective per part
   fp8 = lambda x: jmoe.fused_moe(x, p["w13"], p["w2"], p["tw"], p["ti"],  # noqa: E731
                                  a2a_backend="ragged_dedup",
                                  parallel=parallel(mesh, dispatch_dtype="fp8"))
   x_dq = dequantize_rows_fp8(*quantize_rows_fp8(p["x"]), p["x"].dtype)
   want = jmoe.fused_moe(x_dq, p["w13"], p["w2"], p["tw"], p["ti"], runner_backend="reference")
   np.testing.assert_allclose(np.asarray(jax.jit(fp8)(p["x"])), np.asarray(want), **TOL)
-
-
-def test_ragged_dedup_parts_must_be_positive():
-  with pytest.raises(ValueError, match="parts must be a positive int"):
-    sharding.RaggedDedupA2A(parallel("e8"), parts=0)
 
 
 def test_ragged_dedup_sends_one_copy_per_rank():

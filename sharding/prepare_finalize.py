@@ -19,6 +19,7 @@ collective, so XLA's scheduler is free to overlap them.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Union
 
 import jax
@@ -338,7 +339,12 @@ class RaggedA2A(EPPrepareFinalize):
     return self._tensor_psum(out).astype(out_dtype)
 
 
-DEDUP_DIRECT_ROWS = True  # RaggedDedupA2A's default row source (see its docstring)
+# RaggedDedupA2A's default row source (see its docstring): None = direct for rows of at least
+# DEDUP_DIRECT_MIN_ROW_BYTES. On 2 H200s (BENCHMARKS.md, eleventh round) direct rows made the
+# deepseek-v3 dispatch (14 KB rows) 392 -> 304 µs and its layer 7504 -> 7442 µs, but the qwen3
+# layer (4 KB rows) 1019 -> 1071 µs: per-row pieces cost more than the gather for small rows.
+DEDUP_DIRECT_ROWS: Optional[bool] = None
+DEDUP_DIRECT_MIN_ROW_BYTES = 12 * 1024
 
 
 class RaggedDedupA2A(EPPrepareFinalize):
@@ -351,7 +357,8 @@ class RaggedDedupA2A(EPPrepareFinalize):
   Dropless, with a receive buffer of ep * T rows (a token visits a rank at most once); the
   `capacity` setting bounds nothing here.
 
-  `direct_rows` (default `DEDUP_DIRECT_ROWS`): the collective takes the token rows straight
+  `direct_rows` (default `DEDUP_DIRECT_ROWS`; None: rows of at least
+  `DEDUP_DIRECT_MIN_ROW_BYTES` bytes on the wire go direct): the collective takes the rows straight
   from the token array, one piece per (destination, token) of 1 row or none, so no packed send
   buffer is gathered first (on 2 H200s at deepseek-v3 / 4096 tokens that gather took 82 µs of a
   380 µs dispatch). The receivers learn each piece's size from the all-gathered hit mask, which
@@ -366,6 +373,12 @@ class RaggedDedupA2A(EPPrepareFinalize):
   def __init__(self, parallel: ParallelConfig, *, direct_rows: Optional[bool] = None, **kw):
     super().__init__(parallel, **kw)
     self.direct_rows = DEDUP_DIRECT_ROWS if direct_rows is None else bool(direct_rows)
+
+  def _direct(self, rows: jax.Array) -> bool:
+    if self.direct_rows is not None:
+      return self.direct_rows
+    row_bytes = math.prod(rows.shape[1:]) * jnp.dtype(rows.dtype).itemsize
+    return row_bytes >= DEDUP_DIRECT_MIN_ROW_BYTES
 
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
                     apply_router_weight_on_input, quant):
@@ -384,8 +397,14 @@ class RaggedDedupA2A(EPPrepareFinalize):
     # 70 µs of the 440 µs dispatch (deepseek-v3, 4096 tokens, 2 H200s)
     ends = incl[t - 1::t] if t else jnp.zeros((ep,), jnp.int32)
     sent = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    fp8 = a1_scale is not None
+    if fp8:  # fp8 dispatch: each row travels with its scales
+      rows, layout = collectives.pack_rows(a1q, a1_scale)
+    else:
+      rows, layout = a1q, None
+    direct = self._direct(rows)
     # one all-gather: the counts, and the hit mask when rows go as per-token pieces
-    shared = jax.lax.all_gather(jnp.concatenate([sent, hit_rt]) if self.direct_rows else sent,
+    shared = jax.lax.all_gather(jnp.concatenate([sent, hit_rt]) if direct else sent,
                                 self.expert_axis)
     cnt = shared[:, :ep]  # [src, dst]
     in_off = collectives.exclusive_cumsum(cnt, axis=1)  # [src, dst]: offset in the sender
@@ -412,14 +431,9 @@ class RaggedDedupA2A(EPPrepareFinalize):
       return collectives.ragged_all_to_all(v, out, starts, size, land, recv_sizes,
                                            axis_name=self.expert_axis, impl=self.ragged_impl)
 
-    send = send_tokens if self.direct_rows else send_packed
-    fp8 = a1_scale is not None
-    if fp8:  # fp8 dispatch: each row travels with its scales
-      rows, layout = collectives.pack_rows(a1q, a1_scale)
-    else:
-      rows, layout = a1q, None
+    send = send_tokens if direct else send_packed
     # rows nobody sends have ids -1 (below): no expert computes them, nothing reads them
-    recv = send(rows if self.direct_rows else rows[tok],
+    recv = send(rows if direct else rows[tok],
                 collectives.receive_buffer((n,) + rows.shape[1:], rows.dtype))
     scale = None
     if fp8:

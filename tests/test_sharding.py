@@ -691,6 +691,15 @@ def test_ragged_dedup_row_sources(monkeypatch, mesh, direct):
   np.testing.assert_allclose(np.asarray(jax.jit(fp8)(p["x"])), np.asarray(want), **TOL)
 
 
+def test_ragged_dedup_direct_rows_by_default_for_wide_rows():
+  pf = sharding.RaggedDedupA2A(parallel("e8"))
+  wide = sharding.prepare_finalize.DEDUP_DIRECT_MIN_ROW_BYTES // 2
+  assert pf._direct(jnp.zeros((3, wide), jnp.bfloat16))  # deepseek-v3's 14 KB rows
+  assert not pf._direct(jnp.zeros((3, wide - 1), jnp.bfloat16))  # qwen3's 4 KB rows
+  assert not sharding.RaggedDedupA2A(parallel("e8"), direct_rows=False)._direct(
+      jnp.zeros((3, wide), jnp.bfloat16))
+
+
 def test_ragged_dedup_sends_one_copy_per_rank():
   """A token goes once to each rank owning one of its experts, with its ids and weights."""
   p = problem(seed=3, k=4, bias=False)

@@ -10,10 +10,14 @@
 #                                         # 4 parts: the kernel timeline of one call per GPU and
 #                                         # stream, the peak and dispatch/combine stages (bf16),
 #                                         # then the deepseek-v3 layer at EP = 1, 2
-#   bash benchmarks/gpu_round11.sh direct # nvidia-h200-x2 (at 8072b17): ragged_dedup's rows packed first or
-#                                         # sent from the token array (one piece per token):
+#   bash benchmarks/gpu_round11.sh direct # nvidia-h200-x2 (at 8072b17): ragged_dedup's rows
+#                                         # packed first or#                                         # sent from the token array (one piece per token):
 #                                         # timeline, comm at 128 / 4096 tokens (bf16, fp8), the
 #                                         # layer (deepseek-v3, qwen3) at EP = 1, 2
+#   bash benchmarks/gpu_round11.sh final  # one H200: the block with one routing kernel up to 4
+#                                         # blocks (auto) against two (kernels:0), same run:
+#                                         # mixtral at 128 / 256 tokens, qwen3 and deepseek-v3
+#                                         # at 64; the block at 1 and 1024 tokens; jmoe bench
 NAME=gpu_round11; source benchmarks/gpu_env.sh
 case ${1:-diag} in
   diag)
@@ -42,4 +46,11 @@ case ${1:-diag} in
         --out $OUT --tag layer_$p --backends ragged_dedup@packed,ragged_dedup@direct \
         --dispatch-dtypes bf16
     done ;;
+  final)
+    step 200 env OUT=$OUT/small python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets mixtral-8x7b,qwen3-30b-a3b,deepseek-v3 --tokens 64,128,256 --iters 4 \
+      --route-impls auto,kernels:0 --budget-s 180
+    block_run 150 130 qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 1,1024 4
+    step 80 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
+      --json $OUT/jmoe_bench.json ;;
 esac

@@ -11,7 +11,8 @@
 #                                         # stream, the peak and dispatch/combine stages (bf16),
 #                                         # then the deepseek-v3 layer at EP = 1, 2
 #   bash benchmarks/gpu_round11.sh direct # nvidia-h200-x2 (at 8072b17): ragged_dedup's rows
-#                                         # packed first or#                                         # sent from the token array (one piece per token):
+#                                         # packed first or sent from the token array (one
+#                                         # piece per token):
 #                                         # timeline, comm at 128 / 4096 tokens (bf16, fp8), the
 #                                         # layer (deepseek-v3, qwen3) at EP = 1, 2
 #   bash benchmarks/gpu_round11.sh final  # one H200: the block with one routing kernel up to 4

@@ -198,9 +198,13 @@ def torch_all_to_all_us(world, nbytes, iters):
 # ----------------------------------------------------------------------------- comm
 
 
-def _dispatch_combine(par, a2a, cfg, combine: bool):
+def _dispatch_combine(par, a2a, cfg, combine: bool, whole_buffer: bool = True):
   """shard_map'd prepare (+ finalize with identity experts: each received row is its own
-  result), so the time is the dispatch (and combine) alone."""
+  result), so the time is the dispatch (and combine) alone. whole_buffer=False: the dispatch
+  returns one row of the received buffer, not all of it. XLA keeps a one-shot ragged
+  all-to-all's output at a fixed address (its peers learn it once) and copies it into a jit
+  output: 55 µs at deepseek-v3 / 4096 tokens on 2 H200s (ep_timeline.py), which a layer,
+  whose experts read the buffer where it is, does not pay."""
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   from sharding.ep import select_parts  # noqa: PLC0415
   a2a, _ = backend_variant(a2a)
@@ -217,7 +221,7 @@ def _dispatch_combine(par, a2a, cfg, combine: bool):
     if not combine:
       # the received buffer itself: a reduction over it (this script's first version) added a
       # full read of it, 0.27 ms at deepseek-v3 / 4096 tokens (ep_dispatch_profile.py)
-      return inp.a
+      return inp.a if whole_buffer else inp.a[:1]
     return pf.finalize(inp.a, inp, NaiveBatched() if batched else NoOp(), x.dtype)
 
   out_spec = tok if combine else P(par.expert_axis)
@@ -243,21 +247,28 @@ def stage_comm(args, cfg, devs):
                 num_experts=cfg.num_experts, ep=ep, tokens_per_rank=t,
                 fp8_dispatch=wire == "fp8")
             d_us = measure(_dispatch_combine(par, a2a, cfg, False), tuple(xs), args.iters)
+            d1_us = measure(_dispatch_combine(par, a2a, cfg, False, whole_buffer=False),
+                            tuple(xs), args.iters)
             dc_us = measure(_dispatch_combine(par, a2a, cfg, True), tuple(xs), args.iters)
             # bytes per GPU (the model counts per token, summed over the group's ranks / ep)
             d_bytes = model["dispatch"] * t
             c_bytes = model["combine"] * t
             rec.update(dispatch_us=d_us, combine_us=dc_us - d_us,
-                       dispatch_gbps=d_bytes / d_us / 1e3)
+                       dispatch_gbps=d_bytes / d_us / 1e3,
+                       dispatch_in_place_us=d1_us, dispatch_in_place_gbps=d_bytes / d1_us / 1e3)
             # combine = (dispatch + combine) - dispatch: meaningful only above the timing noise
             rec["combine_gbps"] = (c_bytes / rec["combine_us"] / 1e3 if rec["combine_us"] > 0
                                    else None)
-            if peak:
-              rec["dispatch_vs_peak"] = rec["dispatch_gbps"] / peak
+            if peak:  # against the peak's off-rank bytes, as the model counts them
+              remote = peak * (ep - 1) / ep
+              rec["dispatch_vs_peak"] = rec["dispatch_gbps"] / remote
+              rec["dispatch_in_place_vs_peak"] = rec["dispatch_in_place_gbps"] / remote
             log(f"[comm] {a2a:12s} {wire:4s} ep={ep} T/gpu={t}: dispatch {d_us:.1f}us "
-                f"({rec['dispatch_gbps']:.1f} GB/s), combine {rec['combine_us']:.1f}us "
+                f"({rec['dispatch_gbps']:.1f} GB/s; {d1_us:.1f}us in place), "
+                f"combine {rec['combine_us']:.1f}us "
                 f"({rec['combine_gbps'] or float('nan'):.1f} GB/s)"
-                + (f", dispatch/peak {rec['dispatch_vs_peak']:.2f}" if peak else ""))
+                + (f", dispatch/peak {rec['dispatch_vs_peak']:.2f} "
+                   f"({rec['dispatch_in_place_vs_peak']:.2f} in place)" if peak else ""))
         except Exception as e:  # noqa: BLE001
           rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
           log(f"[comm] {a2a} {wire} ERROR {rec['error']}")

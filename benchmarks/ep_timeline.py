@@ -79,15 +79,28 @@ def summarize(call: list[dict]) -> dict:
   return dict(span_us=span, events=rows)
 
 
+def layer_fn(cfg, par, a2a, xs):
+  """(jitted EP layer, its arguments): ep_fused_moe on the tokens xs with random weights."""
+  w = ep.weights(cfg)
+  f = jax.jit(lambda x, tw, ti, w13, w2: sharding.ep_fused_moe(
+      x, w13, w2, tw, ti, activation=cfg.act, parallel=par, a2a_backend=a2a))
+  return f, xs + (sharding.shard_expert_weights(w["w13"], par),
+                  sharding.shard_expert_weights(w["w2"], par))
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--preset", default="deepseek-v3")
   ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
   ap.add_argument("--backends", default="ragged_dedup@packed,ragged_dedup@direct")
   ap.add_argument("--combine", action="store_true", help="dispatch + combine (identity experts)")
+  ap.add_argument("--layer", action="store_true",
+                  help="the whole EP MoE layer (ep_fused_moe) instead of the dispatch")
   ap.add_argument("--calls", type=int, default=7)
   ap.add_argument("--pids", default="/device:GPU", help="trace processes to read")
   ap.add_argument("--max-events", type=int, default=80, help="events printed per call")
+  ap.add_argument("--min-us", type=float, default=0.0,
+                  help="print only events at least this long (the JSON keeps all)")
   ap.add_argument("--small", action="store_true")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ep_timeline"))
   args = ap.parse_args()
@@ -101,17 +114,21 @@ def main():
   par = sharding.make_parallel(expert=len(devs), devices=devs)
   xs = tuple(sharding.shard_tokens(v, par) for v in ep.tokens(cfg, args.tokens * len(devs)))
   res = dict(meta=dict(jax=jax.__version__, devices=len(devs), kind=devs[0].device_kind,
-                       preset=args.preset, tokens_per_gpu=args.tokens, combine=args.combine),
+                       preset=args.preset, tokens_per_gpu=args.tokens, combine=args.combine,
+                       layer=args.layer),
              backends={})
   for a2a in args.backends.split(","):
     with ep.dedup_rows(ep.backend_variant(a2a)[1]):
-      f = ep._dispatch_combine(par, a2a, cfg, args.combine)
+      if args.layer:
+        f, xs_ = layer_fn(cfg, par, ep.backend_variant(a2a)[0], xs)
+      else:
+        f, xs_ = ep._dispatch_combine(par, a2a, cfg, args.combine), xs
       for _ in range(3):
-        jax.block_until_ready(f(*xs))
+        jax.block_until_ready(f(*xs_))
       log_dir = tempfile.mkdtemp(prefix="ep_timeline_")
       with jax.profiler.trace(log_dir):
         for _ in range(args.calls):
-          jax.block_until_ready(f(*xs))
+          jax.block_until_ready(f(*xs_))
           time.sleep(0.002)
     calls = split_calls(device_events(read_trace(log_dir), args.pids), gap_us=500.0)
     if not calls:
@@ -125,7 +142,7 @@ def main():
     res["backends"][a2a] = rec
     print(f"== {a2a}: {len(calls)} calls, span median {rec['median_span_us']:.1f} us "
           f"(first event to last, any GPU); the median call:", flush=True)
-    for e in rec["events"][:args.max_events]:
+    for e in [e for e in rec["events"] if e["dur_us"] >= args.min_us][:args.max_events]:
       print(f"   {e['start_us']:8.1f} {e['dur_us']:8.1f}  {e['device'][-6:]:>6s} "
             f"{e['stream'][:22]:22s} {e['name'][:70]}")
   with open(os.path.join(args.out, "ep_timeline.json"), "w") as fh:

@@ -19,6 +19,10 @@
 #                                         # blocks (auto) against two (kernels:0), same run:
 #                                         # mixtral at 128 / 256 tokens, qwen3 and deepseek-v3
 #                                         # at 64; the block at 1 and 1024 tokens; jmoe bench
+#   bash benchmarks/gpu_round11.sh inplace # nvidia-h200-x2: the layer's timeline (deepseek-v3
+#                                         # direct rows; qwen3 packed and direct): does the 55 µs
+#                                         # copy of the received buffer happen there too? Then
+#                                         # comm with the dispatch also timed in place
 NAME=gpu_round11; source benchmarks/gpu_env.sh
 case ${1:-diag} in
   diag)
@@ -54,4 +58,12 @@ case ${1:-diag} in
     block_run 150 130 qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 1,1024 4
     step 80 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
       --json $OUT/jmoe_bench.json ;;
+  inplace)
+    step 120 python3 benchmarks/ep_timeline.py --out $OUT/deepseek --layer --min-us 4 \
+      --max-events 60 --backends ragged_dedup
+    step 120 python3 benchmarks/ep_timeline.py --out $OUT/qwen3 --layer --min-us 3 \
+      --max-events 50 --preset qwen3-30b-a3b --backends ragged_dedup@packed,ragged_dedup@direct
+    step 150 python3 benchmarks/bench_ep_multigpu.py --stages peak,comm --torch --out $OUT \
+      --tag comm --tokens 4096 --backends ragged_dedup@packed,ragged_dedup@direct,allgather \
+      --dispatch-dtypes bf16 ;;
 esac

@@ -23,6 +23,10 @@
 #                                         # direct rows; qwen3 packed and direct): does the 55 µs
 #                                         # copy of the received buffer happen there too? Then
 #                                         # comm with the dispatch also timed in place
+#   bash benchmarks/gpu_round11.sh skip   # nvidia-h200-x2: the token gather skipping the rows past
+#                                         # the routed total (an EP rank's empty slots): the
+#                                         # deepseek-v3 layer's timeline; the layer (deepseek-v3,
+#                                         # qwen3) at EP = 1, 2 with ragged_dedup and allgather
 NAME=gpu_round11; source benchmarks/gpu_env.sh
 case ${1:-diag} in
   diag)
@@ -66,4 +70,11 @@ case ${1:-diag} in
     step 150 python3 benchmarks/bench_ep_multigpu.py --stages peak,comm --torch --out $OUT \
       --tag comm --tokens 4096 --backends ragged_dedup@packed,ragged_dedup@direct,allgather \
       --dispatch-dtypes bf16 ;;
+  skip)
+    step 100 python3 benchmarks/ep_timeline.py --out $OUT --layer --min-us 30 \
+      --max-events 40 --backends ragged_dedup
+    for p in deepseek-v3 qwen3-30b-a3b; do
+      step 150 python3 benchmarks/bench_ep_multigpu.py --stages layer --layer-presets $p \
+        --out $OUT --tag layer_$p --backends ragged_dedup,allgather --dispatch-dtypes bf16
+    done ;;
 esac

@@ -138,14 +138,16 @@ def route_xla(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
   """pallas_kernels.route.route's results from the jnp path: moe_align, the token gather
   (permute_impl: "xla", "pallas" or "auto", see fused_experts) and tile_metadata per block_m.
   Returns (xs [m_alloc, H], inv [T, k], group_sizes [E], [(meta, num_tasks) per block_m]); xs
-  rows past T*k repeat token 0."""
+  rows past sum(group_sizes) (empty slots sort last) are unwritten with the Pallas gather and
+  repeat token 0 with XLA's; no kernel reads them."""
   t, k = topk_ids.shape
   m = t * k
   sort_order, group_sizes, inv = _perm.moe_align(topk_ids, num_experts)
   order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
   if permute_impl == "auto":
     permute_impl = _auto_gather_impl(m, x.shape[1])
-  xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret)
+  xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret,
+                          num_rows=jnp.sum(group_sizes))
   metas = [gg.tile_metadata(group_sizes, m_alloc, bm) for bm in block_ms]
   return xs, inv, group_sizes, metas
 

@@ -124,12 +124,13 @@ def _counting_sort(key: jax.Array, num_experts: int):
 
 
 def permute_rows(x: jax.Array, sort_order: jax.Array, k: int, *, impl: str = "xla",
-                 interpret=False) -> jax.Array:
+                 interpret=False, num_rows: jax.Array | None = None) -> jax.Array:
   """x [T, H] -> [len(sort_order), H]: row i is the token of slot sort_order[i].
 
-  impl: "xla" (jnp.take) or "pallas" (gather_rows, a TMA row-copy kernel)."""
+  impl: "xla" (jnp.take) or "pallas" (gather_rows, a TMA row-copy kernel, which leaves rows
+  past num_rows unwritten when it is given)."""
   if impl == "pallas":
-    return gather_rows(x, sort_order // k, interpret=interpret)
+    return gather_rows(x, sort_order // k, num_rows, interpret=interpret)
   if impl != "xla":
     raise ValueError(f"impl={impl!r} must be 'xla' or 'pallas'")
   return jnp.take(x, sort_order // k, axis=0, mode="clip")
@@ -283,14 +284,17 @@ def gather_rows_supports(h: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_step", "num_stages", "interpret"))
-def gather_rows(x: jax.Array, idx: jax.Array, *, rows_per_step: int | None = None,
-                num_stages: int = 4, interpret=False) -> jax.Array:
+def gather_rows(x: jax.Array, idx: jax.Array, num_rows: jax.Array | None = None, *,
+                rows_per_step: int | None = None, num_stages: int = 4,
+                interpret=False) -> jax.Array:
   """out[i] = x[idx[i]] as a Mosaic GPU kernel (TMA row copies, persistent grid; the loads of the
   next num_stages - 2 steps are in flight while the current step is stored).
 
-  x [T, H] (H a multiple of 8), idx [M] int (clipped to [0, T)). rows_per_step defaults to
-  ~32 KB per step (and divides M). num_stages >= 3 SMEM slots: one being stored, one whose
-  store may still be reading it, the rest loading.
+  x [T, H] (H a multiple of 8), idx [M] int (clipped to [0, T)). num_rows (an int scalar, on
+  device): only rows [0, num_rows) are needed; steps past them are skipped and their rows left
+  unwritten (in an EP receive buffer, half of the [rows x k] slots can be empty, sorted last).
+  rows_per_step defaults to ~32 KB per step (and divides M). num_stages >= 3 SMEM slots: one
+  being stored, one whose store may still be reading it, the rest loading.
   """
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -307,13 +311,16 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, rows_per_step: int | None = Non
   x3 = x.reshape(t, h // c, c)
   idx = jnp.clip(idx.astype(jnp.int32), 0, t - 1)
   steps = m // r
+  need = jnp.full((1,), m, jnp.int32) if num_rows is None else jnp.clip(
+      jnp.asarray(num_rows, jnp.int32).reshape(1), 0, m)
   ns = num_stages
   ahead = ns - 2  # steps loading while one is stored and one store may still read its slot
   interp, nsm = _compat.launch_params(interpret)
 
-  def body(idx_ref, x_ref, o_ref, buf, bars):
+  def body(idx_ref, need_ref, x_ref, o_ref, buf, bars):
     sm = lax.axis_index("sm")
-    my_steps = lax.div(jnp.int32(steps) - sm + jnp.int32(nsm - 1), jnp.int32(nsm))
+    live = lax.div(need_ref[0] + jnp.int32(r - 1), jnp.int32(r))  # steps holding needed rows
+    my_steps = lax.div(live - sm + jnp.int32(nsm - 1), jnp.int32(nsm))
 
     def issue(i):  # loads of my i-th step into slot i % ns
       s_ = sm + i * nsm
@@ -356,4 +363,4 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, rows_per_step: int | None = Non
       interpret=interp,
       name="jmoe_gather_rows",
   )
-  return kern(idx, x3).reshape(m, h)
+  return kern(idx, need, x3).reshape(m, h)

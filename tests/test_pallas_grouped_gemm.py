@@ -534,6 +534,18 @@ def test_gather_rows_kernel(rng):
     np.testing.assert_array_equal(out, np.asarray(x, np.float32)[np.asarray(idx)])
 
 
+@pytest.mark.parametrize("num_rows", [0, 1, 13, 39, 40, 55])
+def test_gather_rows_needed_rows_only(rng, num_rows):
+  """With num_rows, the rows before it are copied (steps of 2 rows: 13 needs a partial step);
+  steps past it are skipped; counts past the rows are clipped."""
+  x = jnp.asarray(rng.standard_normal((10, 256)), jnp.bfloat16)
+  idx = jnp.asarray(rng.integers(0, 10, 40), jnp.int32)
+  out = _call(perm.gather_rows, x, idx, jnp.int32(num_rows), rows_per_step=2)
+  n = min(num_rows, 40)
+  np.testing.assert_array_equal(out[:n], np.asarray(x, np.float32)[np.asarray(idx)][:n])
+  assert np.isnan(out[-(-n // 2) * 2:]).all()  # unwritten: the interpreter's NaN fill
+
+
 def test_fused_experts_end_to_end(rng):
   t, k, e, h, n = 9, 2, 4, 64, 64
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)

@@ -27,6 +27,9 @@
 #                                         # the routed total (an EP rank's empty slots): the
 #                                         # deepseek-v3 layer's timeline; the layer (deepseek-v3,
 #                                         # qwen3) at EP = 1, 2 with ragged_dedup and allgather
+#   bash benchmarks/gpu_round11.sh rowsize # nvidia-h200-x2: packed vs direct rows where the rows
+#                                         # are narrower: the dispatch of qwen3 (4 KB rows) and
+#                                         # mixtral (8 KB), and the mixtral layer at EP = 1, 2
 NAME=gpu_round11; source benchmarks/gpu_env.sh
 case ${1:-diag} in
   diag)
@@ -77,4 +80,13 @@ case ${1:-diag} in
       step 150 python3 benchmarks/bench_ep_multigpu.py --stages layer --layer-presets $p \
         --out $OUT --tag layer_$p --backends ragged_dedup,allgather --dispatch-dtypes bf16
     done ;;
+  rowsize)
+    for p in qwen3-30b-a3b mixtral-8x7b; do
+      step 100 python3 benchmarks/bench_ep_multigpu.py --preset $p --stages peak,comm \
+        --out $OUT --tag comm_$p --tokens 4096 --dispatch-dtypes bf16 \
+        --backends ragged_dedup@packed,ragged_dedup@direct
+    done
+    step 150 python3 benchmarks/bench_ep_multigpu.py --stages layer --layer-presets mixtral-8x7b \
+      --out $OUT --tag layer_mixtral-8x7b --backends ragged_dedup@packed,ragged_dedup@direct \
+      --dispatch-dtypes bf16 ;;
 esac

@@ -13,9 +13,9 @@ launches (1-2 µs each) and an 11 µs copy. Here (same run) it is 4.0 + 13.9 µs
    a GEMM's work list.
 
 Up to ONE_KERNEL_BLOCKS blocks (512 slots: qwen3 / deepseek-v3 at 64 tokens, mixtral at 256)
-kernel 1 is not launched, so the sorted block is 4 kernels. A block program of kernel 2 then gets its slots'
-positions from one compare with every slot's key (the slots before it in a stable sort by key),
-and only the tile-list programs count the experts.
+kernel 1 is not launched, so the sorted block is 4 kernels. A block program of kernel 2 then
+gets its slots' positions from one compare with every slot's key (the slots before it in a
+stable sort by key), and only the tile-list programs count the experts.
 
 ``route_for_training`` is the same pair of kernels (one builder, a static flag) in the layout of
 the training path (moe.fused_experts_train): every expert's rows padded to a multiple of 8 with

@@ -358,11 +358,12 @@ class RaggedDedupA2A(EPPrepareFinalize):
   `capacity` setting bounds nothing here.
 
   `direct_rows` (default `DEDUP_DIRECT_ROWS`; None: rows of at least
-  `DEDUP_DIRECT_MIN_ROW_BYTES` bytes on the wire go direct): the collective takes the rows straight
-  from the token array, one piece per (destination, token) of 1 row or none, so no packed send
-  buffer is gathered first (on 2 H200s at deepseek-v3 / 4096 tokens that gather took 82 µs of a
-  380 µs dispatch). The receivers learn each piece's size from the all-gathered hit mask, which
-  travels with the per-rank counts. False: rows packed per destination first, one slice each.
+  `DEDUP_DIRECT_MIN_ROW_BYTES` bytes go direct where XLA runs the collective as its one-process
+  kernel): the collective takes the rows straight from the token array, one piece per
+  (destination, token) of 1 row or none, so no packed send buffer is gathered first (on 2 H200s
+  at deepseek-v3 / 4096 tokens that gather took 82 µs of a 380 µs dispatch). The receivers
+  learn each piece's size from the all-gathered hit mask, which travels with the per-rank
+  counts. False: rows packed per destination first, one slice each.
   The weights and ids travel in one collective (f32 pairs).
   """
 
@@ -377,6 +378,10 @@ class RaggedDedupA2A(EPPrepareFinalize):
   def _direct(self, rows: jax.Array) -> bool:
     if self.direct_rows is not None:
       return self.direct_rows
+    # per-token pieces are for XLA's in-process one-shot kernel; its NCCL path (several
+    # processes) would issue a send and a receive per piece
+    if self.ragged_impl == "native" and not collectives.one_shot_kernel_applies(self.ep):
+      return False
     row_bytes = math.prod(rows.shape[1:]) * jnp.dtype(rows.dtype).itemsize
     return row_bytes >= DEDUP_DIRECT_MIN_ROW_BYTES
 

@@ -691,13 +691,17 @@ def test_ragged_dedup_row_sources(monkeypatch, mesh, direct):
   np.testing.assert_allclose(np.asarray(jax.jit(fp8)(p["x"])), np.asarray(want), **TOL)
 
 
-def test_ragged_dedup_direct_rows_by_default_for_wide_rows():
+def test_ragged_dedup_direct_rows_by_default_for_wide_rows(monkeypatch):
   pf = sharding.RaggedDedupA2A(parallel("e8"))
   wide = sharding.prepare_finalize.DEDUP_DIRECT_MIN_ROW_BYTES // 2
   assert pf._direct(jnp.zeros((3, wide), jnp.bfloat16))  # deepseek-v3's 14 KB rows
   assert not pf._direct(jnp.zeros((3, wide - 1), jnp.bfloat16))  # qwen3's 4 KB rows
   assert not sharding.RaggedDedupA2A(parallel("e8"), direct_rows=False)._direct(
       jnp.zeros((3, wide), jnp.bfloat16))
+  # XLA's NCCL path (several processes) would send each per-token piece on its own: packed
+  native = sharding.RaggedDedupA2A(parallel("e8"), ragged_impl="native")
+  monkeypatch.setattr(collectives, "one_shot_kernel_applies", lambda peers: False)
+  assert not native._direct(jnp.zeros((3, wide), jnp.bfloat16))
 
 
 def test_ragged_dedup_sends_one_copy_per_rank():

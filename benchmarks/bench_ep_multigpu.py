@@ -76,6 +76,21 @@ def dedup_rows(variant):
     prepare_finalize.DEDUP_DIRECT_ROWS = old
 
 
+def dispatch_setup(args):
+  """(devices, preset config, mesh, sharded (x, topk weights, topk ids)) for the dispatch tools
+  (ep_dispatch_profile.py, ep_timeline.py): args.preset at args.tokens per GPU on every device;
+  --small shrinks them to a CPU smoke test (and sets args.tokens to 16)."""
+  devs = jax.devices()
+  cfg = get_preset(args.preset)
+  if args.small:
+    cfg = cfg.replace(hidden_size=128, intermediate_size=64, num_experts=32,
+                      num_expert_group=None, topk_group=None)
+    args.tokens = 16
+  par = sharding.make_parallel(expert=len(devs), devices=devs)
+  xs = tuple(sharding.shard_tokens(v, par) for v in tokens(cfg, args.tokens * len(devs)))
+  return devs, cfg, par, xs
+
+
 def measure(fn, args, iters):
   """Median µs per call: pipelined wall clock (timing.throughput_time) on GPUs, counting the
   slowest GPU once (a CUPTI kernel sum would add up all GPUs' kernels and the time collectives

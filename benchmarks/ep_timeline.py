@@ -30,7 +30,6 @@ import jax
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_ep_multigpu as ep  # noqa: E402
 import sharding  # noqa: E402
-from jmoe.config import get_preset  # noqa: E402
 
 
 def read_trace(log_dir: str) -> dict:
@@ -105,14 +104,7 @@ def main():
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ep_timeline"))
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  devs = jax.devices()
-  cfg = get_preset(args.preset)
-  if args.small:
-    cfg = cfg.replace(hidden_size=128, intermediate_size=64, num_experts=32,
-                      num_expert_group=None, topk_group=None)
-    args.tokens = 16
-  par = sharding.make_parallel(expert=len(devs), devices=devs)
-  xs = tuple(sharding.shard_tokens(v, par) for v in ep.tokens(cfg, args.tokens * len(devs)))
+  devs, cfg, par, xs = ep.dispatch_setup(args)
   res = dict(meta=dict(jax=jax.__version__, devices=len(devs), kind=devs[0].device_kind,
                        preset=args.preset, tokens_per_gpu=args.tokens, combine=args.combine,
                        layer=args.layer),

@@ -180,10 +180,10 @@ class ParallelConfig:
   # Activation dtype on the EP dispatch wire: None (the activations' own) or "fp8" (rows as
   # float8_e4m3fn with an f32 scale per 128 channels, dequantized on arrival; see jmoe.quant).
   # Halves the dispatch bytes at fp8 rounding (~2-3 % relative per element); combine unchanged.
-  # Rows, scales (and ragged_dedup's ids / weights) travel packed in one collective. Forward
-  # only: differentiating w.r.t. the tokens raises (weight gradients are allowed). On 2 H200s
-  # over NVLink it is a wash (BENCHMARKS.md): the collective halves, but the quantize before
-  # and the dequantize for the bf16 experts after cost as much; it is for slower wires.
+  # Rows and their scales travel packed in one collective. Forward only: differentiating
+  # w.r.t. the tokens raises (weight gradients are allowed). On 2 H200s over NVLink it is a
+  # wash (BENCHMARKS.md): the collective halves, but the quantize before and the dequantize
+  # for the bf16 experts after cost as much; it is for slower wires.
   dispatch_dtype: Optional[str] = None
 
   def __post_init__(self):

@@ -394,8 +394,8 @@ def test_fp8_dispatch_refuses_gradients_and_bad_dtypes(prob):
 @pytest.mark.parametrize("a2a", ["ragged_a2a", "ragged_dedup"])
 def test_fp8_dispatch_weight_gradients(prob, a2a):
   """Tokens that are not differentiated may travel in fp8: the weight gradients equal the
-  bf16-dispatch layer's on the fp8-rounded tokens (the packed wire carries rows, scales, ids
-  and weights in one collective)."""
+  bf16-dispatch layer's on the fp8-rounded tokens (the packed wire carries rows and their
+  scales in one collective; the router weights travel apart, and stay differentiable)."""
   p, _ = prob
   x_dq = dequantize_rows_fp8(*quantize_rows_fp8(p["x"]), p["x"].dtype)
 

@@ -676,7 +676,7 @@ def test_placement_maps(kind):
 
 
 @pytest.mark.parametrize("mesh,direct", [("e8", True), ("e8", False), ("d2e4", True),
-                                         ("e4t2", False)])
+                                         ("e4t2", True), ("e4t2", False)])
 def test_ragged_dedup_row_sources(monkeypatch, mesh, direct):
   """Rows sent straight from the token array (one piece per (destination, token)) or packed
   per destination first: both equal the reference, forward and gradients, and with fp8 rows."""

@@ -1,0 +1,39 @@
+"""The benchmark tools' own logic that runs without a GPU: ep_timeline.py's trace reading."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+
+import ep_timeline  # noqa: E402
+
+
+def _trace():
+  meta = [dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
+          dict(ph="M", pid=2, name="process_name", args=dict(name="/device:GPU:1")),
+          dict(ph="M", pid=3, name="process_name", args=dict(name="/host:CPU")),
+          dict(ph="M", pid=1, tid=7, name="thread_name", args=dict(name="Stream #7(Compute)"))]
+  def ev(pid, ts, dur, name):
+    return dict(ph="X", pid=pid, tid=7, ts=ts, dur=dur, name=name)
+  events = [ev(1, 100.0, 50.0, "gather"), ev(2, 120.0, 10.0, "barrier"),
+            ev(1, 151.0, 30.0, "ragged"), ev(3, 90.0, 400.0, "host work"),
+            ev(1, 2000.0, 20.0, "gather"), ev(2, 2005.0, 5.0, "barrier")]
+  return dict(traceEvents=meta + events)
+
+
+def test_device_events_and_calls(tmp_path):
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  with gzip.open(run / "host.trace.json.gz", "wt") as fh:
+    json.dump(_trace(), fh)
+  events = ep_timeline.device_events(ep_timeline.read_trace(str(tmp_path)), "/device:GPU")
+  assert [e["name"] for e in events] == ["gather", "barrier", "ragged", "gather", "barrier"]
+  assert events[0]["stream"] == "Stream #7(Compute)" and events[1]["stream"] == ""
+  calls = ep_timeline.split_calls(events, gap_us=500.0)  # 2000 is 1819 µs after 181: a new call
+  assert [len(c) for c in calls] == [3, 2]
+  first = ep_timeline.summarize(calls[0])
+  assert first["span_us"] == 81.0  # 100 -> 181
+  assert [e["start_us"] for e in first["events"]] == [0.0, 20.0, 51.0]

@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from jmoe import timing  # noqa: E402
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from pallas_kernels import moe as pmoe  # noqa: E402
+from pallas_kernels import decode  # noqa: E402
 from pallas_kernels import permute as perm  # noqa: E402
 from pallas_kernels import route as _route  # noqa: E402
 from pallas_kernels.grouped_gemm import GroupedGemmConfig as C  # noqa: E402
@@ -322,12 +323,13 @@ def stage_block(args):
     if have_torch:
       import torch
       tw13, tw2 = torch.from_dlpack(w13), torch.from_dlpack(w2)
-    for T, route in [(int(t), r) for t in args.tokens.split(",")
-                     for r in args.route_impls.split(",")]:
+    layouts = args.layout.split(",")
+    for T, route, layout in [(int(t), r, lay) for t in args.tokens.split(",")
+                             for r in args.route_impls.split(",") for lay in layouts]:
       if time.time() - T0 > args.budget_s:
         log(f"[block] budget reached, skipping {pname} T={T}")
         break
-      rec = dict(preset=pname, T=T, permute_impl=PERMUTE_IMPL, layout=args.layout,
+      rec = dict(preset=pname, T=T, permute_impl=PERMUTE_IMPL, layout=layout,
                  route_impl=route, **p)
       c1_, c2_ = block_configs(args, p, T)
       rec["configs"] = [c.to_json() if c else None for c in (c1_, c2_)]
@@ -348,10 +350,14 @@ def stage_block(args):
           # fused_experts is jitted: a cached trace would keep another variant's form
           jax.clear_caches()
           _route.ONE_KERNEL_BLOCKS = int(okb) if okb else ONE_KERNEL_BLOCKS_DEFAULT
-        f0 = jax.jit(lambda x, tw, ti, w13, w2, c1=c1, c2=c2: pmoe.fused_experts(
-            x, w13, w2, tw, ti, activation="silu", config1=c1, config2=c2,
-            interpret=INTERPRET, permute_impl=PERMUTE_IMPL, layout=args.layout,
-            route_impl=impl))
+        lay, _, stages = layout.partition(":")
+        if stages:  # "fused_decode:S": the decode kernel with an S-slot weight ring
+          f0 = jax.jit(lambda x, tw, ti, w13, w2, s_=int(stages): decode.fused_experts_decode(
+              x, w13, w2, tw, ti, config=decode.DecodeConfig(stages=s_), interpret=INTERPRET))
+        else:
+          f0 = jax.jit(lambda x, tw, ti, w13, w2, c1=c1, c2=c2, lay=lay: pmoe.fused_experts(
+              x, w13, w2, tw, ti, activation="silu", config1=c1, config2=c2,
+              interpret=INTERPRET, permute_impl=PERMUTE_IMPL, layout=lay, route_impl=impl))
         sets = [s_ + (w13, w2) for s_ in sets]
         f = f0
         t = time.time()
@@ -367,7 +373,8 @@ def stage_block(args):
         rec.update(jmoe_us=us, jmoe_samples=samples, kernels=pk)
         rec["tflops"] = flops / us / 1e6
         rec["ratio_floor"] = us / rec["floor_us"]
-        if have_torch and route == args.route_impls.split(",")[0]:  # once per (preset, T)
+        first = route == args.route_impls.split(",")[0] and layout == layouts[0]
+        if have_torch and first:  # once per (preset, T)
           try:
             tsets = [(torch.from_dlpack(x_), tw13, tw2, torch.from_dlpack(w_),
                       torch.from_dlpack(i_).long()) for x_, w_, i_, _, _ in sets]
@@ -378,7 +385,7 @@ def stage_block(args):
             rec["ratio_torch"] = us / tus
           except Exception as e:  # noqa: BLE001
             err(f"torch {pname} T={T}", e)
-        log(f"[block] {pname:14s} T={T:6d} route={route:7s} err={rec['err']:.2e} jmoe={us:9.1f}us "
+        log(f"[block] {pname:14s} T={T:6d} route={route:7s} layout={layout} err={rec['err']:.2e} jmoe={us:9.1f}us "
             f"torch={rec.get('torch_us', float('nan')):9.1f}us floor={rec['floor_us']:8.1f}us "
             f"x_floor={rec['ratio_floor']:.2f} x_torch={rec.get('ratio_torch', float('nan')):.2f} "
             f"compile={rec['compile_s']:.0f}s")
@@ -654,8 +661,9 @@ def main():
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--force-nows", action="store_true")
   ap.add_argument("--layout", default="auto",
-                  choices=["auto", "sorted", "per_slot", "fused_decode"],
-                  help="fused_experts layout for the block stage (per_slot: decode, no sort)")
+                  help="comma list of fused_experts layouts for the block stage, each timed "
+                       "(auto, sorted, per_slot, fused_decode; 'fused_decode:S' = the decode "
+                       "kernel with an S-slot ring)")
   ap.add_argument("--route-impls", default="auto",
                   help="comma list of fused_experts route_impl values, each timed (sorted "
                        "layout); 'kernels:N' = the routing kernels in one kernel up to N blocks")

@@ -1,23 +1,27 @@
-"""The decode MoE block as one Mosaic GPU kernel: GEMM1, activation and GEMM2 chained per slot.
+"""The decode MoE block as one Mosaic GPU kernel: GEMM1, activation and GEMM2 chained per slot,
+all weight loads of a CTA in one TMA ring.
 
-At decode (a few tokens) the block is weight streaming, and every extra kernel launch or HBM
-round trip shows. ``fused_experts_decode`` runs, for each valid slot s (token t = s // k,
-expert e) and each block j of ``block_n`` intermediate columns, one work item:
+At decode (a few tokens) the block is weight streaming: what counts is keeping HBM busy from the
+first byte to the last and launching few kernels. ``fused_experts_decode`` runs, for each valid
+slot s (token t = s // k, expert e = topk_ids[s]) and each block j of 64 intermediate columns,
+one work item:
 
-    a      = act(x[t] @ w13[e][:, gate cols of j], x[t] @ w13[e][:, up cols of j])   [1, bn]
-    part[j, s, :] = a @ w2[e][rows of j, :]                                           [1, H] f32
+    a             = act(x[t] @ w13[e][:, gate cols of j] (+ b), x[t] @ w13[e][:, up cols of j])
+    part[j, s, :] = a @ w2[e][rows of j, :]                                     [1, H] f32
 
-(a w13 bias, if any, is added before the activation). Both weight matrices are read exactly
-once per slot, the [bn]-wide intermediate never leaves shared memory, and the sum over j and k
-(router weights, w2 bias) is one small reduction after. Launches: x padded to a row tile, the
-slot list (a few fused integer ops), this kernel, the reduction. Slots that share an expert
-read its weights once each, so this suits batches whose slots rarely share one (like the
-per_slot layout of fused_experts).
+Each item is H / 64 GEMM1 steps (a [64, 64] gate and a [64, 64] up tile) then H / 128 GEMM2
+steps (two [64, 64] tiles of w2's rows j), all 16 KiB. A CTA walks its items (slot-major, so
+the first waves touch every slot) as one stream of steps through one ring of SMEM slots: the
+loads of the next GEMM2 steps fly while GEMM1 finishes, and the next item's loads while GEMM2
+finishes, so the ring never drains between the two GEMMs or between items.
 
-Opt-in through ``fused_experts(layout="fused_decode")``: correct on an H200, but slower than
-the per_slot layout there (qwen3 T=1 37.3 vs 34.7 µs, mixtral 223 vs 176; BENCHMARKS.md, fourth
-round); each item drains GEMM1's pipeline before GEMM2. Gated activations only (swigluoai
-included).
+The token row is not padded to a 64-row tile in HBM (that would be a copy kernel): the item's x
+row is loaded once into SMEM, and each GEMM1 step broadcasts its 64 columns into a [64, 64] tile.
+All 64 rows of a tile compute the same token; row 0 of GEMM2's output is stored.
+
+Launches: this kernel and one reduction (the sum over j and k with the router weights, the w2
+bias). No slot list, no sort, no token gather: the kernel reads topk_ids itself and gives an
+empty or EP-remote slot (id outside [0, E)) no items.
 """
 from __future__ import annotations
 
@@ -32,131 +36,208 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
-from pallas_kernels import permute as _perm
 from pallas_kernels.activations import Activation, as_activation
 from pallas_kernels.grouped_gemm import kernel_activation
 
-_ROWS = 64  # wgmma's M: one row of the tile is the slot's token, the rest ride along
+_ROWS = 64  # wgmma's M: every row of a tile is the item's token
+BN = 64  # intermediate columns per item (GEMM1's N per gate / up, GEMM2's K)
+BK = 64  # GEMM1's contraction step
+BH = 128  # GEMM2's output columns per step (two 64-column tiles)
+MAX_SLOTS = 128  # the kernel scans topk_ids in registers: decode-sized batches only
+_SMEM_BYTES = 227 * 1024
+_MAX_STAGES = 12  # H200, qwen3 T=1: 4 / 6 / 8 slots 24.6 / 24.6 / 23.0 µs (deeper is better)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """block_n: intermediate columns per work item (GEMM1 output / GEMM2 contraction);
-  block_k: GEMM1 contraction step; block_h: GEMM2 output columns per step; stages: pipeline
-  depths of the two GEMMs."""
-  block_n: int = 64
-  block_k: int = 64
-  block_h: int = 128
-  stages1: int = 4
-  stages2: int = 3
+  """stages: 16 KiB slots of the weight ring (None: as many as shared memory holds, up to 8)."""
+  stages: int | None = None
 
   def __post_init__(self):
-    for name in ("block_n", "block_k", "block_h"):
-      v = getattr(self, name)
-      if v % 64 or v <= 0:
-        raise ValueError(f"{name}={v} must be a positive multiple of 64")
-    if self.stages1 < 2 or self.stages2 < 2:
-      raise ValueError("stages1 and stages2 must be >= 2")
+    if self.stages is not None and self.stages < 2:
+      raise ValueError(f"stages={self.stages} must be >= 2")
 
 
-def _build(*, rows, h, n, m, k, dtype, act: Activation, cfg: DecodeConfig, has_bias: bool,
-           num_sms, interpret):
-  """rows: rows of the padded x (>= 64, a multiple of 8); m = T * k slots; has_bias: a w13
-  bias [E, 2N] (f32) is added before the activation."""
-  bn, bk, bh = cfg.block_n, cfg.block_k, cfg.block_h
-  n_blocks, k_iters, h_iters = n // bn, h // bk, h // bh
+def _fixed_smem(h: int, itemsize: int, has_bias: bool) -> int:
+  """SMEM besides the ring: two x tiles, the activation tile, GEMM2's f32 output tiles, two x
+  rows (and two gate / up bias slices)."""
+  return (2 * _ROWS * BK * itemsize + _ROWS * BN * itemsize + 2 * _ROWS * (BH // 2) * 4
+          + 2 * h * itemsize + (2 * 2 * BN * 4 if has_bias else 0))
+
+
+def max_stages(h: int, itemsize: int, has_bias: bool) -> int:
+  """The deepest ring that fits shared memory for hidden size h."""
+  free = _SMEM_BYTES - _fixed_smem(h, itemsize, has_bias)
+  return min(_MAX_STAGES, free // (2 * BK * BN * itemsize))
+
+
+def _build(*, t, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool, num_sms,
+           interpret):
+  """x is passed as [T * H / 64, 64] (one x row = H / 64 rows of it)."""
+  nb, k1, k2 = n // BN, h // BK, h // BH
+  spi = k1 + k2  # steps per item
+  hr = h // BK  # rows of the [T * H / 64, 64] view per token
+  if stages - 1 >= spi:
+    raise ValueError(f"stages={stages} must be at most {spi} (steps per item)")
   itemsize = jnp.dtype(dtype).itemsize
   _cast = _compat.layout_cast(interpret)
+  tf = _compat.smem_transforms(BN, itemsize)
 
-  def body(slot_ref, expert_ref, count_ref, x_ref, w13_ref, w2_ref, *rest):
+  def body(ids_ref, x_ref, w13_ref, w2_ref, *rest):
     rest = list(rest)
     b13_ref = rest.pop(0) if has_bias else None
-    part_ref, a_smem, o_smem, vec_smem, vec_bar = rest
-    num_items = count_ref[0] * n_blocks
+    part_ref, ring, xt, a_smem, o_smem, x_rows = rest[:6]
+    rest = rest[6:]
+    b_smem = rest.pop(0) if has_bias else None
+    bars, xbar = rest
+    sm = lax.axis_index("sm")
 
-    @plgpu.nd_loop((num_items,), collective_axes="sm")
-    def _item(info):
-      (lin,) = info.index
-      i = lax.div(lin, jnp.int32(n_blocks))
-      j = lax.rem(lin, jnp.int32(n_blocks))
-      s = slot_ref[i]
-      e = expert_ref[i]
-      tok = lax.div(s, jnp.int32(k))
-      # the 64-row x tile holding the token, starting on an 8-row boundary inside the array
-      r0 = pl.multiple_of(jnp.minimum(tok - lax.rem(tok, 8), rows - _ROWS), 8)
-      w13_e = w13_ref.at[e]
-      if has_bias:  # the gate and up bias slices, loaded while GEMM1 runs
-        for c, col in enumerate((j * bn, n + j * bn)):
-          plgpu.copy_gmem_to_smem(b13_ref.at[e, pl.ds(col, bn)], vec_smem.at[c],
-                                  vec_bar.at[c])
+    def item(it):
+      """(valid-slot count, (slot, expert, block j, token)) of this CTA's item `it`: item
+      lin = sm + it * num_sms is block j = lin % nb of the (lin // nb)-th valid slot."""
+      lin = sm + it * num_sms
+      v, j = lax.div(lin, jnp.int32(nb)), lax.rem(lin, jnp.int32(nb))
+      cnt, slot, expert = jnp.int32(0), jnp.int32(0), jnp.int32(0)
+      for s in range(m):  # m <= MAX_SLOTS independent scalar loads
+        ident = ids_ref[s]
+        ok = (ident >= 0) & (ident < e)
+        hit = ok & (cnt == v)
+        slot = jnp.where(hit, s, slot)
+        expert = jnp.where(hit, ident, expert)
+        cnt = cnt + ok.astype(jnp.int32)
+      return cnt, (slot, expert, j, lax.div(slot, jnp.int32(k)))
+
+    count, info0 = item(jnp.int32(0))
+    my_items = jnp.maximum(lax.div(count * nb - sm + num_sms - 1, num_sms), 0)
+    total = my_items * spi
+
+    def fetch(g, i, cur, nxt):
+      """Loads the CTA's step g (item i's or item i + 1's) into slot g % stages."""
+      @pl.when(g < total)
+      def _fetch():
+        it, r = lax.div(g, jnp.int32(spi)), lax.rem(g, jnp.int32(spi))
+        pick = it == i
+        _, ex, jb, tok = (jnp.where(pick, a, b) for a, b in zip(cur, nxt))
+        slot = lax.rem(g, jnp.int32(stages))
+        dst, bar = ring.at[slot], bars.at[slot]
+
+        @pl.when(r == 0)  # the item's x row (and bias slices) ride with its first step
+        def _row():
+          xb = lax.rem(it, 2)
+          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * hr, hr)], x_rows.at[xb], xbar.at[xb])
+          if has_bias:
+            for c, col in enumerate((jb * BN, n + jb * BN)):
+              plgpu.copy_gmem_to_smem(b13_ref.at[ex, pl.ds(col, BN)], b_smem.at[xb, c],
+                                      xbar.at[xb])
+
+        @pl.when(r < k1)
+        def _w13():
+          rows = pl.ds(r * BK, BK)
+          plgpu.copy_gmem_to_smem(w13_ref.at[ex, rows, pl.ds(jb * BN, BN)], dst.at[0], bar)
+          plgpu.copy_gmem_to_smem(w13_ref.at[ex, rows, pl.ds(n + jb * BN, BN)], dst.at[1], bar)
+
+        @pl.when(r >= k1)
+        def _w2():
+          c = r - k1
+          for half in range(2):
+            cols = pl.ds(c * BH + half * (BH // 2), BH // 2)
+            plgpu.copy_gmem_to_smem(w2_ref.at[ex, pl.ds(jb * BN, BN), cols], dst.at[half], bar)
+
+    # the first stages - 1 steps all belong to item 0 (stages - 1 < steps per item)
+    for g in range(stages - 1):
+      fetch(jnp.int32(g), jnp.int32(0), info0, info0)
+
+    def one_item(i, cur):
+      _, nxt = item(i + 1)
+      slot_id, _, jb, _ = cur
+      xb = lax.rem(i, 2)
+      base = i * spi
+      plgpu.barrier_wait(xbar.at[xb])
 
       def gemm1(acc_g, acc_u):
-        def step(_, x_smem, g_smem, u_smem):
-          plgpu.wgmma(acc_g, x_smem, g_smem)
-          plgpu.wgmma(acc_u, x_smem, u_smem)
-          plgpu.wgmma_wait(2)  # this step's two stay in flight; delay_release keeps their tiles
-        specs = [plgpu.BlockSpec((_ROWS, bk), lambda kk: (0, kk),
-                                 transforms=_compat.smem_transforms(bk, itemsize), delay_release=1)]
-        specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0),
-                                  transforms=_compat.smem_transforms(bn, itemsize), delay_release=1)
-                  for _ in range(2)]
-        plgpu.emit_pipeline(step, grid=(k_iters,), in_specs=specs,
-                            max_concurrent_steps=cfg.stages1)(
-                                x_ref.at[pl.ds(r0, _ROWS), :],
-                                w13_e.at[:, pl.ds(j * bn, bn)],
-                                w13_e.at[:, pl.ds(n + j * bn, bn)])
+        @pl.loop(0, k1)
+        def _step(r):
+          g = base + r
+          xtile = xt.at[lax.rem(g, 2)]  # step g - 2, its last reader, is done
+          xtile[...] = lax.broadcast_in_dim(x_rows.at[xb, r][...], (_ROWS, BK), [1])
+          plgpu.commit_smem()
+          slot = lax.rem(g, jnp.int32(stages))
+          plgpu.barrier_wait(bars.at[slot])
+          plgpu.wgmma(acc_g, xtile, ring.at[slot, 0])
+          plgpu.wgmma(acc_u, xtile, ring.at[slot, 1])
+          plgpu.wgmma_wait(2)  # step g - 1's pair is done: its slot takes step g + stages - 1
+          fetch(g + stages - 1, i, cur, nxt)
+
         plgpu.wgmma_wait(0)
         gate, up = acc_g[...], acc_u[...]
         if has_bias:
           biased = []
           for c, v in enumerate((gate, up)):
-            plgpu.barrier_wait(vec_bar.at[c])
-            b = _cast(vec_smem.at[c][...], plgpu.Layout.WGMMA.reduce(0))
-            biased.append(v + lax.broadcast_in_dim(b, (_ROWS, bn), [1]))
+            b = _cast(b_smem.at[xb, c][...], plgpu.Layout.WGMMA.reduce(0))
+            biased.append(v + lax.broadcast_in_dim(b, (_ROWS, BN), [1]))
           gate, up = biased
-        a = kernel_activation(act, gate, up)
-        a_smem[...] = a.astype(dtype)  # GEMM2's A operand: the intermediate stays on chip
+        a_smem[...] = kernel_activation(act, gate, up).astype(dtype)
         plgpu.commit_smem()
 
-      pl.run_scoped(gemm1, plgpu.ACC((_ROWS, bn), jnp.float32),
-                    plgpu.ACC((_ROWS, bn), jnp.float32))
+      pl.run_scoped(gemm1, plgpu.ACC((_ROWS, BN), jnp.float32),
+                    plgpu.ACC((_ROWS, BN), jnp.float32))
 
-      def gemm2_step(idx, w2_smem):
-        (c,) = idx
+      @pl.loop(0, k2)
+      def _gemm2(c):
+        g = base + k1 + c
+        slot = lax.rem(g, jnp.int32(stages))
+        plgpu.barrier_wait(bars.at[slot])
 
-        def one(acc):
-          plgpu.wgmma(acc, a_smem, w2_smem)
+        def mma(acc_a, acc_b):
+          plgpu.wgmma(acc_a, a_smem, ring.at[slot, 0])
+          plgpu.wgmma(acc_b, a_smem, ring.at[slot, 1])
           plgpu.wgmma_wait(0)
-          return acc[...]
+          return acc_a[...], acc_b[...]
 
-        y = pl.run_scoped(one, plgpu.ACC((_ROWS, bh), jnp.float32))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store read o_smem
-        o_smem[...] = y
+        ys = pl.run_scoped(mma, plgpu.ACC((_ROWS, BH // 2), jnp.float32),
+                           plgpu.ACC((_ROWS, BH // 2), jnp.float32))
+        fetch(g + stages - 1, i, cur, nxt)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores read o_smem
+        for half, y in enumerate(ys):
+          o_smem[half] = y
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(tok - r0, 1)],
-                                part_ref.at[j, pl.ds(s, 1), pl.ds(c * bh, bh)])
+        for half in range(2):
+          plgpu.copy_smem_to_gmem(
+              o_smem.at[half, pl.ds(0, 1)],
+              part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH + half * (BH // 2), BH // 2)])
 
-      plgpu.emit_pipeline(
-          gemm2_step, grid=(h_iters,),
-          in_specs=[plgpu.BlockSpec((bn, bh), lambda c: (0, c),
-                                    transforms=_compat.smem_transforms(bh, itemsize))],
-          max_concurrent_steps=cfg.stages2)(w2_ref.at[e].at[pl.ds(j * bn, bn), :])
+      return nxt
 
+    lax.fori_loop(0, my_items, one_item, info0)
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
+  scratch = [
+      plgpu.SMEM((stages, 2, BK, BN), dtype, transforms=tf),  # the weight ring
+      plgpu.SMEM((2, _ROWS, BK), dtype, transforms=tf),  # x tiles (two steps in flight)
+      plgpu.SMEM((_ROWS, BN), dtype, transforms=tf),  # the activation: GEMM2's lhs
+      plgpu.SMEM((2, _ROWS, BH // 2), jnp.float32),  # GEMM2's output tiles
+      plgpu.SMEM((2, hr, BK), dtype),  # x rows of this item and the next
+  ]
+  if has_bias:
+    scratch.append(plgpu.SMEM((2, 2, BN), jnp.float32))
+  scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=3 if has_bias else 1, num_barriers=2)]
   return _compat.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((n_blocks, m, h), jnp.float32),
-      scratch_types=[plgpu.SMEM((_ROWS, bn), dtype, transforms=_compat.smem_transforms(bn, itemsize)),
-                     plgpu.SMEM((_ROWS, bh), jnp.float32),
-                     plgpu.SMEM((2, bn), jnp.float32),
-                     plgpu.Barrier(num_arrivals=1, num_barriers=2)],
+      out_type=jax.ShapeDtypeStruct((nb, m, h), jnp.float32),
+      scratch_types=scratch,
       grid=(num_sms,),
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True),
       interpret=interpret,
       name="jmoe_moe_decode",
   )
+
+
+def supports(t: int, k: int, h: int, n: int, act: Activation | str) -> bool:
+  """Whether fused_experts_decode takes this problem (else fused_experts' per_slot layout)."""
+  return (as_activation(act).is_gated and t * k <= MAX_SLOTS and h % BH == 0 and n % BN == 0
+          and h // BK <= 256)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "config", "interpret"))
@@ -169,9 +250,10 @@ def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weigh
   e = topk_ids[t, j].
 
   x [T, H] bf16/f16, w13 [E, H, 2N] (gate | up, gated activations only), w2 [E, N, H],
-  topk_weights [T, k], topk_ids [T, k] (-1 or >= E: empty slot). H and N multiples of the
-  config's blocks (64 by default). w13_bias [E, 2N] is added in the kernel before the
-  activation; w2_bias [E, H] in the final reduction (once per slot). Returns [T, H] in x.dtype.
+  topk_weights [T, k], topk_ids [T, k] (-1 or >= E: empty slot). T * k <= 128 (decode),
+  H a multiple of 128 (at most 16384), N a multiple of 64. w13_bias [E, 2N] is added in the
+  kernel before the activation; w2_bias [E, H] in the final reduction (once per slot). Returns
+  [T, H] in x.dtype.
   """
   act = as_activation(activation)
   if not act.is_gated:
@@ -186,30 +268,37 @@ def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weigh
     raise ValueError(f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
   if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(f"x dtype {x.dtype}: bfloat16 or float16")
-  for name, size, block in (("H", h, cfg.block_k), ("H", h, cfg.block_h), ("N", n, cfg.block_n)):
-    if size % block:
-      raise ValueError(f"{name}={size} is not a multiple of the block ({block})")
+  if h % BH or h // BK > 256:
+    raise ValueError(f"H={h} must be a multiple of {BH} and at most {256 * BK}")
+  if n % BN:
+    raise ValueError(f"N={n} is not a multiple of {BN}")
+  if t * k > MAX_SLOTS:
+    raise ValueError(f"topk_ids has {t * k} slots; the decode kernel takes at most {MAX_SLOTS}")
   if w13_bias is not None and w13_bias.shape != (e, n2):
     raise ValueError(f"w13_bias must have shape ({e}, {n2}), got {w13_bias.shape}")
   if w2_bias is not None and w2_bias.shape != (e, h):
     raise ValueError(f"w2_bias must have shape ({e}, {h}), got {w2_bias.shape}")
+  itemsize = jnp.dtype(x.dtype).itemsize
+  has_bias = w13_bias is not None
+  stages = cfg.stages or min(max_stages(h, itemsize, has_bias), h // BK + h // BH)
+  if stages > max_stages(h, itemsize, has_bias):
+    raise ValueError(f"stages={stages} does not fit shared memory at H={h} "
+                     f"(at most {max_stages(h, itemsize, has_bias)})")
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
-  valid = (ids >= 0) & (ids < e)
-  slots, count = _perm.valid_slots_first(valid)
-  experts = jnp.where(valid, ids, 0)[slots]
-  rows = max(-(-t // 8) * 8, _ROWS)
-  xp = x if rows == t else jnp.pad(x, ((0, rows - t), (0, 0)))
   interp, nsm = _compat.launch_params(interpret)
-  kern = _build(rows=rows, h=h, n=n, m=m, k=k, dtype=x.dtype, act=act, cfg=cfg,
-                has_bias=w13_bias is not None, num_sms=nsm, interpret=interp)
-  args = [slots, experts, count, xp, w13, w2]
-  if w13_bias is not None:
+  kern = _build(t=t, h=h, n=n, m=m, k=k, e=e, dtype=x.dtype, act=act, stages=stages,
+                has_bias=has_bias, num_sms=nsm, interpret=interp)
+  args = [ids, x.reshape(t * h // BK, BK), w13, w2]
+  if has_bias:
     args.append(w13_bias.astype(jnp.float32))
-  part = kern(*args)  # [N / block_n, m, H]; empty slots' rows unwritten
-  y = jnp.sum(part, axis=0)
+  part = kern(*args)  # [N / 64, m, H]; empty slots' rows unwritten
+  valid = (ids >= 0) & (ids < e)
+  w = topk_weights.reshape(m).astype(jnp.float32)
+  # one reduction over (j, k): unwritten rows are selected away (a NaN times 0 is NaN)
+  y = jnp.where(valid[None, :, None], part * w[None, :, None], 0.0)
+  y = jnp.sum(y.reshape(-1, t, k, h), axis=(0, 2))
   if w2_bias is not None:
-    y = y + w2_bias.astype(jnp.float32)[jnp.where(valid, ids, 0)]
-  w = jnp.where(valid, topk_weights.reshape(m).astype(jnp.float32), 0.0)
-  y = jnp.where(valid[:, None], y, 0.0) * w[:, None]
-  return jnp.sum(y.reshape(t, k, h), axis=1).astype(x.dtype)
+    b2 = jnp.where(valid[:, None], w2_bias.astype(jnp.float32)[jnp.where(valid, ids, 0)], 0.0)
+    y = y + jnp.sum((b2 * w[:, None]).reshape(t, k, h), axis=1)
+  return y.astype(x.dtype)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _compat
+from pallas_kernels import decode as _decode
 from pallas_kernels import permute as _perm
 from pallas_kernels import route as _route
 from pallas_kernels.activations import Activation, as_activation
@@ -50,14 +51,14 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   layout: "sorted" (moe_align + grouped tiles: each expert's weights stream once),
     "per_slot" (decode: no sort; one task per (slot, column tile) reading slot s's row of
     x[s // k] and its expert's weights, then a sum over k: 4 kernels instead of ~15; an
-    expert streams once per slot routed to it) or "auto": per_slot when 4 * T * k <= E (slots
-    rarely share an expert), else sorted. H200 (2026-11-29, tuned tables): qwen3 1 token 25.4
-    µs (sorted 43.7), 4 tokens 77.0 (sorted 99.4); deepseek-v3 1 / 4 tokens 167 / 631;
-    mixtral 1 token 172; at 16 tokens per_slot loses (qwen3 277 vs 201, mixtral 2509 vs 653).
-    "fused_decode": pallas_kernels.decode, GEMM1 + activation + GEMM2 in one kernel per
-    (slot, intermediate block); gated activations only (else per_slot). Slower than per_slot
-    on an H200 (qwen3 T=1 37.3 vs 34.7 µs before per_slot's 4-kernel form), so "auto" never
-    picks it.
+    expert streams once per slot routed to it), "fused_decode" (pallas_kernels.decode: GEMM1,
+    activation and GEMM2 in one kernel whose weight loads run as one TMA ring, plus one
+    reduction; gated activations and <= 128 slots, else per_slot) or "auto": when 4 * T * k
+    <= E (slots rarely share an expert) fused_decode up to FUSED_DECODE_MAX_BYTES of streamed
+    weights, per_slot above; else sorted. H200 (tuned tables): qwen3 1 token 24.6 µs fused
+    (per_slot 28.1, sorted 43.7), 4 tokens per_slot 77.0 (sorted 99.4); deepseek-v3 1 / 4
+    tokens per_slot 167 / 631; mixtral 1 token per_slot 172; at 16 tokens per_slot loses
+    (qwen3 277 vs 201, mixtral 2509 vs 653).
   route_impl (sorted layout): "kernels" (pallas_kernels.route: moe_align, both GEMMs' tile
     lists and the token gather in two kernels, one up to 128 slots), "xla" (moe_align +
     tile_metadata in jnp, ~16 small XLA kernels, then permute_impl's gather) or "auto":
@@ -80,13 +81,13 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   if config2 is None:
     config2 = gg.get_config("grouped_gemm", m, hdim, n, e, x.dtype)
   if layout == "auto":
-    layout = "per_slot" if 4 * m <= e else "sorted"
+    layout = _auto_layout(t, k, e, hdim, n, act, x.dtype)
   if layout == "fused_decode":
-    if act.is_gated:
-      from pallas_kernels.decode import fused_experts_decode  # noqa: PLC0415
-      return fused_experts_decode(x, w13, w2, topk_weights, topk_ids, activation=act,
-                                  w13_bias=w13_bias, w2_bias=w2_bias, interpret=interpret)
-    layout = "per_slot"  # the one-kernel decode path takes gated activations only
+    if _decode.supports(t, k, hdim, n, act):
+      return _decode.fused_experts_decode(x, w13, w2, topk_weights, topk_ids, activation=act,
+                                          w13_bias=w13_bias, w2_bias=w2_bias,
+                                          interpret=interpret)
+    layout = "per_slot"  # the one-kernel decode path takes gated activations, <= 128 slots
   if layout == "per_slot":
     return _per_slot(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config1,
                      config2, interpret)
@@ -114,6 +115,26 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
               meta=meta2)
   # the router weights are applied in the reduction (no sorted copy of them, no row scale)
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=x.dtype)
+
+
+# The one-kernel decode block wins where the per_slot GEMMs are short and their launches show:
+# H200 (2026-11-30, r12a) qwen3 1 token (75 MB of weights) 24.6 vs 28.1 µs; at 2 tokens (151
+# MB) 50.0 vs 47.1, deepseek-v3 and mixtral 1 token (705 MB) 184 vs 172 and 197 vs 168. The
+# linear fits cross near 116 MB.
+FUSED_DECODE_MAX_BYTES = 100e6
+
+
+def _auto_layout(t: int, k: int, e: int, hdim: int, n: int, act: Activation, dtype) -> str:
+  """layout "auto": sorted unless slots rarely share an expert (4 T k <= E); then the
+  one-kernel decode where the slots stream at most FUSED_DECODE_MAX_BYTES of weights, else
+  per_slot."""
+  m = t * k
+  if 4 * m > e:
+    return "sorted"
+  streamed = m * 3 * hdim * n * jnp.dtype(dtype).itemsize
+  if _decode.supports(t, k, hdim, n, act) and streamed <= FUSED_DECODE_MAX_BYTES:
+    return "fused_decode"
+  return "per_slot"
 
 
 def _pick_route_impl(route_impl: str, x, topk_ids, num_experts: int, interpret) -> str:

@@ -237,19 +237,6 @@ def moe_align_training(topk_ids: jax.Array, num_experts: int, m_alloc: int, alig
   return order, pos.reshape(t, k).astype(jnp.int32), asize.astype(jnp.int32)
 
 
-def valid_slots_first(valid: jax.Array):
-  """Stable partition of slots [m]: (slot indices with the valid ones first, their count [1]).
-  The decode paths make one task per valid slot, so an empty slot (-1: EP-remote) costs
-  nothing."""
-  m = valid.shape[0]
-  nvalid = jnp.sum(valid, dtype=jnp.int32)
-  pos = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1,
-                  nvalid + jnp.cumsum(~valid, dtype=jnp.int32) - 1)
-  slots = jnp.zeros((m,), jnp.int32).at[pos].set(jnp.arange(m, dtype=jnp.int32),
-                                                 unique_indices=True)
-  return slots, nvalid.reshape(1)
-
-
 def moe_align_reference(topk_ids, num_experts):
   """NumPy reference of moe_align (for tests)."""
   import numpy as np

@@ -623,15 +623,18 @@ def test_per_slot_layout_property(t, k, seed):
   assert _rel(out, ref) < 2e-2
 
 
-@pytest.mark.parametrize("t,cfg,dtype", [
-    (1, None, jnp.bfloat16),
-    (3, None, jnp.float16),  # an empty slot, an expert twice, T % 8 != 0; swigluoai + biases
-    (9, "wide", jnp.bfloat16),  # wider blocks; tokens past the first 8-row boundary
-    (70, "wide", jnp.bfloat16),  # x tiles starting past row 0, the last one shifted back
+@pytest.mark.parametrize("t,k,stages,dtype", [
+    (1, 2, None, jnp.bfloat16),
+    (3, 2, None, jnp.float16),  # an empty slot, an expert twice; swigluoai + both biases
+    (9, 2, 2, jnp.bfloat16),  # the shallowest ring: every step waits for its own load
+    (20, 3, 3, jnp.bfloat16),  # 60 slots, tokens past the first 8 rows, EP-remote slots
 ])
-def test_fused_decode_kernel(rng, t, cfg, dtype):
+def test_fused_decode_kernel(rng, t, k, stages, dtype):
+  """The one-kernel decode block against the f32 reference: the CTA walks every item in turn
+  (interpret mode runs one CTA), so item boundaries, the x-row double buffer and the ring's
+  wrap-around are all crossed; poisoned (unwritten) rows of empty slots must not leak."""
   from pallas_kernels import decode as dc
-  k, e, h, n = (1 if t > 64 else 2), 4, 256, 256
+  e, h, n = 4, 256, 128
   x = jnp.asarray(rng.standard_normal((t, h)), dtype)
   w13, w2, b13, b2 = _moe_weights(rng, e, h, n)
   w13, w2 = w13.astype(dtype), w2.astype(dtype)
@@ -639,31 +642,86 @@ def test_fused_decode_kernel(rng, t, cfg, dtype):
   ti = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
   if t > 1:
     ti = ti.at[1, 0].set(-1).at[2, 0].set(ti[2, 1])
-  config = dc.DecodeConfig(block_n=128, block_k=128, block_h=256) if cfg == "wide" else None
+  if t > 9:
+    ti = ti.at[11, 1].set(e).at[15, 2].set(e + 3)  # EP-remote ids (>= E) stream nothing
+  config = dc.DecodeConfig(stages=stages)
   act = "swigluoai" if t == 3 else "silu"  # gpt-oss's activation, with both biases
   bias = dict(w13_bias=b13, w2_bias=b2) if t == 3 else {}
   out = _call(dc.fused_experts_decode, x, w13, w2, tw, ti, activation=act, config=config, **bias)
   ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, activation=act, **bias))
   assert np.isfinite(out).all()
   assert _rel(out, ref) < 2e-2
-  if cfg is None:  # fused_experts(layout="fused_decode") is this kernel on its default config
+  if stages is None:  # fused_experts(layout="fused_decode") is this kernel on its default config
     via_block = _call(pmoe.fused_experts, x, w13, w2, tw, ti, activation=act,
                       layout="fused_decode", **bias)
     np.testing.assert_array_equal(via_block, out)
 
 
+def test_fused_decode_all_slots_empty(rng):
+  # no valid slot: the kernel runs no item, and the output is exactly zero
+  from pallas_kernels import decode as dc
+  e, h, n = 2, 128, 64
+  x = jnp.asarray(rng.standard_normal((2, h)), jnp.bfloat16)
+  w13, w2, _, _ = _moe_weights(rng, e, h, n)
+  ti = jnp.asarray([[-1, e], [e + 1, -1]], jnp.int32)
+  out = _call(dc.fused_experts_decode, x, w13, w2, jnp.ones((2, 2), jnp.float32), ti)
+  np.testing.assert_array_equal(out, np.zeros((2, h), np.float32))
+
+
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(0, 2**31 - 1))
+@settings(max_examples=4, deadline=None)
+def test_fused_decode_property(t, k, seed):
+  """Random routing with empty (-1) and EP-remote (E, E + 1) slots mixed in, at the smallest
+  shape the kernel takes (H = 128: three steps per item, a three-slot ring)."""
+  rng = np.random.default_rng(seed)
+  e, h, n = 3, 128, 64
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  w13, w2, b13, b2 = _moe_weights(rng, e, h, n)
+  tw = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+  ti = jnp.asarray(rng.choice(np.arange(-1, e + 2), size=(t, k)), jnp.int32)
+  from pallas_kernels import decode as dc
+  out = _call(dc.fused_experts_decode, x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2)
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2),
+                   np.float32)
+  assert np.isfinite(out).all()
+  assert _rel(out, ref) < 2e-2
+
+
 def test_fused_decode_rejects_what_it_cannot_run(rng):
   from pallas_kernels import decode as dc
-  x = jnp.zeros((1, 96), jnp.bfloat16)
-  w13 = jnp.zeros((2, 96, 128), jnp.bfloat16)
-  w2 = jnp.zeros((2, 64, 96), jnp.bfloat16)
+  x = jnp.zeros((1, 192), jnp.bfloat16)
+  w13 = jnp.zeros((2, 192, 128), jnp.bfloat16)
+  w2 = jnp.zeros((2, 64, 192), jnp.bfloat16)
   tw, ti = jnp.ones((1, 1)), jnp.zeros((1, 1), jnp.int32)
-  with pytest.raises(ValueError, match="H=96"):
+  with pytest.raises(ValueError, match="H=192"):
     dc.fused_experts_decode(x, w13, w2, tw, ti)
+  x, w13, w2 = jnp.zeros((1, 128), jnp.bfloat16), jnp.zeros((2, 128, 192), jnp.bfloat16), \
+      jnp.zeros((2, 96, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="N=96"):
+    dc.fused_experts_decode(x, w13, w2, tw, ti)
+  w13, w2 = jnp.zeros((2, 128, 128), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="gated"):
     dc.fused_experts_decode(x, w13, w2, tw, ti, activation="relu2_no_mul")
-  with pytest.raises(ValueError, match="block_n"):
-    dc.DecodeConfig(block_n=96)
+  with pytest.raises(ValueError, match="stages"):
+    dc.DecodeConfig(stages=1)
+  with pytest.raises(ValueError, match="stages=64"):
+    dc.fused_experts_decode(x, w13, w2, tw, ti, config=dc.DecodeConfig(stages=64))
+  big = jnp.zeros((65, 2), jnp.int32)
+  with pytest.raises(ValueError, match="130 slots"):
+    dc.fused_experts_decode(jnp.zeros((65, 128), jnp.bfloat16), w13, w2, jnp.ones((65, 2)), big)
+
+
+@pytest.mark.parametrize("t,k,e,h,n,act,expect", [
+    (1, 8, 128, 2048, 768, "silu", "fused_decode"),  # qwen3, 1 token: 75 MB streamed
+    (2, 8, 128, 2048, 768, "silu", "per_slot"),  # 151 MB: the two GEMMs' kernels win
+    (1, 8, 256, 7168, 2048, "silu", "per_slot"),  # deepseek-v3, 1 token
+    (1, 8, 128, 2048, 768, "relu2_no_mul", "per_slot"),  # not gated
+    (1, 8, 128, 2048, 720, "silu", "per_slot"),  # N not a multiple of 64
+    (64, 8, 128, 2048, 768, "silu", "sorted"),  # slots share experts
+])
+def test_auto_layout(t, k, e, h, n, act, expect):
+  from pallas_kernels.activations import as_activation
+  assert pmoe._auto_layout(t, k, e, h, n, as_activation(act), jnp.bfloat16) == expect
 
 
 @pytest.mark.parametrize("cfg", [CFG_PLAIN, CFG_WS_N], ids=["plain", "ws"])

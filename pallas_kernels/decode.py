@@ -1,5 +1,5 @@
 """The decode MoE block as one Mosaic GPU kernel: GEMM1, activation and GEMM2 chained per slot,
-all weight loads of a CTA in one TMA ring.
+all weight loads of a CTA in one TMA ring, the weights as wgmma's 64-row operand.
 
 At decode (a few tokens) the block is weight streaming: what counts is keeping HBM busy from the
 first byte to the last and launching few kernels. ``fused_experts_decode`` runs, for each valid
@@ -15,9 +15,13 @@ the first waves touch every slot) as one stream of steps through one ring of SME
 loads of the next GEMM2 steps fly while GEMM1 finishes, and the next item's loads while GEMM2
 finishes, so the ring never drains between the two GEMMs or between items.
 
-The token row is not padded to a 64-row tile in HBM (that would be a copy kernel): the item's x
-row is loaded once into SMEM, and each GEMM1 step broadcasts its 64 columns into a [64, 64] tile.
-All 64 rows of a tile compute the same token; row 0 of GEMM2's output is stored.
+Operands are swapped ("swap AB"): a weight tile, transposed, is wgmma's M x K operand (64 output
+columns), and the token is the 8-column B operand (its vector 8 times; wgmma's smallest N). A
+64-row token tile would cost 8x the tensor-core work per weight byte, which is what bound the
+first form of this kernel (and per_slot's GEMMs) to ~31-35 GB/s per SM. The token row is not
+padded in HBM (a copy kernel): the item's x row is loaded once into SMEM and each step
+broadcasts its 64 columns into a tile whose first 8 rows are B. The activation goes the same way
+(accumulator column -> SMEM vector -> broadcast tile), and each GEMM2 step stores one f32 row.
 
 Launches: this kernel and one reduction (the sum over j and k with the router weights, the w2
 bias). No slot list, no sort, no token gather: the kernel reads topk_ids itself and gives an
@@ -39,13 +43,14 @@ from pallas_kernels import _compat
 from pallas_kernels.activations import Activation, as_activation
 from pallas_kernels.grouped_gemm import kernel_activation
 
-_ROWS = 64  # wgmma's M: every row of a tile is the item's token
-BN = 64  # intermediate columns per item (GEMM1's N per gate / up, GEMM2's K)
+_ROWS = 64  # rows of the broadcast x / activation tiles (the first 8 are wgmma's B operand)
+_N = 8  # wgmma's N: the token, 8 times (all columns of an accumulator are equal)
+BN = 64  # intermediate columns per item (GEMM1's M per gate / up, GEMM2's K)
 BK = 64  # GEMM1's contraction step
-BH = 128  # GEMM2's output columns per step (two 64-column tiles)
+BH = 128  # GEMM2's output columns per step (two 64-row A tiles)
 MAX_SLOTS = 128  # the kernel scans topk_ids in registers: decode-sized batches only
-_SMEM_BYTES = 227 * 1024
-_MAX_STAGES = 12  # H200, qwen3 T=1: 4 / 6 / 8 slots 24.6 / 24.6 / 23.0 µs (deeper is better)
+_SMEM_BYTES = 232448 - 6 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
+_MAX_STAGES = 8  # H200 (r12d), qwen3 1 token: 6 / 8 / 11 slots 21.9 / 20.5 / 24.3 µs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +64,9 @@ class DecodeConfig:
 
 
 def _fixed_smem(h: int, itemsize: int, has_bias: bool) -> int:
-  """SMEM besides the ring: two x tiles, the activation tile, GEMM2's f32 output tiles, two x
-  rows (and two gate / up bias slices)."""
-  return (2 * _ROWS * BK * itemsize + _ROWS * BN * itemsize + 2 * _ROWS * (BH // 2) * 4
+  """SMEM besides the ring: two x tiles, the activation tile and vector, GEMM2's output row,
+  two x rows (and two gate / up bias slices)."""
+  return (2 * _ROWS * BK * itemsize + _ROWS * BN * itemsize + BN * 4 + BH * 4
           + 2 * h * itemsize + (2 * 2 * BN * 4 if has_bias else 0))
 
 
@@ -82,15 +87,37 @@ def _build(*, t, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: b
   itemsize = jnp.dtype(dtype).itemsize
   _cast = _compat.layout_cast(interpret)
   tf = _compat.smem_transforms(BN, itemsize)
+  emulate_t = interpret is not None  # the interpreter's wgmma takes no transposed operand
 
   def body(ids_ref, x_ref, w13_ref, w2_ref, *rest):
     rest = list(rest)
     b13_ref = rest.pop(0) if has_bias else None
-    part_ref, ring, xt, a_smem, o_smem, x_rows = rest[:6]
-    rest = rest[6:]
+    part_ref, ring, xt, a_smem, a_vec, o_row, x_rows = rest[:7]
+    rest = rest[7:]
     b_smem = rest.pop(0) if has_bias else None
-    bars, xbar = rest
+    bars, xbar = rest[:2]
+    t_a, t_b = rest[2:] if emulate_t else (None, None)
     sm = lax.axis_index("sm")
+
+    def lhs(tile):
+      """A = tile^T: a weight tile [K rows, M columns] as wgmma's M x K operand (swap AB: the
+      weights are the 64-row side, the token the 8-column one)."""
+      if emulate_t:
+        t_a[...] = tile[...].T
+        return t_a
+      return plgpu.transpose_ref(tile, (1, 0))
+
+    def rhs(tile):
+      """B = (the tile's first 8 rows)^T: [K, 8], the token's vector 8 times."""
+      rows = tile.at[pl.ds(0, _N)]
+      if emulate_t:
+        t_b[...] = rows[...].T
+        return t_b
+      return plgpu.transpose_ref(rows, (1, 0))
+
+    def column(acc):
+      """The accumulator's column 0 as a vector (its 8 columns are equal)."""
+      return jnp.max(acc[...], axis=1)
 
     def item(it):
       """(valid-slot count, (slot, expert, block j, token)) of this CTA's item `it`: item
@@ -163,24 +190,28 @@ def _build(*, t, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: b
           plgpu.commit_smem()
           slot = lax.rem(g, jnp.int32(stages))
           plgpu.barrier_wait(bars.at[slot])
-          plgpu.wgmma(acc_g, xtile, ring.at[slot, 0])
-          plgpu.wgmma(acc_u, xtile, ring.at[slot, 1])
+          x_t = rhs(xtile)
+          plgpu.wgmma(acc_g, lhs(ring.at[slot, 0]), x_t)
+          plgpu.wgmma(acc_u, lhs(ring.at[slot, 1]), x_t)
           plgpu.wgmma_wait(2)  # step g - 1's pair is done: its slot takes step g + stages - 1
           fetch(g + stages - 1, i, cur, nxt)
 
         plgpu.wgmma_wait(0)
-        gate, up = acc_g[...], acc_u[...]
+        gate, up = acc_g[...], acc_u[...]  # [BN, 8]: rows = intermediate columns
         if has_bias:
           biased = []
           for c, v in enumerate((gate, up)):
-            b = _cast(b_smem.at[xb, c][...], plgpu.Layout.WGMMA.reduce(0))
-            biased.append(v + lax.broadcast_in_dim(b, (_ROWS, BN), [1]))
+            b = _cast(b_smem.at[xb, c][...], plgpu.Layout.WGMMA.reduce(1))
+            biased.append(v + lax.broadcast_in_dim(b, (BN, _N), [0]))
           gate, up = biased
-        a_smem[...] = kernel_activation(act, gate, up).astype(dtype)
+        # the activation vector, through SMEM, into every row of GEMM2's B tile
+        a_vec[...] = jnp.max(kernel_activation(act, gate, up), axis=1)
+        plgpu.commit_smem()
+        a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
+        a_smem[...] = lax.broadcast_in_dim(a, (_ROWS, BN), [1]).astype(dtype)
         plgpu.commit_smem()
 
-      pl.run_scoped(gemm1, plgpu.ACC((_ROWS, BN), jnp.float32),
-                    plgpu.ACC((_ROWS, BN), jnp.float32))
+      pl.run_scoped(gemm1, plgpu.ACC((BN, _N), jnp.float32), plgpu.ACC((BN, _N), jnp.float32))
 
       @pl.loop(0, k2)
       def _gemm2(c):
@@ -189,22 +220,20 @@ def _build(*, t, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: b
         plgpu.barrier_wait(bars.at[slot])
 
         def mma(acc_a, acc_b):
-          plgpu.wgmma(acc_a, a_smem, ring.at[slot, 0])
-          plgpu.wgmma(acc_b, a_smem, ring.at[slot, 1])
+          a_t = rhs(a_smem)
+          plgpu.wgmma(acc_a, lhs(ring.at[slot, 0]), a_t)
+          plgpu.wgmma(acc_b, lhs(ring.at[slot, 1]), a_t)
           plgpu.wgmma_wait(0)
-          return acc_a[...], acc_b[...]
+          return column(acc_a), column(acc_b)
 
-        ys = pl.run_scoped(mma, plgpu.ACC((_ROWS, BH // 2), jnp.float32),
-                           plgpu.ACC((_ROWS, BH // 2), jnp.float32))
+        ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
+                           plgpu.ACC((BH // 2, _N), jnp.float32))
         fetch(g + stages - 1, i, cur, nxt)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores read o_smem
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's store read o_row
         for half, y in enumerate(ys):
-          o_smem[half] = y
+          o_row.at[0, pl.ds(half * (BH // 2), BH // 2)][...] = y
         plgpu.commit_smem()
-        for half in range(2):
-          plgpu.copy_smem_to_gmem(
-              o_smem.at[half, pl.ds(0, 1)],
-              part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH + half * (BH // 2), BH // 2)])
+        plgpu.copy_smem_to_gmem(o_row, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
 
       return nxt
 
@@ -214,14 +243,17 @@ def _build(*, t, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: b
   scratch = [
       plgpu.SMEM((stages, 2, BK, BN), dtype, transforms=tf),  # the weight ring
       plgpu.SMEM((2, _ROWS, BK), dtype, transforms=tf),  # x tiles (two steps in flight)
-      plgpu.SMEM((_ROWS, BN), dtype, transforms=tf),  # the activation: GEMM2's lhs
-      plgpu.SMEM((2, _ROWS, BH // 2), jnp.float32),  # GEMM2's output tiles
+      plgpu.SMEM((_ROWS, BN), dtype, transforms=tf),  # the activation: GEMM2's B
+      plgpu.SMEM((BN,), jnp.float32),  # the activation vector
+      plgpu.SMEM((1, BH), jnp.float32),  # a GEMM2 step's output row
       plgpu.SMEM((2, hr, BK), dtype),  # x rows of this item and the next
   ]
   if has_bias:
     scratch.append(plgpu.SMEM((2, 2, BN), jnp.float32))
   scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=stages),
               plgpu.Barrier(num_arrivals=3 if has_bias else 1, num_barriers=2)]
+  if emulate_t:
+    scratch += [plgpu.SMEM((BN, BK), dtype), plgpu.SMEM((BK, _N), dtype)]
   return _compat.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((nb, m, h), jnp.float32),
@@ -294,11 +326,11 @@ def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weigh
     args.append(w13_bias.astype(jnp.float32))
   part = kern(*args)  # [N / 64, m, H]; empty slots' rows unwritten
   valid = (ids >= 0) & (ids < e)
-  w = topk_weights.reshape(m).astype(jnp.float32)
-  # one reduction over (j, k): unwritten rows are selected away (a NaN times 0 is NaN)
-  y = jnp.where(valid[None, :, None], part * w[None, :, None], 0.0)
-  y = jnp.sum(y.reshape(-1, t, k, h), axis=(0, 2))
+  y = jnp.sum(part, axis=0)
   if w2_bias is not None:
-    b2 = jnp.where(valid[:, None], w2_bias.astype(jnp.float32)[jnp.where(valid, ids, 0)], 0.0)
-    y = y + jnp.sum((b2 * w[:, None]).reshape(t, k, h), axis=1)
-  return y.astype(x.dtype)
+    y = y + w2_bias.astype(jnp.float32)[jnp.where(valid, ids, 0)]
+  w = topk_weights.reshape(m).astype(jnp.float32)
+  # unwritten rows are selected away (a NaN times 0 is NaN). In this form XLA makes one fusion
+  # at qwen3 / 1 token (1.7 µs); a where before one sum over (j, k) made two (3.6 µs)
+  y = jnp.where(valid[:, None], y * w[:, None], 0.0)
+  return jnp.sum(y.reshape(t, k, h), axis=1).astype(x.dtype)

@@ -55,8 +55,8 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
     activation and GEMM2 in one kernel whose weight loads run as one TMA ring, plus one
     reduction; gated activations and <= 128 slots, else per_slot) or "auto": when 4 * T * k
     <= E (slots rarely share an expert) fused_decode up to FUSED_DECODE_MAX_BYTES of streamed
-    weights, per_slot above; else sorted. H200 (tuned tables): qwen3 1 token 24.6 µs fused
-    (per_slot 28.1, sorted 43.7), 4 tokens per_slot 77.0 (sorted 99.4); deepseek-v3 1 / 4
+    weights, per_slot above; else sorted. H200 (tuned tables): qwen3 1 token 22.3 µs fused
+    (per_slot 27.4, sorted 43.7), 4 tokens per_slot 77.0 (sorted 99.4); deepseek-v3 1 / 4
     tokens per_slot 167 / 631; mixtral 1 token per_slot 172; at 16 tokens per_slot loses
     (qwen3 277 vs 201, mixtral 2509 vs 653).
   route_impl (sorted layout): "kernels" (pallas_kernels.route: moe_align, both GEMMs' tile
@@ -117,11 +117,11 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=x.dtype)
 
 
-# The one-kernel decode block wins where the per_slot GEMMs are short and their launches show:
-# H200 (2026-11-30, r12a) qwen3 1 token (75 MB of weights) 24.6 vs 28.1 µs; at 2 tokens (151
-# MB) 50.0 vs 47.1, deepseek-v3 and mixtral 1 token (705 MB) 184 vs 172 and 197 vs 168. The
-# linear fits cross near 116 MB.
-FUSED_DECODE_MAX_BYTES = 100e6
+# The one-kernel decode block wins where the per_slot GEMMs are short and their launches show.
+# H200 (2026-11-30, r12d, same run): qwen3 1 token (75 MB of weights streamed) 22.3 vs 27.4 µs,
+# 2 tokens (151 MB) 45.3 vs 47.4, 4 tokens (302 MB) 76.6-78.3 vs 78.2 (a tie); deepseek-v3 1
+# token (705 MB) 172.0 vs 169.4, mixtral 1 token (705 MB) 187.6 vs 178.7.
+FUSED_DECODE_MAX_BYTES = 160e6
 
 
 def _auto_layout(t: int, k: int, e: int, hdim: int, n: int, act: Activation, dtype) -> str:

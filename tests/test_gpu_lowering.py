@@ -31,14 +31,15 @@ def h200_tables(monkeypatch):
   monkeypatch.setattr(_compat, "JAX_VERSION", (0, 11, 2))
 
 
-def _kernels(fn, *shapes) -> set:
-  text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+def _kernels(fn, *shapes, **kw_shapes) -> set:
+  text = jax.jit(fn).trace(*shapes, **kw_shapes).lower(lowering_platforms=("cuda",)).as_text()
   return set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
 
 
 @pytest.mark.parametrize("preset,t,expect", [
     ("qwen3", 1, set()),                               # the one-kernel decode block
-    ("qwen3", 2, set()),                               # per_slot decode
+    ("qwen3", 2, set()),                               # the one-kernel decode block
+    ("qwen3", 4, set()),                               # per_slot decode
     ("qwen3", 1024, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),
     ("qwen3", 128, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 8 blocks
     ("mixtral", 4, {"jmoe_route_scatter_rows"}),                        # one routing kernel
@@ -51,7 +52,7 @@ def test_fused_experts_lowers_for_gpu(h200_tables, preset, t, expect):
   found = _kernels(lambda x, w13, w2, tw, ti: pmoe.fused_experts(x, w13, w2, tw, ti),
                    S((t, h), jnp.bfloat16), S((e, h, 2 * n), jnp.bfloat16),
                    S((e, n, h), jnp.bfloat16), S((t, k), jnp.float32), S((t, k), jnp.int32))
-  if preset == "qwen3" and t == 1:
+  if preset == "qwen3" and t <= 2:
     assert found == {"jmoe_moe_decode"}, found
     return
   assert any(name.startswith("jmoe_gg_gated") for name in found), found
@@ -138,3 +139,18 @@ def test_activation_epilogues_lower_for_gpu(h200_tables, name):
   found = _kernels(bwd, S((m, h), jnp.bfloat16), S((e, n, h), jnp.bfloat16),
                    S((e,), jnp.int32), S((m, n13), jnp.bfloat16))
   assert any(k.endswith("_actgrad") for k in found), found
+
+
+@pytest.mark.parametrize("preset", ["qwen3", "mixtral", "deepseek"])
+@pytest.mark.parametrize("t,bias", [(1, False), (16, True)])
+def test_decode_kernel_lowers_for_gpu(preset, t, bias):
+  # the one-kernel decode block at full size: the swapped (transposed) wgmma operands, the ring
+  # at its default depth within shared memory (checked by Mosaic GPU at lowering), a w13 bias
+  from pallas_kernels import decode as dc
+  e, k, h, n = PRESETS[preset]
+  kw = dict(w13_bias=S((e, 2 * n), jnp.float32)) if bias else {}
+  found = _kernels(lambda x, w13, w2, tw, ti, **kw: dc.fused_experts_decode(x, w13, w2, tw, ti,
+                                                                            **kw),
+                   S((t, h), jnp.bfloat16), S((e, h, 2 * n), jnp.bfloat16),
+                   S((e, n, h), jnp.bfloat16), S((t, k), jnp.float32), S((t, k), jnp.int32), **kw)
+  assert found == {"jmoe_moe_decode"}, found

@@ -13,6 +13,11 @@
 #   bash benchmarks/gpu_round12.sh swap    # one H200: the decode kernel with swapped operands
 #                                          # (weights as wgmma's 64-row A, the token as an
 #                                          # 8-column B) against per_slot, 1-8 tokens
+#   bash benchmarks/gpu_round12.sh count   # one H200: one-kernel routing whose tile-list programs
+#                                          # reduce their one-hot counts once (not once per
+#                                          # block): bench_route warm and L2-flushed at 64-256
+#                                          # tokens, then the block at 128 / 256 tokens with one
+#                                          # routing kernel (kernels:16) against two (kernels:0)
 NAME=gpu_round12; source benchmarks/gpu_env.sh
 case ${1:-decode} in
   decode)
@@ -44,4 +49,12 @@ case ${1:-decode} in
     step 200 env OUT=$OUT/big python3 benchmarks/bench_grouped_gemm.py --stages block \
       --presets deepseek-v3,mixtral-8x7b --tokens 1,2,4 --iters 5 --budget-s 180 \
       --layout auto,fused_decode:6,fused_decode ;;
+  count)
+    for cold in "" --cold; do
+      step 90 python3 benchmarks/bench_route.py --presets qwen3-30b-a3b,deepseek-v3 \
+        --tokens 64,128,256 --block-ms 128,64 $cold --json $OUT/bench_route${cold}.json
+    done
+    step 250 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets qwen3-30b-a3b,deepseek-v3 --tokens 128,256 --iters 4 \
+      --route-impls kernels:0,kernels:16 --budget-s 230 ;;
 esac

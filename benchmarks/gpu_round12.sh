@@ -18,6 +18,9 @@
 #                                          # block): bench_route warm and L2-flushed at 64-256
 #                                          # tokens, then the block at 128 / 256 tokens with one
 #                                          # routing kernel (kernels:16) against two (kernels:0)
+#   bash benchmarks/gpu_round12.sh final2  # one H200, the committed code: the block's default
+#                                          # (auto) against per_slot at 1-4 tokens, the other
+#                                          # presets at 1 token, qwen3 at 1024; jmoe bench
 NAME=gpu_round12; source benchmarks/gpu_env.sh
 case ${1:-decode} in
   decode)
@@ -57,4 +60,10 @@ case ${1:-decode} in
     step 250 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
       --presets qwen3-30b-a3b,deepseek-v3 --tokens 128,256 --iters 4 \
       --route-impls kernels:0,kernels:16 --budget-s 230 ;;
+  final2)
+    step 150 env OUT=$OUT/decode python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets qwen3-30b-a3b --tokens 1,2,4 --iters 7 --budget-s 130 --layout auto,per_slot
+    block_run 150 130 qwen3-30b-a3b,deepseek-v3,mixtral-8x7b 1,1024 4
+    step 80 python3 -m jmoe bench --preset qwen3-30b-a3b --tokens 1,4,1024 --repeats 9 \
+      --json $OUT/jmoe_bench.json ;;
 esac

@@ -138,3 +138,30 @@ def test_batched_pallas_experts_forward_and_grad():
   g_ref = jax.grad(lambda *a: loss(xla, *a), argnums=range(4))(x, w13, w2, tw)
   for name, a, b in zip(("x", "w13", "w2", "topk_weights"), g, g_ref):
     assert _rel(a, b) < 3e-2, name
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_decode_shape_runs_the_one_kernel_decode(ep, monkeypatch):
+  """At a decode shape (4 T k <= E, H a multiple of 128) the Pallas runner takes the one-kernel
+  decode block (pallas_kernels.decode), also inside the EP layer's shard_map; it matches the
+  reference, and the layout choice is the one-kernel decode (spied, not assumed)."""
+  from pallas_kernels import decode as dc
+  seen = []
+  real = dc.fused_experts_decode
+  monkeypatch.setattr(dc, "fused_experts_decode", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+  e, h, n = 8, 128, 64
+  ks = jax.random.split(jax.random.key(7), 4)
+  x = jax.random.normal(ks[0], (1, h)).astype(jnp.bfloat16)
+  w13 = (jax.random.normal(ks[1], (e, h, 2 * n)) / np.sqrt(h)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(ks[2], (e, n, h)) / np.sqrt(n)).astype(jnp.bfloat16)
+  tw, ids = jmoe.select_experts(x, jax.random.normal(ks[3], (1, e)), 2)
+  kw = {}
+  if ep:
+    import sharding
+    kw = dict(parallel=sharding.make_parallel(expert=1, devices=jax.devices()[:1]),
+              a2a_backend="allgather")
+  out = jax.jit(lambda *a: jmoe.fused_moe(*a, runner_backend="pallas_mosaic", **kw))(
+      x, w13, w2, tw, ids)
+  ref = jmoe.fused_moe(x, w13, w2, tw, ids, runner_backend="reference")
+  assert seen, "the one-kernel decode block was not used"
+  assert _rel(out, ref) < 2e-2

@@ -385,7 +385,8 @@ def stage_block(args):
             rec["ratio_torch"] = us / tus
           except Exception as e:  # noqa: BLE001
             err(f"torch {pname} T={T}", e)
-        log(f"[block] {pname:14s} T={T:6d} route={route:7s} layout={layout} err={rec['err']:.2e} jmoe={us:9.1f}us "
+        log(f"[block] {pname:14s} T={T:6d} route={route:7s} layout={layout} "
+            f"err={rec['err']:.2e} jmoe={us:9.1f}us "
             f"torch={rec.get('torch_us', float('nan')):9.1f}us floor={rec['floor_us']:8.1f}us "
             f"x_floor={rec['ratio_floor']:.2f} x_torch={rec.get('ratio_torch', float('nan')):.2f} "
             f"compile={rec['compile_s']:.0f}s")

@@ -76,7 +76,7 @@ def max_stages(h: int, itemsize: int, has_bias: bool) -> int:
   return min(_MAX_STAGES, free // (2 * BK * BN * itemsize))
 
 
-def _build(*, t, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool, num_sms,
+def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool, num_sms,
            interpret):
   """x is passed as [T * H / 64, 64] (one x row = H / 64 rows of it)."""
   nb, k1, k2 = n // BN, h // BK, h // BH
@@ -295,7 +295,11 @@ def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weigh
   e, h, n2 = w13.shape
   n = n2 // 2
   if x.shape != (t, h) or w2.shape != (e, n, h):
-    raise ValueError(f"shapes: x {x.shape} (want ({t}, {h})), w2 {w2.shape} (want ({e}, {n}, {h}))")
+    raise ValueError(f"shapes: x {x.shape} (want ({t}, {h})), w2 {w2.shape} "
+                     f"(want ({e}, {n}, {h}))")
+  if topk_weights.shape != (t, k):
+    raise ValueError(f"topk_weights must have shape ({t}, {k}) like topk_ids, got "
+                     f"{topk_weights.shape}")
   if x.dtype != w13.dtype or w2.dtype != w13.dtype:
     raise ValueError(f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
   if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -319,7 +323,7 @@ def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weigh
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
   interp, nsm = _compat.launch_params(interpret)
-  kern = _build(t=t, h=h, n=n, m=m, k=k, e=e, dtype=x.dtype, act=act, stages=stages,
+  kern = _build(h=h, n=n, m=m, k=k, e=e, dtype=x.dtype, act=act, stages=stages,
                 has_bias=has_bias, num_sms=nsm, interpret=interp)
   args = [ids, x.reshape(t * h // BK, BK), w13, w2]
   if has_bias:

@@ -702,6 +702,8 @@ def test_fused_decode_rejects_what_it_cannot_run(rng):
   w13, w2 = jnp.zeros((2, 128, 128), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="gated"):
     dc.fused_experts_decode(x, w13, w2, tw, ti, activation="relu2_no_mul")
+  with pytest.raises(ValueError, match="topk_weights"):
+    dc.fused_experts_decode(x, w13, w2, jnp.ones((1, 2)), ti)
   with pytest.raises(ValueError, match="stages"):
     dc.DecodeConfig(stages=1)
   with pytest.raises(ValueError, match="stages=64"):

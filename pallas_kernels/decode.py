@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -42,6 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _compat
 from pallas_kernels.activations import Activation, as_activation
 from pallas_kernels.grouped_gemm import kernel_activation
+
+log = logging.getLogger(__name__)
 
 _ROWS = 64  # rows of the broadcast x / activation tiles (the first 8 are wgmma's B operand)
 _N = 8  # wgmma's N: the token, 8 times (all columns of an accumulator are equal)
@@ -321,6 +324,8 @@ def fused_experts_decode(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weigh
     raise ValueError(f"stages={stages} does not fit shared memory at H={h} "
                      f"(at most {max_stages(h, itemsize, has_bias)})")
   m = t * k
+  log.debug("fused_experts_decode: %d slots, H=%d, N=%d, %d-slot ring%s", m, h, n, stages,
+            "" if cfg.stages else " (as deep as shared memory allows, at most 8)")
   ids = topk_ids.reshape(m).astype(jnp.int32)
   interp, nsm = _compat.launch_params(interpret)
   kern = _build(h=h, n=n, m=m, k=k, e=e, dtype=x.dtype, act=act, stages=stages,

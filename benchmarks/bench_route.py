@@ -14,6 +14,7 @@ GEMMs do (timed inside the call; only the routing kernels' time is reported then
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -34,6 +35,17 @@ PRESETS = {"mixtral-8x7b": (8, 2, 4096), "qwen3-30b-a3b": (128, 8, 2048),
            "deepseek-v3": (256, 8, 7168)}  # E, k, H
 
 
+def _variant(x, i, *, v, e, m_alloc, bms, nb):
+  """The one-kernel form with its knobs HC:TASKS set while it is traced."""
+  hc, tasks = (int(a) for a in v.split(":"))
+  saved = route._DIRECT_MAX_HC, route._DIRECT_TASKS
+  route._DIRECT_MAX_HC, route._DIRECT_TASKS = hc, tasks
+  try:
+    return route.route(x, i, e, m_alloc, bms, one_kernel_blocks=nb)
+  finally:
+    route._DIRECT_MAX_HC, route._DIRECT_TASKS = saved
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
@@ -43,6 +55,10 @@ def main():
   ap.add_argument("--cold", action="store_true",
                   help="stream a 256 MB buffer through L2 before every call")
   ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--one-variants", default="",
+                  help="comma list of HC:TASKS: the one-kernel form again with "
+                       "route._DIRECT_MAX_HC / _DIRECT_TASKS set so (r13b/r13c ran a "
+                       "four-field form of this option, at commit in BENCHMARKS.md)")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   rows = []
@@ -73,6 +89,9 @@ def main():
           "one": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, bms,
                                                   one_kernel_blocks=nb)),
       }
+      for v in filter(None, args.one_variants.split(",")):
+        fns["one " + v] = jax.jit(functools.partial(_variant, v=v, e=e, m_alloc=m_alloc, bms=bms,
+                                                    nb=nb))
       rec = dict(preset=pname, T=t, slots=n, blocks=nb, block_ms=bms, cold=args.cold)
       ref = jax.block_until_ready(fns["jnp"](*sets[0]))
       nv = int(jnp.sum(ref[2]))
@@ -100,7 +119,8 @@ def main():
       rows.append(rec)
       cell = lambda r: f"{r['us']:8.1f} ({len(r['kernels']):2d})"
       print(f"{pname:14s} {t:5d} {nb:6d} {cell(rec['jnp']):>14s} {cell(rec['two']):>14s} "
-            f"{cell(rec['one']):>14s}  {'equal' if rec['outputs_equal'] else 'DIFFER'}",
+            f"{cell(rec['one']):>14s}  {'equal' if rec['outputs_equal'] else 'DIFFER'}  "
+            + "  ".join(f"{k_[4:]}={rec[k_]['us']:.1f}" for k_ in fns if k_.startswith("one ")),
             flush=True)
   if args.json:
     with open(args.json, "w") as f:

@@ -12,10 +12,11 @@ launches (1-2 µs each) and an 11 µs copy. Here (same run) it is 4.0 + 13.9 µs
    rows (its column chunk) there, and writes ``inv``; a tile-list program writes 32 entries of
    a GEMM's work list.
 
-Up to ONE_KERNEL_BLOCKS blocks (512 slots: qwen3 / deepseek-v3 at 64 tokens, mixtral at 256)
-kernel 1 is not launched, so the sorted block is 4 kernels. A block program of kernel 2 then
-gets its slots' positions from one compare with every slot's key (the slots before it in a
-stable sort by key), and only the tile-list programs count the experts.
+Up to ONE_KERNEL_BLOCKS blocks (1024 slots: qwen3 / deepseek-v3 at 128 tokens, mixtral at
+512) kernel 1 is not launched, so the sorted block is 4 kernels. A block program of kernel 2
+then gets its slots' positions from one compare with every slot's key (the slots before it in
+a stable sort by key), and only the tile-list programs count the experts: with _histogram, a
+tensor-core dot of the keys' one-hot base-16 digits (32 compares a key, not E).
 
 ``route_for_training`` is the same pair of kernels (one builder, a static flag) in the layout of
 the training path (moe.fused_experts_train): every expert's rows padded to a multiple of 8 with
@@ -46,11 +47,18 @@ from pallas_kernels import grouped_gemm as gg
 BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels
 _TASKS = 32          # tile-list entries per tile-list program of kernel 2
+_DIRECT_TASKS = 16   # the same in the one-kernel form, whose tile-list programs count the
+                     # experts first: at 8 blocks, 16 took 8.3 µs against 32's 8.1 warm, 13.3
+                     # against 20.5 with L2 flushed (H200, r13c)
+_DIRECT_MAX_HC = 1024  # columns per program of the one-kernel form, at most: each column chunk
+                       # ranks its slots again (1024 against 512: 5.7 against 8.3 µs at 8
+                       # blocks, r13c)
 _DIRECT = 512        # keys per compare of the one-kernel form's sorted positions
-ONE_KERNEL_BLOCKS = 4  # route()'s default: one kernel up to this many blocks. At 4, in the
-                       # block on an H200: qwen3 8.2 vs 9.8 µs, deepseek-v3 24.6 vs 17.3 (0.15 %
-                       # of its block); at 8 one kernel took 23-44 µs against 9-16 (BENCHMARKS.md,
-                       # eleventh round)
+ONE_KERNEL_BLOCKS = 8  # route()'s default: one kernel up to this many blocks (1024 slots:
+                       # qwen3 / deepseek-v3 at 128 tokens). Its tile-list programs count the
+                       # experts with _histogram; at 16 blocks one kernel still took 25-36 µs
+                       # against 12-20 for two with L2 flushed, as in the block (BENCHMARKS.md,
+                       # thirteenth round)
 ONE_KERNEL_BLOCKS_TRAINING = 1  # route_for_training()'s: there every program of the one-
                                 # kernel form counts every block (its rows need the table)
 _ALIGN = 8           # route_for_training: experts start on multiples of this many rows
@@ -112,6 +120,33 @@ def _counts(key, e0: int, ec: int):
   """How many entries of `key` equal each of e0 .. e0 + ec - 1: [ec] (one compare-reduce)."""
   experts = e0 + lax.broadcasted_iota(jnp.int32, (key.shape[0], ec), 1)
   return jnp.sum((key[:, None] == experts).astype(jnp.int32), axis=0)
+
+
+_DIGIT = 16  # a key's two base-16 digits: one-hot widths of _histogram's dot (tl.dot's minimum)
+
+
+def _histogram(keys: Sequence[jax.Array], ep: int) -> jax.Array:
+  """How many entries of `keys` (a list of int32 vectors) equal each of 0 .. ep - 1: [ep].
+
+  Each key is split into two base-16 digits; one-hot rows of the high digit, transposed, times
+  one-hot rows of the low digit count every (high, low) pair in one tensor-core dot: 32
+  compares a key instead of ep (a [keys, ep] one-hot compare-reduce is what made one routing
+  kernel slow past 4 blocks: its tile-list programs count every slot). f16 one-hots and an f32
+  accumulator are exact up to 2**24 keys; keys >= 256 match no high digit and are not counted,
+  those in [ep, 256) land in bins that are dropped."""
+  if ep > _DIGIT * _DIGIT:
+    raise ValueError(f"_histogram: ep={ep} > {_DIGIT * _DIGIT}")
+  acc = jnp.zeros((_DIGIT, _DIGIT), jnp.float32)
+  for key in keys:
+    digit = lax.broadcasted_iota(jnp.int32, (key.shape[0], _DIGIT), 1)
+    hi = (key[:, None] // _DIGIT == digit).astype(jnp.float16)
+    lo = (key[:, None] % _DIGIT == digit).astype(jnp.float16)
+    acc = acc + lax.dot_general(hi, lo, (((0,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+  # bin h * 16 + l; rows of ep bins: the first holds 0 .. ep - 1 (no slicing in Triton)
+  acc = acc.reshape(_DIGIT * _DIGIT // ep, ep)
+  row = lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+  return jnp.sum(jnp.where(row == 0, acc, 0.0), axis=0).astype(jnp.int32)
 
 
 def _block_counts(ids: jax.Array, e: int, ep: int, interpret: bool):
@@ -233,10 +268,13 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   direct = one_block and not training
   per_prog = _ROWS if direct else BLOCK  # slots per block program
   npb = -(-n // per_prog)                # block programs
-  # tile-list programs: _TASKS tasks each, per block_m (grid rows npb + q of column 0)
-  chunks = [-(-(-(-m_alloc // bm) + e - 1) // _TASKS) for bm in block_ms]
+  # tile-list programs: `tasks` tasks each, per block_m (grid rows npb + q of column 0)
+  tasks = _DIRECT_TASKS if direct else _TASKS
+  chunks = [-(-(-(-m_alloc // bm) + e - 1) // tasks) for bm in block_ms]
   first_chunk = [npb + sum(chunks[:i]) for i in range(len(chunks))]
-  hc = _col_chunk(hdim, npb)
+  # the one-kernel form: wide column chunks (the largest power of two dividing H, at most
+  # _DIRECT_MAX_HC), as every chunk ranks its slots again
+  hc = min(hdim & -hdim, _DIRECT_MAX_HC) if direct else _col_chunk(hdim, npb)
   n_hc = hdim // hc
 
   grid_b = npb + sum(chunks)
@@ -258,13 +296,16 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
       """(total [ep]: slots per expert, before [ep]: of them in blocks before b, offsets [ep]:
       each expert's first row, asize [ep]: padded sizes in training, else None)."""
       if one_block:
-        total = before = jnp.zeros((ep,), jnp.int32)
         # every load first: one memory round trip, not one per block before its count
-        keys = [_load_keys(ids_ref, q * BLOCK, BLOCK, n, e) for q in range(nb)]
-        for q, kq in enumerate(keys):
-          cq = _counts(kq, 0, ep)
-          total = total + cq
-          before = before + jnp.where(q < b, cq, 0)
+        kn = min(max(_pow2(n), _ROWS), _DIRECT)
+        keys = [_load_keys(ids_ref, q0, kn, n, e) for q0 in range(0, n, kn)]
+        total = _histogram(keys, ep)
+        if direct:
+          before = None  # the block programs rank their slots without the table
+        else:  # the slots of blocks before b, the others made empty (key e)
+          slot = [q0 + lax.broadcasted_iota(jnp.int32, (kn,), 0) for q0 in range(0, n, kn)]
+          before = _histogram([jnp.where(s < b * BLOCK, kq, e) for s, kq in zip(slot, keys)],
+                              ep)
       else:
         blk = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
         cnt = cnt_ref[jnp.minimum(blk, nb - 1), :]                       # [nbp, ep]
@@ -339,11 +380,11 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
                                            meta_refs[1::2]):
         @pl.when((b >= q0) & (b < q0 + nq))
         def _tiles(bm=bm, q0=q0, m_ref=m_ref, nt_ref=nt_ref):
-          t0 = pl.multiple_of((b - q0) * _TASKS, _TASKS)
+          t0 = pl.multiple_of((b - q0) * tasks, tasks)
           rows, num_tasks = gg.tile_rows(first, first + sizes, bm,
-                                         t0 + lax.broadcasted_iota(jnp.int32, (_TASKS,), 0))
+                                         t0 + lax.broadcasted_iota(jnp.int32, (tasks,), 0))
           for i, v in enumerate(rows):
-            m_ref[i, pl.ds(t0, _TASKS)] = v
+            m_ref[i, pl.ds(t0, tasks)] = v
 
           @pl.when(b == q0)
           def _():
@@ -358,7 +399,7 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   if training:
     out_shape.append(out((m_alloc,)))
   for nq in chunks:
-    out_shape += [out((4, nq * _TASKS)), out((1,))]
+    out_shape += [out((4, nq * tasks)), out((1,))]
   whole = lambda shape: pl.BlockSpec(shape, lambda b, c: (0,) * len(shape))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   call = pl.pallas_call(

@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_round13.sh final  # one H200: the block with the committed routing (one
 #                                         # kernel up to 8 blocks) against two kernels, 64-512
 #                                         # tokens
+#   bash benchmarks/gpu_round13.sh gsum   # one H200: the gather-sum's XLA forms (fusion count)
 NAME=gpu_round13; source benchmarks/gpu_env.sh
 case ${1:-hist} in
   hist)
@@ -34,4 +35,6 @@ case ${1:-hist} in
     step 330 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
       --presets qwen3-30b-a3b,deepseek-v3,mixtral-8x7b --tokens 64,128,256,512 --iters 5 \
       --route-impls kernels,kernels:0 --budget-s 300 ;;
+  gsum)  # r13e: the weighted gather-sum's XLA forms, kernel count and time
+    step 200 python3 benchmarks/check_gather_sum.py --json $OUT/gather_sum.json ;;
 esac

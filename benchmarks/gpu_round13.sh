@@ -13,6 +13,7 @@
 #                                         # kernel up to 8 blocks) against two kernels, 64-512
 #                                         # tokens
 #   bash benchmarks/gpu_round13.sh gsum   # one H200: the gather-sum's XLA forms (fusion count)
+#   bash benchmarks/gpu_round13.sh final2 # one H200: the block with the committed code
 NAME=gpu_round13; source benchmarks/gpu_env.sh
 case ${1:-hist} in
   hist)
@@ -37,4 +38,6 @@ case ${1:-hist} in
       --route-impls kernels,kernels:0 --budget-s 300 ;;
   gsum)  # r13e: the weighted gather-sum's XLA forms, kernel count and time
     step 200 python3 benchmarks/check_gather_sum.py --json $OUT/gather_sum.json ;;
+  final2)  # r13f: the committed code (one routing kernel up to 8 blocks, the per-j gather-sum)
+    block_run 170 140 qwen3-30b-a3b,deepseek-v3 128,256,1024 4 ;;
 esac

@@ -201,6 +201,41 @@ def test_sorted_before_is_the_stable_sort_position(keys, chunk):
   np.testing.assert_array_equal(np.asarray(pos), want)
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=700), st.sampled_from([8, 16, 128, 256]),
+       st.sampled_from([32, 128, 512]))
+def test_histogram_counts_keys(keys, ep, chunk):
+  # the one-kernel form's expert count (a dot of one-hot base-16 digits), outside a kernel,
+  # against NumPy: keys in [ep, 256) land in dropped bins, keys >= 256 match no digit
+  padded = np.full(-(-len(keys) // chunk) * chunk, 300, np.int32)
+  padded[:len(keys)] = keys
+  got = route._histogram([jnp.asarray(padded[q:q + chunk]) for q in range(0, len(padded), chunk)],
+                         ep)
+  assert got.shape == (ep,) and got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), np.bincount(np.asarray(keys), minlength=301)[:ep])
+
+
+def test_histogram_rejects_more_than_256_bins():
+  with pytest.raises(ValueError, match="ep=512"):
+    route._histogram([jnp.zeros((32,), jnp.int32)], 512)
+
+
+@pytest.mark.parametrize("case", ["random", "one_expert"])
+def test_route_one_kernel_at_the_default_limit(rng, case, monkeypatch):
+  # ONE_KERNEL_BLOCKS blocks (1024 slots: qwen3 at 128 tokens) in one kernel, H = 2048: two
+  # column chunks of _DIRECT_MAX_HC columns, tile lists of _DIRECT_TASKS tasks
+  assert route.ONE_KERNEL_BLOCKS == 8
+  t, k, e = 128, 8, 128
+  ids = rng.integers(-1, e, (t, k)).astype(np.int32)
+  if case == "one_expert":
+    ids[:] = 5
+
+  def no_count_kernel(*a, **kw):
+    raise AssertionError("the block-count kernel ran: two routing kernels")
+  monkeypatch.setattr(route, "_block_counts", no_count_kernel)
+  _check_route(_tokens(rng, t, 2048), ids, e, (128, 64))
+
+
 @settings(max_examples=6)
 @given(st.data())
 def test_route_property(data):

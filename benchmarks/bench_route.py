@@ -57,8 +57,8 @@ def main():
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--one-variants", default="",
                   help="comma list of HC:TASKS: the one-kernel form again with "
-                       "route._DIRECT_MAX_HC / _DIRECT_TASKS set so (r13b/r13c ran a "
-                       "four-field form of this option, at commit in BENCHMARKS.md)")
+                       "route._DIRECT_MAX_HC / _DIRECT_TASKS set so (r13b/r13c ran an "
+                       "earlier four-field form: BENCHMARKS.md, thirteenth round)")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   rows = []

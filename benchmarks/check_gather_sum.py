@@ -1,11 +1,11 @@
 """The weighted gather-sum (the sorted block's last step) in XLA formulations: kernel count and
-device time on the GPU, outputs checked against the committed permute.gather_sum.
+device time on the GPU, outputs checked against the [T, k, H] axis sum.
 
     python benchmarks/check_gather_sum.py [--json OUT.json]
 
-At deepseek-v3 / 256 tokens XLA split the committed form into two fusions (a compare fusion
-and the gather-reduce: the block was 6 kernels, thirteenth round); this tries forms that keep
-one fusion.
+At deepseek-v3 / 256 tokens XLA split the axis sum (permute.gather_sum before the thirteenth
+round) into two fusions, a compare fusion and the gather-reduce (the block was 6 kernels); this
+tries forms that keep one. per_j won (r13e) and is permute.gather_sum since.
 """
 from __future__ import annotations
 
@@ -47,17 +47,9 @@ def fill(y, inv, w):
   return jnp.sum(g * w.astype(jnp.float32)[:, :, None], axis=1).astype(y.dtype)
 
 
-def per_j(y, inv, w):
-  """One row gather per j, summed in a Python loop (k gathers in one expression)."""
-  acc = 0.0
-  for j in range(inv.shape[1]):
-    r = jnp.take(y, jnp.maximum(inv[:, j], 0), axis=0, mode="clip").astype(jnp.float32)
-    acc = acc + jnp.where((inv[:, j] >= 0)[:, None], r * w[:, j, None].astype(jnp.float32), 0.0)
-  return acc.astype(y.dtype)
-
-
-FORMS = {"axis_sum": axis_sum, "masked_weights": masked_weights, "fill": fill, "per_j": per_j,
-         "committed": lambda y, i, w: perm.gather_sum(y, i, w)}
+# per_j: one row gather per j, summed in order (permute.gather_sum since r13e)
+FORMS = {"axis_sum": axis_sum, "masked_weights": masked_weights, "fill": fill,
+         "per_j": lambda y, i, w: perm.gather_sum(y, i, w)}
 
 
 def main():

@@ -12,11 +12,14 @@ launches (1-2 µs each) and an 11 µs copy. Here (same run) it is 4.0 + 13.9 µs
    rows (its column chunk) there, and writes ``inv``; a tile-list program writes _TASKS
    entries of a GEMM's work list (_DIRECT_TASKS in the one-kernel form).
 
-Up to ONE_KERNEL_BLOCKS blocks (1024 slots: qwen3 / deepseek-v3 at 128 tokens, mixtral at
-512) kernel 1 is not launched, so the sorted block is 4 kernels. A block program of kernel 2
+Up to ONE_KERNEL_BLOCKS blocks (2048 slots: qwen3 / deepseek-v3 at 256 tokens, mixtral at
+1024) kernel 1 is not launched, so the sorted block is 4 kernels. A block program of kernel 2
 then gets its slots' positions from one compare with every slot's key (the slots before it in
-a stable sort by key), and only the tile-list programs count the experts: with _histogram, a
-tensor-core dot of the keys' one-hot base-16 digits (32 compares a key, not E).
+a stable sort by key), and only the tile-list programs count the experts: with _digit_counts, a
+tensor-core dot of the keys' one-hot base-16 digits (32 compares a key, not E), in a loop over
+chunks of keys. Loops, not unrolled code, on the one-kernel form's longest path: when the
+GEMMs before have flushed L2, a program's instructions come from HBM, and the unrolled count
+cost 4-11 µs more than the loop (r14b).
 
 ``route_for_training`` is the same pair of kernels (one builder, a static flag) in the layout of
 the training path (moe.fused_experts_train): every expert's rows padded to a multiple of 8 with
@@ -54,11 +57,14 @@ _DIRECT_MAX_HC = 1024  # columns per program of the one-kernel form, at most: ea
                        # ranks its slots again (1024 against 512: 5.7 against 8.3 µs at 8
                        # blocks, r13c)
 _DIRECT = 512        # keys per compare of the one-kernel form's sorted positions
-ONE_KERNEL_BLOCKS = 8  # route()'s default: one kernel up to this many blocks (1024 slots:
-                       # qwen3 / deepseek-v3 at 128 tokens). Its tile-list programs count the
-                       # experts with _histogram; at 16 blocks one kernel still took 25-36 µs
-                       # against 12-20 for two with L2 flushed, as in the block (BENCHMARKS.md,
-                       # thirteenth round)
+_DIRECT_ROWS = 16    # slots per block program of the one-kernel form up to 8 blocks, half that
+                     # past 8 (each ranks its slots against every slot; r14c: at 16 blocks 8
+                     # took 15.4 µs on deepseek-v3 against 16.5, 32 21.2; up to 8 blocks 16 was
+                     # the better on qwen3 and mixtral)
+ONE_KERNEL_BLOCKS = 16  # route()'s default: one kernel up to this many blocks (2048 slots:
+                        # qwen3 / deepseek-v3 at 256 tokens, mixtral at 1024). In the block at
+                        # 16 blocks one kernel took 305.4 / 5010.3 / 1264.2 µs against 307.2 /
+                        # 5020.1 / 1264.3 for two (r14d); its cost grows with slots squared
 ONE_KERNEL_BLOCKS_TRAINING = 1  # route_for_training()'s: there every program of the one-
                                 # kernel form counts every block (its rows need the table)
 _ALIGN = 8           # route_for_training: experts start on multiples of this many rows
@@ -108,12 +114,15 @@ def _ranks(key, block, row0: int | jax.Array):
   return jnp.sum(((key[:, None] == block[None, :]) & (j < i)).astype(jnp.int32), axis=1)
 
 
-def _sorted_before(key, slot, keys, j0: int):
-  """For each slot of `key` (flat slot indices `slot`): how many of the slots j0 + j with keys
-  `keys` come before it in a stable sort by key: [len(key)]."""
-  j = j0 + lax.broadcasted_iota(jnp.int32, (key.shape[0], keys.shape[0]), 1)
-  before = (keys[None, :] < key[:, None]) | ((keys[None, :] == key[:, None]) & (j < slot[:, None]))
-  return jnp.sum(before.astype(jnp.int32), axis=1)
+def _sort_keys(key, slot, n: int):
+  """key * n + slot: distinct for distinct slots (slot < n + _DIRECT, key <= 256), and ordered as
+  a stable sort by key orders the slots, so one compare finds the slots before another."""
+  return key * n + slot
+
+
+def _sorted_before(mine, theirs):
+  """For each sort key (_sort_keys) of `mine`: how many of `theirs` are smaller: [len(mine)]."""
+  return jnp.sum((theirs[None, :] < mine[:, None]).astype(jnp.int32), axis=1)
 
 
 def _counts(key, e0: int, ec: int):
@@ -122,31 +131,58 @@ def _counts(key, e0: int, ec: int):
   return jnp.sum((key[:, None] == experts).astype(jnp.int32), axis=0)
 
 
-_DIGIT = 16  # a key's two base-16 digits: one-hot widths of _histogram's dot (tl.dot's minimum)
+_DIGIT = 16  # a key's two base-16 digits: one-hot widths of _digit_counts' dot (tl.dot's minimum)
 
 
-def _histogram(keys: Sequence[jax.Array], ep: int) -> jax.Array:
-  """How many entries of `keys` (a list of int32 vectors) equal each of 0 .. ep - 1: [ep].
+def _digit_counts(key: jax.Array) -> jax.Array:
+  """[16, 16] f32: how many entries of the int32 vector `key` have each (high, low) pair of
+  base-16 digits. One-hot rows of the high digit, transposed, times one-hot rows of the low
+  digit: one tensor-core dot, 32 compares a key instead of one a bin. f16 one-hots and an f32
+  accumulator are exact up to 2**24 keys; keys >= 256 match no high digit."""
+  digit = lax.broadcasted_iota(jnp.int32, (key.shape[0], _DIGIT), 1)
+  hi = (key[:, None] // _DIGIT == digit).astype(jnp.float16)
+  lo = (key[:, None] % _DIGIT == digit).astype(jnp.float16)
+  return lax.dot_general(hi, lo, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-  Each key is split into two base-16 digits; one-hot rows of the high digit, transposed, times
-  one-hot rows of the low digit count every (high, low) pair in one tensor-core dot: 32
-  compares a key instead of ep (a [keys, ep] one-hot compare-reduce is what made one routing
-  kernel slow past 4 blocks: its tile-list programs count every slot). f16 one-hots and an f32
-  accumulator are exact up to 2**24 keys; keys >= 256 match no high digit and are not counted,
-  those in [ep, 256) land in bins that are dropped."""
+
+def _bins(acc: jax.Array, ep: int) -> jax.Array:
+  """The first ep bins (key h * 16 + l) of a [16, 16] _digit_counts sum, as int32 [ep]."""
   if ep > _DIGIT * _DIGIT:
-    raise ValueError(f"_histogram: ep={ep} > {_DIGIT * _DIGIT}")
-  acc = jnp.zeros((_DIGIT, _DIGIT), jnp.float32)
-  for key in keys:
-    digit = lax.broadcasted_iota(jnp.int32, (key.shape[0], _DIGIT), 1)
-    hi = (key[:, None] // _DIGIT == digit).astype(jnp.float16)
-    lo = (key[:, None] % _DIGIT == digit).astype(jnp.float16)
-    acc = acc + lax.dot_general(hi, lo, (((0,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-  # bin h * 16 + l; rows of ep bins: the first holds 0 .. ep - 1 (no slicing in Triton)
+    raise ValueError(f"route histogram: ep={ep} > {_DIGIT * _DIGIT}")
+  # rows of ep bins: the first holds 0 .. ep - 1 (no slicing in Triton)
   acc = acc.reshape(_DIGIT * _DIGIT // ep, ep)
   row = lax.broadcasted_iota(jnp.int32, acc.shape, 0)
   return jnp.sum(jnp.where(row == 0, acc, 0.0), axis=0).astype(jnp.int32)
+
+
+_HIST_CHUNK = 128  # keys per step of _histogram_of_slots (64 and 256 measured no better, r14b)
+
+
+def _histogram_of_slots(ids_ref, n: int, e: int, ep: int, below=None) -> jax.Array:
+  """How many of the keys (_load_keys) of slots [0, n), or of those below slot `below`, equal
+  each of 0 .. ep - 1: [ep] int32 (ep <= 256; the empty-slot key e is counted when e < ep).
+
+  A loop over _HIST_CHUNK keys, the next chunk's load issued before this chunk's dot, so the
+  code is one chunk's. A program runs it once: unrolled over every key, its code (fetched from
+  HBM when the GEMMs before have flushed L2) cost the one-kernel routing 4-11 µs at 8-16 blocks
+  (r14b). (A [keys, ep] one-hot compare-reduce is what made one routing kernel slow past 4
+  blocks: its tile-list programs count every slot.)"""
+  c = min(_HIST_CHUNK, max(_pow2(n), _DIGIT))
+  nq = -(-n // c)
+
+  def keys_at(q):
+    key = _load_keys(ids_ref, q * c, c, n, e)
+    if below is None:
+      return key
+    return jnp.where(q * c + lax.broadcasted_iota(jnp.int32, (c,), 0) < below, key, e)
+
+  def step(q, carry):
+    acc, key = carry
+    upcoming = keys_at(jnp.minimum(q + 1, nq - 1))
+    return acc + _digit_counts(key), upcoming
+
+  acc, _ = lax.fori_loop(0, nq, step, (jnp.zeros((_DIGIT, _DIGIT), jnp.float32), keys_at(0)))
+  return _bins(acc, ep)
 
 
 def _block_counts(ids: jax.Array, e: int, ep: int, interpret: bool):
@@ -266,7 +302,9 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   # program counting every block and ranking 4 row steps, one kernel took 2-3x the two-kernel
   # form's time at 4 blocks: sixth round and r10a.)
   direct = one_block and not training
-  per_prog = _ROWS if direct else BLOCK  # slots per block program
+  # slots per row step of a block program
+  step = (_DIRECT_ROWS if nb <= 8 else _DIRECT_ROWS // 2) if direct else _ROWS
+  per_prog = step if direct else BLOCK  # slots per block program
   npb = -(-n // per_prog)                # block programs
   # tile-list programs: `tasks` tasks each, per block_m (grid rows npb + q of column 0)
   tasks = _DIRECT_TASKS if direct else _TASKS
@@ -301,14 +339,9 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
       """(total [ep]: slots per expert, before [ep]: of them in blocks before b, offsets [ep]:
       each expert's first row, asize [ep]: padded sizes in training, else None)."""
       if one_block:
-        keys = all_keys()
-        total = _histogram(keys, ep)
-        if direct:
-          before = None  # the block programs rank their slots without the table
-        else:  # the slots of blocks before b, the others made empty (key e)
-          slot = [q0 + lax.broadcasted_iota(jnp.int32, (kn,), 0) for q0 in range(0, n, kn)]
-          before = _histogram([jnp.where(s < b * BLOCK, kq, e) for s, kq in zip(slot, keys)],
-                              ep)
+        total = _histogram_of_slots(ids_ref, n, e, ep)
+        # the block programs of the inference form rank their slots without the table
+        before = None if direct else _histogram_of_slots(ids_ref, n, e, ep, below=b * BLOCK)
       else:
         blk = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
         cnt = cnt_ref[jnp.minimum(blk, nb - 1), :]                       # [nbp, ep]
@@ -330,20 +363,22 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
       cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
       if direct:
         keys = all_keys()
+        theirs = [_sort_keys(kq, q * kn + lax.broadcasted_iota(jnp.int32, (kn,), 0), n)
+                  for q, kq in enumerate(keys)]
       else:
         base = offsets + before
         experts = lax.broadcasted_iota(jnp.int32, (_ROWS, ep), 1)
         block = _load_keys(ids_ref, jnp.minimum(b, nb - 1) * BLOCK, BLOCK, n, e)
 
       def copy(r, carry):
-        r0 = pl.multiple_of(b * per_prog + r * _ROWS, _ROWS)
-        key = _load_keys(ids_ref, r0, _ROWS, n, e)
-        slot = r0 + lax.broadcasted_iota(jnp.int32, (_ROWS,), 0)
+        r0 = pl.multiple_of(b * per_prog + r * step, step)
+        key = _load_keys(ids_ref, r0, step, n, e)
+        slot = r0 + lax.broadcasted_iota(jnp.int32, (step,), 0)
         live = key < e
         tok = jnp.where(live, slot // k, 0)
         rows = x_ref[tok, cols]  # issued before the position's reductions, which it overlaps
         if direct:
-          pos = sum(_sorted_before(key, slot, kq, q * kn) for q, kq in enumerate(keys))
+          pos = sum(_sorted_before(_sort_keys(key, slot, n), t_) for t_ in theirs)
         else:
           pos = jnp.sum(jnp.where(key[:, None] == experts, base[None, :], 0), axis=1)
           pos = pos + (_ranks(key, block, r * _ROWS) if one_block
@@ -354,12 +389,12 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
 
         @pl.when(c == 0)
         def _():
-          inv_ref[pl.ds(r0, _ROWS)] = jnp.where(live, pos, -1)
+          inv_ref[pl.ds(r0, step)] = jnp.where(live, pos, -1)
           if training:
             _store(order_ref, (dst,), slot, live, interpret)
         return carry
 
-      lax.fori_loop(0, per_prog // _ROWS, copy, 0)
+      lax.fori_loop(0, per_prog // step, copy, 0)
       if training:
         _zero_padding(xs_ref, order_ref, offsets + total, asize - total, b, nb, e, ep, m_alloc,
                       hc, c, interpret)

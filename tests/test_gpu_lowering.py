@@ -42,12 +42,15 @@ def _kernels(fn, *shapes, **kw_shapes) -> set:
     ("qwen3", 4, set()),                               # per_slot decode
     ("qwen3", 1024, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),
     ("qwen3", 128, {"jmoe_route_scatter_rows"}),       # 8 blocks: one routing kernel
-    ("qwen3", 256, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 16 blocks: two
+    ("qwen3", 256, {"jmoe_route_scatter_rows"}),       # 16 blocks: one routing kernel
+    ("qwen3", 512, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 32 blocks: two
+    ("mixtral", 1024, {"jmoe_route_scatter_rows"}),    # 16 blocks: one
     ("mixtral", 4, {"jmoe_route_scatter_rows"}),                        # one routing kernel
     ("deepseek", 32, {"jmoe_route_scatter_rows"}),      # 2 blocks of 128 slots: one kernel
     ("deepseek", 64, {"jmoe_route_scatter_rows"}),      # 4 blocks: one kernel
     ("deepseek", 128, {"jmoe_route_scatter_rows"}),     # 8 blocks: one kernel
-    ("deepseek", 256, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 16 blocks
+    ("deepseek", 256, {"jmoe_route_scatter_rows"}),     # 16 blocks: one kernel
+    ("deepseek", 512, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 32 blocks
 ])
 def test_fused_experts_lowers_for_gpu(h200_tables, preset, t, expect):
   e, k, h, n = PRESETS[preset]

@@ -188,44 +188,60 @@ def test_route_for_training_matches_jnp_path(rng, t, k, e, h, block_ms, case, m_
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=90), st.sampled_from([16, 32, 64]))
 def test_sorted_before_is_the_stable_sort_position(keys, chunk):
   # the one-kernel form's position rule, outside a kernel: summed over key chunks, the slots
-  # before each slot in a stable sort by key (7 marks empty slots, sorted last)
+  # before each slot in a stable sort by key (7 marks empty slots and the padding, sorted last)
   n = len(keys)
   padded = np.full(-(-n // chunk) * chunk, 7, np.int32)
   padded[:n] = keys
-  key = jnp.asarray(padded[:n])
-  slot = jnp.arange(n, dtype=jnp.int32)
-  pos = sum(route._sorted_before(key, slot, jnp.asarray(padded[q:q + chunk]), q)
-            for q in range(0, len(padded), chunk))
+  mine = route._sort_keys(jnp.asarray(padded[:n]), jnp.arange(n, dtype=jnp.int32), n)
+  pos = sum(route._sorted_before(mine, route._sort_keys(
+      jnp.asarray(padded[q:q + chunk]), q + jnp.arange(chunk, dtype=jnp.int32), n))
+      for q in range(0, len(padded), chunk))
   want = np.empty(n, np.int64)
   want[np.argsort(np.asarray(keys), kind="stable")] = np.arange(n)
   np.testing.assert_array_equal(np.asarray(pos), want)
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.integers(0, 300), min_size=1, max_size=700), st.sampled_from([8, 16, 128, 256]),
-       st.sampled_from([32, 128, 512]))
-def test_histogram_counts_keys(keys, ep, chunk):
-  # the one-kernel form's expert count (a dot of one-hot base-16 digits), outside a kernel,
-  # against NumPy: keys in [ep, 256) land in dropped bins, keys >= 256 match no digit
-  padded = np.full(-(-len(keys) // chunk) * chunk, 300, np.int32)
-  padded[:len(keys)] = keys
-  got = route._histogram([jnp.asarray(padded[q:q + chunk]) for q in range(0, len(padded), chunk)],
-                         ep)
-  assert got.shape == (ep,) and got.dtype == jnp.int32
-  np.testing.assert_array_equal(np.asarray(got), np.bincount(np.asarray(keys), minlength=301)[:ep])
+def _histogram_in_kernel(ids: np.ndarray, e: int, below: int | None) -> np.ndarray:
+  """route._histogram_of_slots run in a Pallas kernel (interpret mode) over ids."""
+  from jax.experimental import pallas as pl
+  ep = route._pow2(e)
+
+  def body(ids_ref, out_ref):
+    out_ref[...] = route._histogram_of_slots(ids_ref, ids.shape[0], e, ep, below=below)
+
+  call = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((ep,), jnp.int32),
+                        in_specs=[pl.BlockSpec(memory_space=pl.ANY)], interpret=True)
+  return np.asarray(call(jnp.asarray(ids, jnp.int32)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(-1, 300), min_size=1, max_size=700), st.sampled_from([8, 100, 256]),
+       st.sampled_from([16, 128]), st.one_of(st.none(), st.integers(0, 700)))
+def test_histogram_of_slots_counts_experts(ids, e, chunk, below):
+  # the one-kernel form's expert count (a loop of dots of one-hot base-16 digits over chunks of
+  # keys, the last chunk partial) against NumPy; ids outside [0, e) are empty slots; with
+  # `below`, only the slots before it count
+  ids = np.asarray(ids, np.int32)
+  live = ids[:below] if below is not None else ids
+  live = live[(live >= 0) & (live < e)]
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(route, "_HIST_CHUNK", chunk)
+    got = _histogram_in_kernel(ids, e, below)
+  np.testing.assert_array_equal(got[:e], np.bincount(live, minlength=e))
 
 
 def test_histogram_rejects_more_than_256_bins():
   with pytest.raises(ValueError, match="ep=512"):
-    route._histogram([jnp.zeros((32,), jnp.int32)], 512)
+    route._bins(jnp.zeros((16, 16), jnp.float32), 512)
 
 
 @pytest.mark.parametrize("case", ["random", "one_expert"])
 def test_route_one_kernel_at_the_default_limit(rng, case, monkeypatch):
-  # ONE_KERNEL_BLOCKS blocks (1024 slots: qwen3 at 128 tokens) in one kernel, H = 2048: two
-  # column chunks of _DIRECT_MAX_HC columns, tile lists of _DIRECT_TASKS tasks
-  assert route.ONE_KERNEL_BLOCKS == 8
-  t, k, e = 128, 8, 128
+  # ONE_KERNEL_BLOCKS blocks (2048 slots: qwen3 at 256 tokens) in one kernel, H = 2048: two
+  # column chunks of _DIRECT_MAX_HC columns, block programs of _DIRECT_ROWS // 2 slots, tile
+  # lists of _DIRECT_TASKS tasks, the expert count a loop of 16 _HIST_CHUNK-key steps
+  assert route.ONE_KERNEL_BLOCKS == 16
+  t, k, e = 256, 8, 128
   ids = rng.integers(-1, e, (t, k)).astype(np.int32)
   if case == "one_expert":
     ids[:] = 5

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session 14's device calls (each under the 600 s call limit):
+#   bash benchmarks/gpu_round14.sh parts  # one H200: the one-kernel routing at 16 blocks with
+#                                         # parts removed / knobs changed, warm and L2-flushed
+#   bash benchmarks/gpu_round14.sh hist   # one H200: the tile-list programs' histogram in a
+#                                         # loop of key chunks against unrolled, 8 and 16 blocks
+#   bash benchmarks/gpu_round14.sh rank   # one H200: the one-kernel form's block programs
+#   bash benchmarks/gpu_round14.sh block16 # one H200: the block, one routing kernel up to 16
+#                                         # blocks against two (qwen3/deepseek 256, mixtral 1024)
+NAME=gpu_round14; source benchmarks/gpu_env.sh
+case ${1:-parts} in
+  parts)
+    step 300 python3 benchmarks/route_parts.py --presets qwen3-30b-a3b,deepseek-v3 \
+      --tokens 256 --json $OUT/route_parts.json ;;
+  hist)  # r14b: the looped histogram (route._HIST_CHUNK) against the unrolled one (0)
+    step 300 python3 benchmarks/route_parts.py --presets qwen3-30b-a3b,deepseek-v3 \
+      --tokens 128,256 --variants two,one,one:_HIST_CHUNK=0,one:_HIST_CHUNK=64,one:_HIST_CHUNK=256,one:h64 \
+      --json $OUT/route_parts.json ;;
+  rank)  # r14c: the one-kernel form's block programs: one compare per key pair (sort keys),
+         # slots per block program (route._DIRECT_ROWS), columns per program
+    V=two,one,one:_COMBINED=0,one:_DIRECT_ROWS=32,one:_DIRECT_ROWS=8,one:_DIRECT_MAX_HC=2048,one:h64
+    step 250 python3 benchmarks/route_parts.py --presets qwen3-30b-a3b,deepseek-v3 \
+      --tokens 128,256 --variants $V --json $OUT/route_parts.json
+    step 100 python3 benchmarks/route_parts.py --presets mixtral-8x7b \
+      --tokens 512,1024 --variants $V --json $OUT/route_parts_mixtral.json ;;
+  block16)  # r14d: the block with one routing kernel up to 16 blocks against two kernels
+    step 300 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets qwen3-30b-a3b,deepseek-v3 --tokens 256 --iters 5 \
+      --route-impls kernels:0,kernels:16 --budget-s 270
+    step 200 env OUT=$OUT/block_mixtral python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets mixtral-8x7b --tokens 1024 --iters 5 \
+      --route-impls kernels:0,kernels:16 --budget-s 170 ;;
+esac

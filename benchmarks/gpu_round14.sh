@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_round14.sh rank   # one H200: the one-kernel form's block programs
 #   bash benchmarks/gpu_round14.sh block16 # one H200: the block, one routing kernel up to 16
 #                                         # blocks against two (qwen3/deepseek 256, mixtral 1024)
+#   bash benchmarks/gpu_round14.sh two    # one H200: the two-kernel form's knobs, 32-128 blocks
+#   bash benchmarks/gpu_round14.sh final  # one H200: the committed code (block, training ratio)
 NAME=gpu_round14; source benchmarks/gpu_env.sh
 case ${1:-parts} in
   parts)
@@ -30,4 +32,13 @@ case ${1:-parts} in
     step 200 env OUT=$OUT/block_mixtral python3 benchmarks/bench_grouped_gemm.py --stages block \
       --presets mixtral-8x7b --tokens 1024 --iters 5 \
       --route-impls kernels:0,kernels:16 --budget-s 170 ;;
+  two)  # r14e: the two-kernel form's knobs at 32-64 blocks (qwen3 512 / 1024 tokens)
+    V=two,two:_ROWS=16,two:_TASKS=16,two:_TASKS=64,two:_MAX_HC=1024,two:_MAX_HC=256,two:h64
+    step 250 python3 benchmarks/route_parts.py --presets qwen3-30b-a3b,mixtral-8x7b \
+      --tokens 512,1024,2048 --variants $V --json $OUT/route_parts.json ;;
+  final)  # r14f: the committed code: the block, and the training ratio
+    block_run 200 170 qwen3-30b-a3b,deepseek-v3 128,256,1024 4
+    step 120 env OUT=$OUT/block_mixtral python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets mixtral-8x7b --tokens 256,1024 --iters 4 --budget-s 100
+    train_ratio 220 190 ;;
 esac

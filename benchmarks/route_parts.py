@@ -75,6 +75,8 @@ def main():
     e, k, h = PRESETS[pname]
     for t in [int(v) for v in args.tokens.split(",")]:
       n = t * k
+      if not route.supports(n, h, e):
+        continue
       m_alloc = gg.row_alloc(n, *bms)
       nb = -(-n // route.BLOCK)
       ids = []

@@ -9,6 +9,7 @@
 #                                         # blocks against two (qwen3/deepseek 256, mixtral 1024)
 #   bash benchmarks/gpu_round14.sh two    # one H200: the two-kernel form's knobs, 32-128 blocks
 #   bash benchmarks/gpu_round14.sh final  # one H200: the committed code (block, training ratio)
+#   bash benchmarks/gpu_round14.sh cols   # one H200: kernel 2's column rule; the block at 1024
 NAME=gpu_round14; source benchmarks/gpu_env.sh
 case ${1:-parts} in
   parts)
@@ -41,4 +42,10 @@ case ${1:-parts} in
     step 120 env OUT=$OUT/block_mixtral python3 benchmarks/bench_grouped_gemm.py --stages block \
       --presets mixtral-8x7b --tokens 256,1024 --iters 4 --budget-s 100
     train_ratio 220 190 ;;
+  cols)  # r14g: kernel 2's column rule (_MAX_HC / _MAX_PROGRAMS) on deepseek-v3, then the
+         # block at 1024 tokens with the committed rule
+    step 150 python3 benchmarks/route_parts.py --presets deepseek-v3,qwen3-30b-a3b \
+      --tokens 512,1024 --variants two,two:_MAX_HC=512,two:_MAX_PROGRAMS=100000 \
+      --json $OUT/route_parts.json
+    block_run 150 120 qwen3-30b-a3b,deepseek-v3 1024 5 ;;
 esac

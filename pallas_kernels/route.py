@@ -50,9 +50,11 @@ from pallas_kernels import grouped_gemm as gg
 BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels
 _TASKS = 32          # tile-list entries per tile-list program of kernel 2
-_MAX_HC = 256        # columns per program of kernel 2 in the two-kernel form, at most (512:
-                     # 17.5 against 16.2 µs at qwen3 1024 tokens, 19.3 against 17.6 at mixtral
-                     # 2048, the same at 512 to 1024 slots; r14e)
+_MAX_HC = 256        # columns per program of kernel 2 in the two-kernel form, at most; 512
+                     # past 128 experts (each program sums the whole [blocks, E] count table).
+                     # r14e/r14g, µs, 256 against 512 columns: qwen3 1024 tokens 16.0-16.2
+                     # against 17.5, mixtral 2048 17.6 against 19.3; deepseek-v3 512 / 1024
+                     # 42.0 / 70.5 against 32.1 / 50.1
 _DIRECT_TASKS = 16   # the same in the one-kernel form, whose tile-list programs count the
                      # experts first: at 8 blocks, 16 took 8.3 µs against 32's 8.1 warm, 13.3
                      # against 20.5 with L2 flushed (H200, r13c)
@@ -315,7 +317,7 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   first_chunk = [npb + sum(chunks[:i]) for i in range(len(chunks))]
   # the one-kernel form: wide column chunks (the largest power of two dividing H, at most
   # _DIRECT_MAX_HC), as every chunk ranks its slots again
-  hc = min(hdim & -hdim, _DIRECT_MAX_HC) if direct else _col_chunk(hdim, npb)
+  hc = min(hdim & -hdim, _DIRECT_MAX_HC) if direct else _col_chunk(hdim, npb, ep)
   n_hc = hdim // hc
   kn = min(max(_pow2(n), _ROWS), _DIRECT)  # keys per chunk of every slot's key (one kernel)
 
@@ -537,12 +539,13 @@ def _store(ref, idx, val, mask, interpret):
     pltriton.store(ref.at[idx], val, mask=mask)
 
 
-def _col_chunk(hdim: int, nb: int) -> int:
-  """Columns per program: a power of two dividing hdim, at most _MAX_HC (a [32, _MAX_HC] row
-  step in registers), halved until there is a program per SM (every program also sums the
-  count table, so more, narrower programs cost more), at least 64."""
+def _col_chunk(hdim: int, nb: int, ep: int) -> int:
+  """Columns per program: a power of two dividing hdim, at most _MAX_HC (ep <= 128 count
+  columns) or 512 (a [32, 512] row step in registers); halved until there is a program per SM
+  (every program also sums the count table, so more, narrower programs cost more), at least
+  64."""
   hc = 64
-  while hc < _MAX_HC and hdim % (2 * hc) == 0:
+  while hc < (_MAX_HC if ep <= 128 else 512) and hdim % (2 * hc) == 0:
     hc *= 2
   while hc > 64 and nb * (hdim // hc) < 132:
     hc //= 2

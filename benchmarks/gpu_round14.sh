@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_round14.sh two    # one H200: the two-kernel form's knobs, 32-128 blocks
 #   bash benchmarks/gpu_round14.sh final  # one H200: the committed code (block, training ratio)
 #   bash benchmarks/gpu_round14.sh cols   # one H200: kernel 2's column rule; the block at 1024
+#   bash benchmarks/gpu_round14.sh small  # one H200: the smallest count dots, block and training
+#   bash benchmarks/gpu_round14.sh pad    # one H200: training routing, padding spread over programs
 NAME=gpu_round14; source benchmarks/gpu_env.sh
 case ${1:-parts} in
   parts)
@@ -48,4 +50,18 @@ case ${1:-parts} in
       --tokens 512,1024 --variants two,two:_MAX_HC=512,two:_MAX_PROGRAMS=100000 \
       --json $OUT/route_parts.json
     block_run 150 120 qwen3-30b-a3b,deepseek-v3 1024 5 ;;
+  small)  # r14h: the smallest expert-count dots on the GPU (16-64 slots: chunks of 16-64 keys),
+          # in the block and in route_for_training's one-block form (the training path at 8
+          # tokens), each checked against XLA in the same run
+    step 150 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets mixtral-8x7b,qwen3-30b-a3b --tokens 4,8,16 --iters 4 --budget-s 120
+    step 200 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 8 --iters 4 \
+      --train-variants default --budget-s 170 ;;
+  pad)  # r14i: the training routing with every grid row zeroing padding: 8 tokens, and the
+        # training ratio at 1024 tokens (qwen3)
+    step 150 env OUT=$OUT/train8 python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 8 --iters 4 \
+      --train-variants default --budget-s 120
+    train_ratio 150 120 qwen3-30b-a3b ;;
 esac

@@ -12,6 +12,9 @@
 #   bash benchmarks/gpu_round14.sh cols   # one H200: kernel 2's column rule; the block at 1024
 #   bash benchmarks/gpu_round14.sh small  # one H200: the smallest count dots, block and training
 #   bash benchmarks/gpu_round14.sh pad    # one H200: training routing, padding spread over programs
+# Knobs since removed (the runs are recorded in BENCHMARKS.md, fourteenth round): hist's
+# _HIST_CHUNK=0 (the unrolled count), rank's _COMBINED=0 (the three-compare rank), cols'
+# _MAX_PROGRAMS; _MAX_HC now binds only up to 128 experts.
 NAME=gpu_round14; source benchmarks/gpu_env.sh
 case ${1:-parts} in
   parts)

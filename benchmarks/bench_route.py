@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -27,12 +26,22 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jmoe import timing  # noqa: E402
+import check_common  # noqa: E402  (benchmarks/, the script's own directory)
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from pallas_kernels import moe as pmoe  # noqa: E402
 from pallas_kernels import route  # noqa: E402
 
 PRESETS = {"mixtral-8x7b": (8, 2, 4096), "qwen3-30b-a3b": (128, 8, 2048),
            "deepseek-v3": (256, 8, 7168)}  # E, k, H
+
+
+def route_problems(presets: str, tokens: str):
+  """(preset, E, k, H, T, slots) for every comma-listed preset and token count route() takes."""
+  for pname in presets.split(","):
+    e, k, h = PRESETS[pname]
+    for t in (int(v) for v in tokens.split(",")):
+      if route.supports(t * k, h, e):
+        yield pname, e, k, h, t, t * k
 
 
 def _variant(x, i, *, v, e, m_alloc, bms, nb):
@@ -67,65 +76,51 @@ def main():
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind}")
   print(f"{'preset':14s} {'T':>5s} {'blocks':>6s} {'jnp':>14s} {'route 2 kern':>14s} "
         f"{'route 1 kern':>14s}  outputs")
-  for pname in args.presets.split(","):
-    e, k, h = PRESETS[pname]
-    for t in [int(v) for v in args.tokens.split(",")]:
-      n = t * k
-      if not route.supports(n, h, e):
-        continue
-      bms = tuple(int(v) for v in args.block_ms.split(","))
-      m_alloc = gg.row_alloc(n, *bms)
-      nb = -(-n // route.BLOCK)
-      sets = []
-      for i in range(3):
-        k1, k2 = jax.random.split(jax.random.key(10 + i))
-        x = jax.random.normal(k1, (t, h), jnp.float32).astype(jnp.bfloat16)
-        _, ids = jax.lax.top_k(jax.random.normal(k2, (t, e)), k)
-        sets.append((x, ids.astype(jnp.int32)))
-      fns = {
-          "jnp": jax.jit(lambda x, i: pmoe.route_xla(x, i, e, m_alloc, bms)),
-          "two": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, bms,
-                                                  one_kernel_blocks=0)),
-          "one": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, bms,
-                                                  one_kernel_blocks=nb)),
-      }
-      for v in filter(None, args.one_variants.split(",")):
-        fns["one " + v] = jax.jit(functools.partial(_variant, v=v, e=e, m_alloc=m_alloc, bms=bms,
-                                                    nb=nb))
-      rec = dict(preset=pname, T=t, slots=n, blocks=nb, block_ms=bms, cold=args.cold)
-      ref = jax.block_until_ready(fns["jnp"](*sets[0]))
-      nv = int(jnp.sum(ref[2]))
-      same = []
-      for name, f in fns.items():
-        out = jax.block_until_ready(f(*sets[0]))
-        q = int(ref[3][0][1][0])
-        same.append(bool(np.array_equal(np.asarray(out[0][:nv]), np.asarray(ref[0][:nv]))
-                         and np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))
-                         and np.array_equal(np.asarray(out[3][0][0])[:, :q],
-                                            np.asarray(ref[3][0][0])[:, :q])))
-        if args.cold and name != "jnp":  # only the routing kernels' time counts then
-          def timed(x, i, buf, f=f):  # the routing waits for the flush (a barrier)
-            x, i, buf = jax.lax.optimization_barrier((x, i, buf + 1))
-            return f(x, i), buf
-          timed = jax.jit(timed)
-          _, _, kernels = timing.device_time(timed, [s_ + (flush,) for s_ in sets],
-                                             iters=args.iters)
-          kernels = {k_: v for k_, v in kernels.items() if "jmoe_route" in k_}
-          us = sum(kernels.values())
-        else:
-          us, _, kernels = timing.device_time(f, sets, iters=args.iters)
-        rec[name] = dict(us=us, kernels=kernels)
-      rec["outputs_equal"] = all(same)
-      rows.append(rec)
-      cell = lambda r: f"{r['us']:8.1f} ({len(r['kernels']):2d})"
-      print(f"{pname:14s} {t:5d} {nb:6d} {cell(rec['jnp']):>14s} {cell(rec['two']):>14s} "
-            f"{cell(rec['one']):>14s}  {'equal' if rec['outputs_equal'] else 'DIFFER'}  "
-            + "  ".join(f"{k_[4:]}={rec[k_]['us']:.1f}" for k_ in fns if k_.startswith("one ")),
-            flush=True)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows), f,
-                indent=1)
+  for pname, e, k, h, t, n in route_problems(args.presets, args.tokens):
+    bms = tuple(int(v) for v in args.block_ms.split(","))
+    m_alloc = gg.row_alloc(n, *bms)
+    nb = -(-n // route.BLOCK)
+    sets = []
+    for i in range(3):
+      k1, k2 = jax.random.split(jax.random.key(10 + i))
+      x = jax.random.normal(k1, (t, h), jnp.float32).astype(jnp.bfloat16)
+      _, ids = jax.lax.top_k(jax.random.normal(k2, (t, e)), k)
+      sets.append((x, ids.astype(jnp.int32)))
+    fns = {
+        "jnp": jax.jit(lambda x, i: pmoe.route_xla(x, i, e, m_alloc, bms)),
+        "two": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, bms,
+                                                one_kernel_blocks=0)),
+        "one": jax.jit(lambda x, i: route.route(x, i, e, m_alloc, bms,
+                                                one_kernel_blocks=nb)),
+    }
+    for v in filter(None, args.one_variants.split(",")):
+      fns["one " + v] = jax.jit(functools.partial(_variant, v=v, e=e, m_alloc=m_alloc, bms=bms,
+                                                  nb=nb))
+    rec = dict(preset=pname, T=t, slots=n, blocks=nb, block_ms=bms, cold=args.cold)
+    ref = jax.block_until_ready(fns["jnp"](*sets[0]))
+    nv = int(jnp.sum(ref[2]))
+    same = []
+    for name, f in fns.items():
+      out = jax.block_until_ready(f(*sets[0]))
+      q = int(ref[3][0][1][0])
+      same.append(bool(np.array_equal(np.asarray(out[0][:nv]), np.asarray(ref[0][:nv]))
+                       and np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))
+                       and np.array_equal(np.asarray(out[3][0][0])[:, :q],
+                                          np.asarray(ref[3][0][0])[:, :q])))
+      if args.cold and name != "jnp":  # only the routing kernels' time counts then
+        us, kernels = timing.device_time_cold(f, sets, flush, iters=args.iters,
+                                              match="jmoe_route")
+      else:
+        us, _, kernels = timing.device_time(f, sets, iters=args.iters)
+      rec[name] = dict(us=us, kernels=kernels)
+    rec["outputs_equal"] = all(same)
+    rows.append(rec)
+    cell = lambda r: f"{r['us']:8.1f} ({len(r['kernels']):2d})"
+    print(f"{pname:14s} {t:5d} {nb:6d} {cell(rec['jnp']):>14s} {cell(rec['two']):>14s} "
+          f"{cell(rec['one']):>14s}  {'equal' if rec['outputs_equal'] else 'DIFFER'}  "
+          + "  ".join(f"{k_[4:]}={rec[k_]['us']:.1f}" for k_ in fns if k_.startswith("one ")),
+          flush=True)
+  check_common.write_record(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """What the device check scripts (check_cross_item.py, check_tgmm.py) share: their command
-line and their ending (winners into the tuned tables, the JSON record, the exit status)."""
+line and their ending (winners into the tuned tables, the JSON record, the exit status). The
+routing benchmarks (bench_route.py, route_parts.py) write their record with write_record."""
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,16 @@ def finish(args: argparse.Namespace, tool: str, rows: list, better: list) -> int
     note = f"{tool}, {datetime.date.today().isoformat()}, jax {jax.__version__}"
     for path in write_tables(better, default_config_dir(), note):
       print(f"wrote {path}")
-  if args.json:
-    with open(args.json, "w") as fh:
+  write_record(args.json, rows)
+  return 0 if all(r.get("correct") for r in rows) else 1
+
+
+def write_record(path: str | None, rows: list) -> None:
+  """The JSON record of a device script (jax version, device kind, its rows), if path is set."""
+  if path:
+    with open(path, "w") as fh:
       json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows), fh,
                 indent=1)
-  return 0 if all(r.get("correct") for r in rows) else 1
 
 
 def run_variant(rec: dict, measure, rows: list) -> bool:

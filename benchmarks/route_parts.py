@@ -15,7 +15,6 @@ Not a test: outputs are checked against the two-kernel form only where both buil
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,11 +26,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jmoe import timing  # noqa: E402
+import check_common  # noqa: E402  (benchmarks/, the script's own directory)
+from bench_route import route_problems  # noqa: E402
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from pallas_kernels import route  # noqa: E402
-
-PRESETS = {"mixtral-8x7b": (8, 2, 4096), "qwen3-30b-a3b": (128, 8, 2048),
-           "deepseek-v3": (256, 8, 7168)}  # E, k, H
 
 
 def _build(variant: str, e: int, m_alloc: int, bms: tuple, nb: int):
@@ -71,49 +69,33 @@ def main():
   bms = tuple(int(v) for v in args.block_ms.split(","))
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind}")
   rows = []
-  for pname in args.presets.split(","):
-    e, k, h = PRESETS[pname]
-    for t in [int(v) for v in args.tokens.split(",")]:
-      n = t * k
-      if not route.supports(n, h, e):
-        continue
-      m_alloc = gg.row_alloc(n, *bms)
-      nb = -(-n // route.BLOCK)
-      ids = []
-      for s in range(3):
-        _, i = jax.lax.top_k(jax.random.normal(jax.random.key(20 + s), (t, e)), k)
-        ids.append(i.astype(jnp.int32))
-      xs = {w: [jax.random.normal(jax.random.key(30 + s), (t, w), jnp.float32)
-                .astype(jnp.bfloat16) for s in range(3)] for w in (h, 64)}
-      ref = {}
-      for variant in args.variants.split(","):
-        f, width = _build(variant, e, m_alloc, bms, nb)
-        sets = list(zip(xs[width or h], ids))
-        out = jax.block_until_ready(f(*sets[0]))
-        key = (width, variant.endswith("nolist"))
-        nv = int(jnp.sum(out[2])) if not key[1] else None
-        if key not in ref:
-          ref[key] = out
-        same = key[1] or (np.array_equal(np.asarray(out[0][:nv]), np.asarray(ref[key][0][:nv]))
-                          and np.array_equal(np.asarray(out[1]), np.asarray(ref[key][1])))
-
-        def timed(x, i, buf, f=f):  # the routing waits for the flush (a barrier)
-          x, i, buf = jax.lax.optimization_barrier((x, i, buf + 1))
-          return f(x, i), buf
-
-        warm, _, kw = timing.device_time(f, sets, iters=args.iters)
-        _, _, kc = timing.device_time(jax.jit(timed), [s_ + (flush,) for s_ in sets],
-                                      iters=args.iters)
-        kc = {k_: v for k_, v in kc.items() if "jmoe_route" in k_}
-        cold = sum(kc.values())
-        rows.append(dict(preset=pname, T=t, blocks=nb, variant=variant, warm_us=warm,
-                         cold_us=cold, kernels_warm=kw, kernels_cold=kc, same=bool(same)))
-        print(f"{pname:14s} {t:5d} {nb:3d} {variant:22s} warm {warm:6.1f}  cold {cold:6.1f}  "
-              f"({len(kw)} kernels) {'' if same else 'DIFFER'}", flush=True)
-  if args.json:
-    with open(args.json, "w") as fh:
-      json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows), fh,
-                indent=1)
+  for pname, e, k, h, t, n in route_problems(args.presets, args.tokens):
+    m_alloc = gg.row_alloc(n, *bms)
+    nb = -(-n // route.BLOCK)
+    ids = []
+    for s in range(3):
+      _, i = jax.lax.top_k(jax.random.normal(jax.random.key(20 + s), (t, e)), k)
+      ids.append(i.astype(jnp.int32))
+    xs = {w: [jax.random.normal(jax.random.key(30 + s), (t, w), jnp.float32)
+              .astype(jnp.bfloat16) for s in range(3)] for w in (h, 64)}
+    ref = {}
+    for variant in args.variants.split(","):
+      f, width = _build(variant, e, m_alloc, bms, nb)
+      sets = list(zip(xs[width or h], ids))
+      out = jax.block_until_ready(f(*sets[0]))
+      key = (width, variant.endswith("nolist"))
+      nv = int(jnp.sum(out[2])) if not key[1] else None
+      if key not in ref:
+        ref[key] = out
+      same = key[1] or (np.array_equal(np.asarray(out[0][:nv]), np.asarray(ref[key][0][:nv]))
+                        and np.array_equal(np.asarray(out[1]), np.asarray(ref[key][1])))
+      warm, _, kw = timing.device_time(f, sets, iters=args.iters)
+      cold, kc = timing.device_time_cold(f, sets, flush, iters=args.iters, match="jmoe_route")
+      rows.append(dict(preset=pname, T=t, blocks=nb, variant=variant, warm_us=warm,
+                       cold_us=cold, kernels_warm=kw, kernels_cold=kc, same=bool(same)))
+      print(f"{pname:14s} {t:5d} {nb:3d} {variant:22s} warm {warm:6.1f}  cold {cold:6.1f}  "
+            f"({len(kw)} kernels) {'' if same else 'DIFFER'}", flush=True)
+  check_common.write_record(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -79,3 +79,18 @@ def device_time(fn: Callable, arg_sets: Sequence[tuple], iters: int = 5
   # a kernel launched n times per call: its median duration x n
   pk = {k: statistics.median(v) * len(v) / calls for k, v in per_kernel.items()}
   return statistics.median(totals), totals, pk
+
+
+def device_time_cold(fn: Callable, arg_sets: Sequence[tuple], flush: jax.Array, iters: int = 5,
+                     match: str = "") -> tuple[float, dict[str, float]]:
+  """(µs, {kernel name: µs}) of the kernels of fn whose names contain `match`, each call made
+  to wait for ``flush + 1`` first: with `flush` larger than L2 (256 MB on an H200), fn starts
+  with neither its data nor its code in L2, as a kernel does after the GEMMs of a MoE block.
+  GPU only (device_time); the flush's own kernel is not counted unless it matches."""
+  def timed(args, buf):
+    args, buf = jax.lax.optimization_barrier((args, buf + 1))
+    return fn(*args), buf
+
+  _, _, kernels = device_time(jax.jit(timed), [(args, flush) for args in arg_sets], iters)
+  kernels = {k: v for k, v in kernels.items() if match in k}
+  return sum(kernels.values()), kernels

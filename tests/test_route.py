@@ -164,6 +164,8 @@ def test_moe_align_training_layout(rng):
     (75, 2, 8, 64, (64, 128), "random", None, 1),      # 150 slots: two kernels
     (75, 2, 8, 64, (64,), "random", None, 2),          # 150 slots in one kernel
     (3, 2, 8, 64, (64,), "random", None, 0),           # one block through two kernels
+    (16, 8, 100, 64, (64,), "random", None, 1),        # E=100: grid rows past the experts, and
+                                                       # one with a partial share of padding
 ])
 def test_route_for_training_matches_jnp_path(rng, t, k, e, h, block_ms, case, m_alloc,
                                              one_kernel_blocks):

@@ -1,5 +1,5 @@
-"""Where the one-kernel routing form spends its time past 8 blocks (GPU): the same route() call
-with parts of its work removed or its knobs changed, warm and with L2 flushed.
+"""Where the routing kernels spend their time (GPU): the same route() or route_for_training()
+call with parts of its work removed or its knobs changed, warm and with L2 flushed.
 
     python benchmarks/route_parts.py --json OUT.json [--presets ...] [--tokens 256]
 
@@ -10,7 +10,10 @@ Variants (each traced with route's module knobs set as named, then restored):
   one:h64    token rows of 64 columns: ranking and tile lists, almost no row copy
   two:h64    the two-kernel form on the same 64-column rows
   one:KEY=V  a route module constant set to V (e.g. _DIRECT_TASKS=8, _ROWS=16)
-Not a test: outputs are checked against the two-kernel form only where both build tile lists.
+  train      route_for_training as committed (one kernel up to ONE_KERNEL_BLOCKS_TRAINING)
+  train2     route_for_training in two kernels; train:... and train2:... take the knobs above
+Not a test: outputs are checked against the first variant of the same kind (inference or
+training, token row width) where both build tile lists.
 """
 from __future__ import annotations
 
@@ -32,10 +35,12 @@ from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from pallas_kernels import route  # noqa: E402
 
 
-def _build(variant: str, e: int, m_alloc: int, bms: tuple, nb: int):
+def _build(variant: str, e: int, n: int, bms: tuple):
   """(jitted routing fn, its token-row width override or None) for one variant name."""
   form, _, knob = variant.partition(":")
-  blocks = nb if form == "one" else 0
+  training = form.startswith("train")
+  m_alloc = gg.row_alloc(n + (route._PAD * min(e, n) if training else 0), *bms)
+  blocks = {"one": -(-n // route.BLOCK), "train": route.ONE_KERNEL_BLOCKS_TRAINING}.get(form, 0)
   use_bms = () if knob == "nolist" else bms
   patch = {}
   if "=" in knob:
@@ -47,7 +52,8 @@ def _build(variant: str, e: int, m_alloc: int, bms: tuple, nb: int):
     for name, val in patch.items():
       setattr(route, name, val)
     try:
-      return route.route(x, i, e, m_alloc, use_bms, one_kernel_blocks=blocks)
+      fn_ = route.route_for_training if training else route.route
+      return fn_(x, i, e, m_alloc, use_bms, one_kernel_blocks=blocks)
     finally:
       for name, val in saved.items():
         setattr(route, name, val)
@@ -70,7 +76,6 @@ def main():
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind}")
   rows = []
   for pname, e, k, h, t, n in route_problems(args.presets, args.tokens):
-    m_alloc = gg.row_alloc(n, *bms)
     nb = -(-n // route.BLOCK)
     ids = []
     for s in range(3):
@@ -80,10 +85,10 @@ def main():
               .astype(jnp.bfloat16) for s in range(3)] for w in (h, 64)}
     ref = {}
     for variant in args.variants.split(","):
-      f, width = _build(variant, e, m_alloc, bms, nb)
+      f, width = _build(variant, e, n, bms)
       sets = list(zip(xs[width or h], ids))
       out = jax.block_until_ready(f(*sets[0]))
-      key = (width, variant.endswith("nolist"))
+      key = (width, variant.endswith("nolist"), variant.startswith("train"))
       nv = int(jnp.sum(out[2])) if not key[1] else None
       if key not in ref:
         ref[key] = out

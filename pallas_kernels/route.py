@@ -302,8 +302,8 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
     rank, counts = _block_counts(ids, e, ep, interpret)
   nbp = _pow2(nb)
   # Inference in one kernel: a block program gets its slots' sorted positions from one compare
-  # with every slot's key (no per-expert table) and takes one row step (_ROWS slots), so its
-  # chain of reductions is short; only the tile-list programs count the experts. (With every
+  # with every slot's key (no per-expert table) and takes one row step (_DIRECT_ROWS slots,
+  # half that past 8 blocks), so its chain of reductions is short; only the tile-list programs count the experts. (With every
   # program counting every block and ranking 4 row steps, one kernel took 2-3x the two-kernel
   # form's time at 4 blocks: sixth round and r10a.)
   direct = one_block and not training

@@ -163,9 +163,10 @@ def _bins(acc: jax.Array, ep: int) -> jax.Array:
 _HIST_CHUNK = 128  # keys per step of _histogram_of_slots (64 and 256 measured no better, r14b)
 
 
-def _histogram_of_slots(ids_ref, n: int, e: int, ep: int, below=None) -> jax.Array:
-  """How many of the keys (_load_keys) of slots [0, n), or of those below slot `below`, equal
-  each of 0 .. ep - 1: [ep] int32 (ep <= 256; the empty-slot key e is counted when e < ep).
+def _histogram_of_slots(ids_ref, n: int, e: int, ep: int, below=None):
+  """(total, before): how many of the keys (_load_keys) of slots [0, n), and of those below
+  slot `below` (None when `below` is None), equal each of 0 .. ep - 1: [ep] int32 each (ep <=
+  256; the empty-slot key e is counted when e < ep). One pass over the keys for both.
 
   A loop over _HIST_CHUNK keys, the next chunk's load issued before this chunk's dot, so the
   code is one chunk's. A program runs it once: unrolled over every key, its code (fetched from
@@ -175,19 +176,20 @@ def _histogram_of_slots(ids_ref, n: int, e: int, ep: int, below=None) -> jax.Arr
   c = min(_HIST_CHUNK, max(_pow2(n), _DIGIT))
   nq = -(-n // c)
 
-  def keys_at(q):
-    key = _load_keys(ids_ref, q * c, c, n, e)
-    if below is None:
-      return key
-    return jnp.where(q * c + lax.broadcasted_iota(jnp.int32, (c,), 0) < below, key, e)
+  keys_at = lambda q: _load_keys(ids_ref, q * c, c, n, e)
 
   def step(q, carry):
-    acc, key = carry
+    acc, acc_below, key = carry
     upcoming = keys_at(jnp.minimum(q + 1, nq - 1))
-    return acc + _digit_counts(key), upcoming
+    acc = acc + _digit_counts(key)
+    if below is not None:  # the slots from `below` on made empty (key e)
+      slot = q * c + lax.broadcasted_iota(jnp.int32, (c,), 0)
+      acc_below = acc_below + _digit_counts(jnp.where(slot < below, key, e))
+    return acc, acc_below, upcoming
 
-  acc, _ = lax.fori_loop(0, nq, step, (jnp.zeros((_DIGIT, _DIGIT), jnp.float32), keys_at(0)))
-  return _bins(acc, ep)
+  zero = jnp.zeros((_DIGIT, _DIGIT), jnp.float32)
+  acc, acc_below, _ = lax.fori_loop(0, nq, step, (zero, zero, keys_at(0)))
+  return _bins(acc, ep), (None if below is None else _bins(acc_below, ep))
 
 
 def _block_counts(ids: jax.Array, e: int, ep: int, interpret: bool):
@@ -303,9 +305,9 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
   nbp = _pow2(nb)
   # Inference in one kernel: a block program gets its slots' sorted positions from one compare
   # with every slot's key (no per-expert table) and takes one row step (_DIRECT_ROWS slots,
-  # half that past 8 blocks), so its chain of reductions is short; only the tile-list programs count the experts. (With every
-  # program counting every block and ranking 4 row steps, one kernel took 2-3x the two-kernel
-  # form's time at 4 blocks: sixth round and r10a.)
+  # half that past 8 blocks), so its chain of reductions is short; only the tile-list programs
+  # count the experts. (With every program counting every block and ranking 4 row steps, one
+  # kernel took 2-3x the two-kernel form's time at 4 blocks: sixth round and r10a.)
   direct = one_block and not training
   # slots per row step of a block program
   step = (_DIRECT_ROWS if nb <= 8 else _DIRECT_ROWS // 2) if direct else _ROWS
@@ -336,17 +338,13 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
     b = pl.program_id(0)
     c = pl.program_id(1)
 
-    def all_keys():
-      """Every slot's key in chunks of kn, all loads issued first (one memory round trip)."""
-      return [_load_keys(ids_ref, q0, kn, n, e) for q0 in range(0, n, kn)]
-
     def expert_table():
       """(total [ep]: slots per expert, before [ep]: of them in blocks before b, offsets [ep]:
       each expert's first row, asize [ep]: padded sizes in training, else None)."""
       if one_block:
-        total = _histogram_of_slots(ids_ref, n, e, ep)
         # the block programs of the inference form rank their slots without the table
-        before = None if direct else _histogram_of_slots(ids_ref, n, e, ep, below=b * BLOCK)
+        total, before = _histogram_of_slots(ids_ref, n, e, ep,
+                                            below=None if direct else b * BLOCK)
       else:
         blk = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
         cnt = cnt_ref[jnp.minimum(blk, nb - 1), :]                       # [nbp, ep]
@@ -366,10 +364,10 @@ def _route(x, topk_ids, num_experts: int, m_alloc: int, block_ms: tuple, one_ker
     @pl.when(b < npb)
     def _copy_block():
       cols = pl.ds(pl.multiple_of(c * hc, hc), hc)
-      if direct:
-        keys = all_keys()
-        theirs = [_sort_keys(kq, q * kn + lax.broadcasted_iota(jnp.int32, (kn,), 0), n)
-                  for q, kq in enumerate(keys)]
+      if direct:  # every slot's sort key in chunks of kn, all loads issued first
+        theirs = [_sort_keys(_load_keys(ids_ref, q0, kn, n, e),
+                             q0 + lax.broadcasted_iota(jnp.int32, (kn,), 0), n)
+                  for q0 in range(0, n, kn)]
       else:
         base = offsets + before
         experts = lax.broadcasted_iota(jnp.int32, (_ROWS, ep), 1)

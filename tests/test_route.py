@@ -203,17 +203,22 @@ def test_sorted_before_is_the_stable_sort_position(keys, chunk):
   np.testing.assert_array_equal(np.asarray(pos), want)
 
 
-def _histogram_in_kernel(ids: np.ndarray, e: int, below: int | None) -> np.ndarray:
-  """route._histogram_of_slots run in a Pallas kernel (interpret mode) over ids."""
+def _histogram_in_kernel(ids: np.ndarray, e: int, below: int | None):
+  """route._histogram_of_slots run in a Pallas kernel (interpret mode) over ids: (total,
+  before), before None when below is None."""
   from jax.experimental import pallas as pl
   ep = route._pow2(e)
 
-  def body(ids_ref, out_ref):
-    out_ref[...] = route._histogram_of_slots(ids_ref, ids.shape[0], e, ep, below=below)
+  def body(ids_ref, total_ref, before_ref):
+    total, before = route._histogram_of_slots(ids_ref, ids.shape[0], e, ep, below=below)
+    total_ref[...] = total
+    before_ref[...] = total if before is None else before
 
-  call = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((ep,), jnp.int32),
+  out = jax.ShapeDtypeStruct((ep,), jnp.int32)
+  call = pl.pallas_call(body, out_shape=(out, out),
                         in_specs=[pl.BlockSpec(memory_space=pl.ANY)], interpret=True)
-  return np.asarray(call(jnp.asarray(ids, jnp.int32)))
+  total, before = call(jnp.asarray(ids, jnp.int32))
+  return np.asarray(total), (None if below is None else np.asarray(before))
 
 
 @settings(max_examples=20, deadline=None)
@@ -222,14 +227,15 @@ def _histogram_in_kernel(ids: np.ndarray, e: int, below: int | None) -> np.ndarr
 def test_histogram_of_slots_counts_experts(ids, e, chunk, below):
   # the one-kernel form's expert count (a loop of dots of one-hot base-16 digits over chunks of
   # keys, the last chunk partial) against NumPy; ids outside [0, e) are empty slots; with
-  # `below`, only the slots before it count
+  # `below`, the same pass also counts only the slots before it
   ids = np.asarray(ids, np.int32)
-  live = ids[:below] if below is not None else ids
-  live = live[(live >= 0) & (live < e)]
+  live = lambda v: v[(v >= 0) & (v < e)]
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(route, "_HIST_CHUNK", chunk)
-    got = _histogram_in_kernel(ids, e, below)
-  np.testing.assert_array_equal(got[:e], np.bincount(live, minlength=e))
+    total, before = _histogram_in_kernel(ids, e, below)
+  np.testing.assert_array_equal(total[:e], np.bincount(live(ids), minlength=e))
+  if below is not None:
+    np.testing.assert_array_equal(before[:e], np.bincount(live(ids[:below]), minlength=e))
 
 
 def test_histogram_rejects_more_than_256_bins():

@@ -287,8 +287,11 @@ def time_torch(block, arg_sets, iters=10):
   return t * 1e6, outs
 
 
-def block_configs(args, p, T):
-  """Configs for the block: None = library default (tuned JSON / heuristic)."""
+def block_configs(args, p, T, source="sweep"):
+  """Configs for the block: None = library default (tuned JSON / heuristic). source "lib":
+  always the library's; "sweep": this run's sweep winners where the sweep stage ran."""
+  if source == "lib":
+    return None, None
   if args.force_nows:
     m = T * p["k"]
     c1 = C(block_m=64 if m <= 64 * p["E"] else 128, block_n=128, block_k=64, num_stages=4,
@@ -324,15 +327,22 @@ def stage_block(args):
       import torch
       tw13, tw2 = torch.from_dlpack(w13), torch.from_dlpack(w2)
     layouts = args.layout.split(",")
-    for T, route, layout in [(int(t), r, lay) for t in args.tokens.split(",")
-                             for r in args.route_impls.split(",") for lay in layouts]:
+    sources = args.block_configs.split(",")
+    for T, route, layout, source in [(int(t), r, lay, src) for t in args.tokens.split(",")
+                                     for r in args.route_impls.split(",") for lay in layouts
+                                     for src in sources]:
       if time.time() - T0 > args.budget_s:
         log(f"[block] budget reached, skipping {pname} T={T}")
         break
       rec = dict(preset=pname, T=T, permute_impl=PERMUTE_IMPL, layout=layout,
-                 route_impl=route, **p)
-      c1_, c2_ = block_configs(args, p, T)
+                 route_impl=route, config_source=source, **p)
+      c1_, c2_ = block_configs(args, p, T, source)
       rec["configs"] = [c.to_json() if c else None for c in (c1_, c2_)]
+      m_slots = T * p["k"]  # what the library picks for a None config (tuned entry or heuristic)
+      rec["lib_configs"] = [
+          gg.get_config("grouped_gemm_gated", m_slots, p["N"], p["H"], p["E"], jnp.bfloat16,
+                        gated=True).to_json(),
+          gg.get_config("grouped_gemm", m_slots, p["H"], p["N"], p["E"], jnp.bfloat16).to_json()]
       try:
         sets = [make_inputs(p, T, jax.random.key(100 + i)) for i in range(args.rotate)]
         E, k, H, N = p["E"], p["k"], p["H"], p["N"]
@@ -342,7 +352,7 @@ def stage_block(args):
         rec.update(touched=touched, weight_bytes=wbytes, flops=flops,
                    floor_bw_us=wbytes / BW * 1e6, floor_flop_us=flops / args.peak_tflops / 1e6)
         rec["floor_us"] = max(rec["floor_bw_us"], rec["floor_flop_us"])
-        c1, c2 = block_configs(args, p, T)
+        c1, c2 = block_configs(args, p, T, source)
         # "kernels:N": the routing kernels in one kernel up to N blocks (route.ONE_KERNEL_BLOCKS
         # for this variant, read when it is traced)
         impl, _, okb = route.partition(":")
@@ -373,7 +383,8 @@ def stage_block(args):
         rec.update(jmoe_us=us, jmoe_samples=samples, kernels=pk)
         rec["tflops"] = flops / us / 1e6
         rec["ratio_floor"] = us / rec["floor_us"]
-        first = route == args.route_impls.split(",")[0] and layout == layouts[0]
+        first = (route == args.route_impls.split(",")[0] and layout == layouts[0]
+                 and source == sources[0])
         if have_torch and first:  # once per (preset, T)
           try:
             tsets = [(torch.from_dlpack(x_), tw13, tw2, torch.from_dlpack(w_),
@@ -385,7 +396,7 @@ def stage_block(args):
             rec["ratio_torch"] = us / tus
           except Exception as e:  # noqa: BLE001
             err(f"torch {pname} T={T}", e)
-        log(f"[block] {pname:14s} T={T:6d} route={route:7s} layout={layout} "
+        log(f"[block] {pname:14s} T={T:6d} route={route:7s} layout={layout} cfg={source} "
             f"err={rec['err']:.2e} jmoe={us:9.1f}us "
             f"torch={rec.get('torch_us', float('nan')):9.1f}us floor={rec['floor_us']:8.1f}us "
             f"x_floor={rec['ratio_floor']:.2f} x_torch={rec.get('ratio_torch', float('nan')):.2f} "
@@ -668,6 +679,10 @@ def main():
   ap.add_argument("--route-impls", default="auto",
                   help="comma list of fused_experts route_impl values, each timed (sorted "
                        "layout); 'kernels:N' = the routing kernels in one kernel up to N blocks")
+  ap.add_argument("--block-configs", default="sweep",
+                  help="comma list of the block's config sources, each timed: sweep (this "
+                       "run's sweep winners where the sweep stage ran, else the library's), "
+                       "lib (the library's tuned table / heuristic)")
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test (GPU interpret mode)")
   args = ap.parse_args()
   global INTERPRET, PERMUTE_IMPL

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Session 15's device calls (each under the 600 s call limit):
+#   bash benchmarks/gpu_round15.sh small8  # one H200: GEMM1 / GEMM2 candidates at qwen3's 2 and
+#                                          # 8 tokens (16 / 64 slots: buckets without a tuned
+#                                          # entry), the block with the library's configs and
+#                                          # the sweep's best; training routing at 8 tokens
+#                                          # taken apart
+NAME=gpu_round15; source benchmarks/gpu_env.sh
+case ${1:-small8} in
+  small8)
+    step 420 env OUT=$OUT/sweep python3 benchmarks/bench_grouped_gemm.py --stages sweep,block \
+      --sweep-presets qwen3-30b-a3b --sweep-tokens 8,2 --presets qwen3-30b-a3b --tokens 8,2 \
+      --block-configs lib,sweep --iters 5 --budget-s 380
+    step 120 python3 benchmarks/route_parts.py --presets qwen3-30b-a3b,mixtral-8x7b --tokens 8 \
+      --variants train,train2,train:h64,train:nolist,one --json $OUT/route_parts.json ;;
+esac

@@ -205,6 +205,25 @@ def _m_bucket(m: int) -> int:
   return _M_BUCKETS[-1]
 
 
+_NUM_SMS = 132  # H100 / H200 SXM
+# the heuristic's narrowest acceptable wave fill: H200, qwen3 at 8 tokens (2026-11-30): GEMM2's
+# 64x256 tiles (0.76 of their last wave's worth) lost 5 µs to 64x128 ones (0.87)
+_MIN_WAVE_EFFICIENCY = 0.8
+
+
+def expected_groups(m: int, num_groups: int) -> float:
+  """Experts expected to get any of m rows routed uniformly at random over num_groups (the
+  heuristic's count of weight streams; at 64 slots of 128 experts about 50, not 64)."""
+  e = max(1, num_groups)
+  return max(1.0, min(float(m), e * -math.expm1(m * math.log1p(-1.0 / e)) if e > 1 else 1.0))
+
+
+def _fills_waves(items: float, nsm: int = _NUM_SMS) -> bool:
+  """Every SM gets an item, and the last wave is not mostly idle (138 items on 132 SMs fill
+  their 2 waves to 0.52)."""
+  return items >= nsm and items / (math.ceil(items / nsm) * nsm) >= _MIN_WAVE_EFFICIENCY
+
+
 def heuristic_config(m: int, n: int, k: int, num_groups: int, dtype, *, gated: bool = False,
                      out_dtype=None) -> GroupedGemmConfig:
   """Shape-aware default. m = rows of lhs, n = output columns, k = contraction."""
@@ -213,18 +232,18 @@ def heuristic_config(m: int, n: int, k: int, num_groups: int, dtype, *, gated: b
   block_k = 64
   while k % block_k and block_k > 16:
     block_k //= 2
-  rows_per_group = m / max(1, min(num_groups, m))
-  nsm = 132
+  touched = expected_groups(m, num_groups)
+  rows_per_group = m / touched
   if rows_per_group <= 64:
     # Weight streaming: each touched expert's weights should stream once per column tile, so a
     # group's rows should fit in one row tile (tiles are group-aligned); then the widest column
-    # tile that still gives every SM work. H200 sweep at 1024 tokens (2026-11-29): qwen3 (64
+    # tile whose items fill the SMs' waves. H200 sweep at 1024 tokens (2026-11-29): qwen3 (64
     # rows / expert) best at block_m 128 (GEMM1 128x128, GEMM2 128x256), deepseek-v3 (32 rows /
-    # expert) at 64x256 for both GEMMs.
-    touched = max(1, min(num_groups, m))
+    # expert) at 64x256 for both GEMMs. At 8 tokens of qwen3 (~46 experts touched, 2026-11-30)
+    # GEMM1's 64x256 tiles (138 items: 2 waves for 1.05 of work) took 108 µs, 64x64 88 µs.
     bm = 128 if rows_per_group > 48 else 64
     widths = (128,) if (gated and bm == 128) else (256, 128)  # gated 128x256: too many registers
-    bn = next((w for w in widths if n % w == 0 and touched * (n // w) >= nsm), 64)
+    bn = next((w for w in widths if n % w == 0 and _fills_waves(touched * (n // w))), 64)
     if bn == 64:  # few column tiles per expert (decode): one warpgroup, deep K pipeline
       cfg = GroupedGemmConfig(block_m=64, block_n=64, block_k=128 if k % 128 == 0 else block_k,
                               num_stages=6, warp_specialized=False)

@@ -662,7 +662,7 @@ def main():
   ap.add_argument("--sweep-tokens", default="16384")
   ap.add_argument("--rotate", type=int, default=3)
   ap.add_argument("--train-presets", default="mixtral-8x7b")
-  ap.add_argument("--permute-impl", default="auto", choices=["auto", "xla", "pallas"])
+  ap.add_argument("--permute-impl", default="auto", choices=["auto", "xla", "pallas", "scatter"])
   ap.add_argument("--train-tokens", type=int, default=1024)
   ap.add_argument("--train-variants", default="default",
                   help=f"comma list of {sorted(TRAIN_VARIANTS)}; the first gives the headline")

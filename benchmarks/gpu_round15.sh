@@ -5,6 +5,9 @@
 #                                          # entry), the block with the library's configs and
 #                                          # the sweep's best; training routing at 8 tokens
 #                                          # taken apart
+#   bash benchmarks/gpu_round15.sh scatter # one H200: the jnp routing path's row copy in token
+#                                          # order (scatter_rows) against sorted order
+#                                          # (gather_rows) alone, then the block at 16384 tokens
 NAME=gpu_round15; source benchmarks/gpu_env.sh
 case ${1:-small8} in
   small8)
@@ -13,4 +16,11 @@ case ${1:-small8} in
       --block-configs lib,sweep --iters 5 --budget-s 380
     step 120 python3 benchmarks/route_parts.py --presets qwen3-30b-a3b,mixtral-8x7b --tokens 8 \
       --variants train,train2,train:h64,train:nolist,one --json $OUT/route_parts.json ;;
+  scatter)
+    step 200 python3 benchmarks/bench_permute_rows.py --tokens 4096,16384 \
+      --json $OUT/permute_rows.json
+    for impl in pallas scatter; do
+      step 150 env OUT=$OUT/block_$impl python3 benchmarks/bench_grouped_gemm.py --stages block \
+        --presets qwen3-30b-a3b --tokens 16384 --iters 3 --permute-impl $impl --budget-s 120
+    done ;;
 esac

@@ -48,8 +48,8 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   permute_impl: "xla" (jnp.take), "pallas" (permute.gather_rows, a TMA row-copy kernel in
     sorted order), "scatter" (permute.scatter_rows, the same in token order: each token row
     loaded once, stored k times; the jnp routing path only) or
-    "auto": pallas from 1024 slots (H200: 8192 rows x 2048 11.6 vs 21.0 µs; 131072 x 7168
-    926 vs 1263 µs), xla below (1 token: 2.1 vs 2.6 µs).
+    "auto": scatter from 1024 slots (H200, r15b: 131072 rows x 2048 174.6 µs, gather 244.1,
+    xla 371.5; 131072 x 7168 582.6 / 932.4 / 1289.0), xla below (1 token: 2.1 vs 2.6 µs).
   layout: "sorted" (moe_align + grouped tiles: each expert's weights stream once),
     "per_slot" (decode: no sort; one task per (slot, column tile) reading slot s's row of
     x[s // k] and its expert's weights, then a sum over k: 4 kernels instead of ~15; an
@@ -169,7 +169,9 @@ def route_xla(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
   sort_order, group_sizes, inv = _perm.moe_align(topk_ids, num_experts)
   order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
   if permute_impl == "auto":
-    permute_impl = _auto_gather_impl(m, x.shape[1])
+    # H200 (r15b), µs: qwen3 16384 tokens scatter 174.6 / gather 244.1 / XLA 371.5,
+    # deepseek-v3 582.6 / 932.4 / 1289.0, mixtral 108.4 / 139.6 / 190.9
+    permute_impl = "scatter" if _auto_gather_impl(m, x.shape[1]) == "pallas" else "xla"
   if permute_impl == "scatter":  # token order: every token row loaded once
     xs = _perm.scatter_rows(x, inv, m_alloc, jnp.sum(group_sizes), interpret=interpret)
   else:

@@ -546,6 +546,49 @@ def test_gather_rows_needed_rows_only(rng, num_rows):
   assert np.isnan(out[-(-n // 2) * 2:]).all()  # unwritten: the interpreter's NaN fill
 
 
+@pytest.mark.parametrize("tokens_per_step", [None, 2, 4])  # 4 does not divide 7 tokens: 1
+@pytest.mark.parametrize("num_rows", [None, 0, 5, 19])
+def test_scatter_rows_equals_the_sorted_gather(rng, tokens_per_step, num_rows):
+  """scatter_rows (token order, each token's row stored to its k rows) makes gather_rows'
+  sorted rows: rows before num_rows (default: all) hold their slot's token, an empty slot
+  (-1) stores nothing, rows past num_rows and rows no slot aims at stay unwritten."""
+  t, k, e = 7, 3, 5
+  ids = rng.integers(0, e, size=(t, k)).astype(np.int32)
+  ids[1, 2] = ids[4, 0] = -1
+  order, gs, inv = perm.moe_align(jnp.asarray(ids), e)
+  x = jnp.asarray(rng.standard_normal((t, 128)), jnp.bfloat16)
+  m_out = t * k + 3  # rows past the slots: unwritten
+  nr = None if num_rows is None else jnp.int32(num_rows)
+  out = _call(perm.scatter_rows, x, inv, m_out, nr, tokens_per_step=tokens_per_step)
+  n = m_out if num_rows is None else num_rows
+  live = int(np.sum(np.asarray(gs)))  # the empty slots sort last, aimed at no row
+  want = np.asarray(x, np.float32)[np.asarray(order) // k]
+  np.testing.assert_array_equal(out[:min(n, live)], want[:min(n, live)])
+  assert np.isnan(out[min(n, live):]).all()  # unwritten: the interpreter's NaN fill
+
+
+def test_scatter_rows_rejects_bad_inv():
+  x = jnp.zeros((6, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="inv must be"):
+    perm.scatter_rows(x, jnp.zeros((5, 2), jnp.int32), 12, interpret=True)
+  with pytest.raises(ValueError, match="num_stages"):
+    perm.scatter_rows(x, jnp.zeros((6, 2), jnp.int32), 12, num_stages=2, interpret=True)
+
+
+@pytest.mark.parametrize("permute_impl", ["scatter", "pallas", "auto"])
+def test_fused_experts_jnp_routing_row_copies(rng, permute_impl):
+  # the jnp routing path (route_impl="xla") with each Pallas row copy, an empty slot included
+  t, k, e, h, n = 9, 2, 4, 64, 64
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  w13, w2, _, _ = _moe_weights(rng, e, h, n)
+  tw, ti = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((t, e)))), k)
+  ti = ti.at[3, 1].set(-1)
+  out = _call(pmoe.fused_experts, x, w13, w2, tw, ti, permute_impl=permute_impl,
+              route_impl="xla")
+  ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti))
+  assert _rel(out, ref) < 2e-2
+
+
 def test_fused_experts_end_to_end(rng):
   t, k, e, h, n = 9, 2, 4, 64, 64
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)

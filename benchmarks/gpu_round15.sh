@@ -8,6 +8,9 @@
 #   bash benchmarks/gpu_round15.sh scatter # one H200: the jnp routing path's row copy in token
 #                                          # order (scatter_rows) against sorted order
 #                                          # (gather_rows) alone, then the block at 16384 tokens
+#   bash benchmarks/gpu_round15.sh route16k # one H200: the jnp routing path with the scatter
+#                                          # after route.slot_positions; the block at 16384
+#                                          # tokens on every preset with the dense ceiling
 NAME=gpu_round15; source benchmarks/gpu_env.sh
 case ${1:-small8} in
   small8)
@@ -23,4 +26,9 @@ case ${1:-small8} in
       step 150 env OUT=$OUT/block_$impl python3 benchmarks/bench_grouped_gemm.py --stages block \
         --presets qwen3-30b-a3b --tokens 16384 --iters 3 --permute-impl $impl --budget-s 120
     done ;;
+  route16k)
+    step 200 python3 benchmarks/bench_permute_rows.py --no-copy --tokens 4096,16384 \
+      --json $OUT/route_xla.json
+    step 330 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages ceiling,block \
+      --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --tokens 16384 --iters 3 --budget-s 300 ;;
 esac

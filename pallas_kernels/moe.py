@@ -139,16 +139,21 @@ def _auto_layout(t: int, k: int, e: int, hdim: int, n: int, act: Activation, dty
   return "per_slot"
 
 
+def _route_kernels_run(x, topk_ids, interpret) -> bool:
+  """Whether pallas_kernels.route's (Triton) kernels can run here: the lowering imports, and
+  not in interpret mode inside shard_map(check_vma=True), where the interpreter's gathers mix
+  varying refs and invarying indices (the GPU lowering has no such check)."""
+  in_shard_map = bool(_compat.varying_axes(topk_ids) | _compat.varying_axes(x))
+  return _route.available() and not (interpret and in_shard_map)
+
+
 def _pick_route_impl(route_impl: str, x, topk_ids, num_experts: int, interpret) -> str:
   """route_impl "auto" -> "kernels" where pallas_kernels.route takes the shape and its Triton
   lowering imports, else "xla"; checks the name."""
   if route_impl == "auto":
     m, hdim = topk_ids.size, x.shape[1]
-    # interpret mode cannot run them inside shard_map(check_vma=True) (the interpreter's
-    # gathers mix varying refs and invarying indices); the GPU lowering has no such check
-    in_shard_map = bool(_compat.varying_axes(topk_ids) | _compat.varying_axes(x))
-    route_impl = "kernels" if (_route.available() and _route.supports(m, hdim, num_experts)
-                               and not (interpret and in_shard_map)) else "xla"
+    route_impl = "kernels" if (_route_kernels_run(x, topk_ids, interpret)
+                               and _route.supports(m, hdim, num_experts)) else "xla"
     log.debug("route_impl=%s (%d slots, H=%d, triton lowering %s)", route_impl, m, hdim,
               "available" if _route.available() else "unavailable")
   if route_impl not in ("kernels", "xla"):
@@ -160,21 +165,27 @@ def route_xla(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
               block_ms, *, permute_impl: str = "auto", interpret: Any = False):
   """pallas_kernels.route.route's results from the jnp path: moe_align, the token gather
   (permute_impl: "xla", "pallas", "scatter" or "auto", see fused_experts) and tile_metadata
-  per block_m.
+  per block_m. The scatter copy needs no sort order: the slots' positions come from
+  route.slot_positions (route's block-count kernel and a few XLA ops) where the Triton
+  lowering runs, else from moe_align.
   Returns (xs [m_alloc, H], inv [T, k], group_sizes [E], [(meta, num_tasks) per block_m]); xs
-  rows past sum(group_sizes) (empty slots sort last) are unwritten with the Pallas gather and
+  rows past sum(group_sizes) (empty slots sort last) are unwritten with the Pallas copies and
   repeat token 0 with XLA's; no kernel reads them."""
   t, k = topk_ids.shape
   m = t * k
-  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, num_experts)
-  order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
   if permute_impl == "auto":
     # H200 (r15b), µs: qwen3 16384 tokens scatter 174.6 / gather 244.1 / XLA 371.5,
     # deepseek-v3 582.6 / 932.4 / 1289.0, mixtral 108.4 / 139.6 / 190.9
     permute_impl = "scatter" if _auto_gather_impl(m, x.shape[1]) == "pallas" else "xla"
-  if permute_impl == "scatter":  # token order: every token row loaded once
+  if permute_impl == "scatter":  # token order: every token row loaded once; no sort order
+    if _route_kernels_run(x, topk_ids, interpret) and num_experts <= _route._MAX_EXPERTS:
+      inv, group_sizes = _route.slot_positions(topk_ids, num_experts, interpret=interpret)
+    else:
+      _, group_sizes, inv = _perm.moe_align(topk_ids, num_experts)
     xs = _perm.scatter_rows(x, inv, m_alloc, jnp.sum(group_sizes), interpret=interpret)
   else:
+    sort_order, group_sizes, inv = _perm.moe_align(topk_ids, num_experts)
+    order = sort_order if m_alloc == m else jnp.pad(sort_order, (0, m_alloc - m))
     xs = _perm.permute_rows(x, order, k, impl=permute_impl, interpret=interpret,
                             num_rows=jnp.sum(group_sizes))
   metas = [gg.tile_metadata(group_sizes, m_alloc, bm) for bm in block_ms]

@@ -221,6 +221,33 @@ def _block_counts(ids: jax.Array, e: int, ep: int, interpret: bool):
   return call(ids)
 
 
+def slot_positions(topk_ids: jax.Array, num_experts: int, *, interpret: Any = False
+                   ) -> tuple[jax.Array, jax.Array]:
+  """moe_align's inv and group sizes for any number of slots (the jnp routing path's, past
+  route()'s 8192): kernel 1 (each block's ranks and expert counts), then a scan of the count
+  table and one gather in XLA. With the token rows copied in token order
+  (permute.scatter_rows) the sort order itself is not needed.
+
+  topk_ids [T, k] int (ids outside [0, num_experts) are empty slots), num_experts <= 256.
+  Returns inv [T, k] int32 (sorted position of each slot, stable; -1 for an empty slot) and
+  group_sizes [E] int32.
+  """
+  t, k = topk_ids.shape
+  n = t * k
+  e = num_experts
+  if not 0 < e <= _MAX_EXPERTS:
+    raise ValueError(f"num_experts={e} must be in [1, {_MAX_EXPERTS}]")
+  ids = topk_ids.reshape(n).astype(jnp.int32)
+  rank, counts = _block_counts(ids, e, _pow2(e), bool(interpret))
+  counts = counts[:, :e]                          # [blocks, E]; the empty-slot column dropped
+  before = jnp.cumsum(counts, axis=0) - counts    # per expert, slots in the blocks before
+  sizes = jnp.sum(counts, axis=0)
+  live = (ids >= 0) & (ids < e)
+  key = jnp.where(live, ids, 0)
+  pos = (jnp.cumsum(sizes) - sizes)[key] + before[jnp.arange(n) // BLOCK, key] + rank[:n]
+  return jnp.where(live, pos, -1).reshape(t, k), sizes
+
+
 def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
           block_ms: Sequence[int], *, one_kernel_blocks: int | None = None,
           interpret: Any = False):

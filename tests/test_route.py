@@ -288,6 +288,57 @@ def test_route_rejects_bad_input(rng, fn):
   assert not route.supports(8, 64, route._MAX_EXPERTS + 1)
 
 
+@pytest.mark.parametrize("t,k,e,case", [
+    (70, 2, 8, "random"),         # two blocks, the last partial
+    (100, 8, 100, "random"),      # E not a power of two (the empty-slot key counted, dropped)
+    (64, 4, 128, "random"),       # E a power of two (the empty-slot key not counted)
+    (96, 4, 16, "one_expert"),
+    (5, 2, 8, "all_empty"),
+    (130, 1, 4, "out_of_range"),
+])
+def test_slot_positions_match_moe_align(rng, t, k, e, case):
+  """route.slot_positions (the block-count kernel, then XLA) gives moe_align's inv (stable
+  sorted positions, -1 for empty slots) and group sizes."""
+  ids = rng.integers(0, e, (t, k)).astype(np.int32)
+  if case == "random":
+    ids[rng.random((t, k)) < 0.1] = -1
+  elif case == "one_expert":
+    ids[:] = e - 1
+  elif case == "all_empty":
+    ids[:] = -1
+  elif case == "out_of_range":
+    ids[::3] = e + rng.integers(0, 5, ids[::3].shape)
+    ids[1::3] = -rng.integers(1, 5, ids[1::3].shape)
+  inv, gs = route.slot_positions(jnp.asarray(ids), e, interpret=True)
+  _, gs_ref, inv_ref = perm.moe_align_reference(ids, e)
+  assert inv.shape == (t, k) and inv.dtype == jnp.int32 and gs.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(gs), gs_ref)
+  np.testing.assert_array_equal(np.asarray(inv), inv_ref)
+  with pytest.raises(ValueError, match="num_experts"):
+    route.slot_positions(jnp.asarray(ids), route._MAX_EXPERTS + 1, interpret=True)
+
+
+def test_xla_route_with_scatter_copy_equals_route_kernels(rng):
+  """route_xla's scatter copy (slot_positions + permute.scatter_rows) makes route()'s rows,
+  positions, group sizes and tile lists."""
+  from pallas_kernels import _compat
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable")
+  t, k, e, h, bms = 150, 2, 8, 64, (64, 128)
+  ids = rng.integers(-1, e, (t, k)).astype(np.int32)
+  x = _tokens(rng, t, h)
+  m_alloc = gg.row_alloc(t * k, *bms)
+  want = route.route(x, jnp.asarray(ids), e, m_alloc, bms, interpret=True)
+  got = pmoe.route_xla(x, jnp.asarray(ids), e, m_alloc, bms, permute_impl="scatter",
+                       interpret=_compat.interpret_params(detect_races=True))
+  assert not _compat.races_found()
+  nv = int(((ids >= 0) & (ids < e)).sum())
+  np.testing.assert_array_equal(np.asarray(got[0])[:nv], np.asarray(want[0])[:nv])
+  for a, b in zip(got[1:3], want[1:3]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _check_metas(got[3], np.asarray(want[2]), m_alloc, bms)
+
+
 @pytest.mark.parametrize("t", [5, 150])
 def test_fused_experts_route_kernels_equal_xla_route(rng, t):
   """Both routings feed the GEMMs the same rows in the same order: outputs are identical."""

@@ -4,8 +4,9 @@ First the copy alone: the sorted token rows made by XLA's gather, permute.gather
 loads in sorted order: a token's row is read k times) and permute.scatter_rows (TMA loads in
 token order, k row stores each), checked equal; device time against the bytes' floor (x read
 once, the rows written once, 4.3 TB/s). Then the whole path (moe.route_xla: positions, row
-copy, tile lists) with the gather after moe_align, the scatter after moe_align, and as
-committed (the scatter after route.slot_positions), its outputs checked equal.
+copy, tile lists) with the gather after moe_align, the scatter after moe_align, the scatter
+after route.slot_positions with its block scan as jnp.cumsum, and as committed (the scan as a
+dot), its outputs checked equal.
 
     python benchmarks/bench_permute_rows.py --json OUT.json [--presets ...] [--tokens 4096,16384]
 """
@@ -28,6 +29,7 @@ import check_common  # noqa: E402  (benchmarks/, the script's own directory)
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from pallas_kernels import moe as pmoe  # noqa: E402
 from pallas_kernels import permute  # noqa: E402
+from pallas_kernels import route  # noqa: E402
 
 BW = 4.3e12  # H200 copy rate, bytes / s (METHOD.md ceiling)
 
@@ -63,17 +65,19 @@ def _routing(pname, e, k, t, sets, iters):
   bms = (128, 64)
   m_alloc = gg.row_alloc(t * k, *bms)
 
-  def routed(x, i, impl, sort):
-    saved = pmoe._route_kernels_run
+  def routed(x, i, impl, sort, by_dot=True):
+    saved = pmoe._route_kernels_run, route._PREFIX_BY_DOT
     if sort:  # positions from moe_align, as without the Triton lowering
       pmoe._route_kernels_run = lambda *a: False
+    route._PREFIX_BY_DOT = by_dot
     try:
       return pmoe.route_xla(x, i, e, m_alloc, bms, permute_impl=impl)
     finally:
-      pmoe._route_kernels_run = saved
+      pmoe._route_kernels_run, route._PREFIX_BY_DOT = saved
 
   fns = {"route gather": jax.jit(lambda x, i: routed(x, i, "pallas", True)),
          "route sort+scatter": jax.jit(lambda x, i: routed(x, i, "scatter", True)),
+         "route cumsum": jax.jit(lambda x, i: routed(x, i, "auto", False, by_dot=False)),
          "route committed": jax.jit(lambda x, i: routed(x, i, "auto", False))}
   ref = jax.block_until_ready(fns["route gather"](*sets[0]))
   nv = int(jnp.sum(ref[2]))

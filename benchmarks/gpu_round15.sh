@@ -11,6 +11,9 @@
 #   bash benchmarks/gpu_round15.sh route16k # one H200: the jnp routing path with the scatter
 #                                          # after route.slot_positions; the block at 16384
 #                                          # tokens on every preset with the dense ceiling
+#   bash benchmarks/gpu_round15.sh scan    # one H200: slot_positions' block scan as a dot
+#                                          # against jnp.cumsum; GEMM1 / GEMM2 candidates at
+#                                          # qwen3's 16384 tokens, the block with both
 NAME=gpu_round15; source benchmarks/gpu_env.sh
 case ${1:-small8} in
   small8)
@@ -31,4 +34,11 @@ case ${1:-small8} in
       --json $OUT/route_xla.json
     step 330 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages ceiling,block \
       --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --tokens 16384 --iters 3 --budget-s 300 ;;
+  scan)
+    step 200 python3 benchmarks/bench_permute_rows.py --no-copy --tokens 4096,16384 \
+      --json $OUT/route_xla.json
+    step 330 env OUT=$OUT/sweep python3 benchmarks/bench_grouped_gemm.py \
+      --stages ceiling,sweep,block --sweep-presets qwen3-30b-a3b --sweep-tokens 16384 \
+      --presets qwen3-30b-a3b --tokens 16384 --block-configs lib,sweep --iters 3 \
+      --budget-s 300 ;;
 esac

@@ -221,6 +221,22 @@ def _block_counts(ids: jax.Array, e: int, ep: int, interpret: bool):
   return call(ids)
 
 
+_PREFIX_BY_DOT = True  # slot_positions' scan over blocks as a dot (False: jnp.cumsum)
+
+
+def _blocks_before(counts: jax.Array) -> jax.Array:
+  """Exclusive prefix sum over the rows of the int [blocks, E] count table. As one dot with a
+  strictly lower-triangular 0/1 matrix: exact (counts <= BLOCK are bf16 integers, sums < 2**24
+  in the f32 accumulator), where XLA makes jnp.cumsum a reduce_window as long as the column."""
+  if not _PREFIX_BY_DOT:
+    return jnp.cumsum(counts, axis=0) - counts
+  nb = counts.shape[0]
+  below = (lax.broadcasted_iota(jnp.int32, (nb, nb), 1)
+           < lax.broadcasted_iota(jnp.int32, (nb, nb), 0)).astype(jnp.bfloat16)
+  return jnp.dot(below, counts.astype(jnp.bfloat16),
+                 preferred_element_type=jnp.float32).astype(jnp.int32)
+
+
 def slot_positions(topk_ids: jax.Array, num_experts: int, *, interpret: Any = False
                    ) -> tuple[jax.Array, jax.Array]:
   """moe_align's inv and group sizes for any number of slots (the jnp routing path's, past
@@ -240,7 +256,7 @@ def slot_positions(topk_ids: jax.Array, num_experts: int, *, interpret: Any = Fa
   ids = topk_ids.reshape(n).astype(jnp.int32)
   rank, counts = _block_counts(ids, e, _pow2(e), bool(interpret))
   counts = counts[:, :e]                          # [blocks, E]; the empty-slot column dropped
-  before = jnp.cumsum(counts, axis=0) - counts    # per expert, slots in the blocks before
+  before = _blocks_before(counts)                 # per expert, slots in the blocks before
   sizes = jnp.sum(counts, axis=0)
   live = (ids >= 0) & (ids < e)
   key = jnp.where(live, ids, 0)

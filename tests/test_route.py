@@ -318,6 +318,13 @@ def test_slot_positions_match_moe_align(rng, t, k, e, case):
     route.slot_positions(jnp.asarray(ids), route._MAX_EXPERTS + 1, interpret=True)
 
 
+def test_blocks_before_is_the_exclusive_prefix_sum(rng):
+  # 1024 blocks of counts up to BLOCK: the dot's bf16 operands and f32 sums are exact
+  counts = rng.integers(0, route.BLOCK + 1, (1024, 8)).astype(np.int32)
+  got = np.asarray(route._blocks_before(jnp.asarray(counts)))
+  np.testing.assert_array_equal(got, np.cumsum(counts, axis=0) - counts)
+
+
 def test_xla_route_with_scatter_copy_equals_route_kernels(rng):
   """route_xla's scatter copy (slot_positions + permute.scatter_rows) makes route()'s rows,
   positions, group sizes and tile lists."""

@@ -520,6 +520,9 @@ TRAIN_VARIANTS = {  # fused_experts_train keyword sets timed by --train-variants
     "default": {},
     "fused": dict(preact=True, fuse_act_grad=True),  # the activation in GEMM epilogues
     "xla_route": dict(route_impl="xla"),   # moe_align + gather + tile_metadata in XLA
+    # the jnp routing path's row copy by XLA's gather, not permute.scatter_rows (past 8192
+    # slots, where the route kernels stop)
+    "take_rows": dict(_gather_min_slots=1 << 30),
 }
 
 
@@ -536,9 +539,15 @@ def stage_train(args):
       ct = jax.random.normal(jax.random.key(12), (T, p["H"]), jnp.float32)
       args_ = (x, w13, w2, tw, ti, ct)
 
-      def loss_pallas(x, w13, w2, tw, ti, ct, **kw):
-        return jnp.sum(pmoe.fused_experts_train(x, w13, w2, tw, ti, interpret=INTERPRET, **kw)
-                       .astype(jnp.float32) * ct)
+      def loss_pallas(x, w13, w2, tw, ti, ct, _gather_min_slots=None, **kw):
+        saved = pmoe._PALLAS_GATHER_MIN_SLOTS  # (set while the variant is traced)
+        if _gather_min_slots is not None:
+          pmoe._PALLAS_GATHER_MIN_SLOTS = _gather_min_slots
+        try:
+          return jnp.sum(pmoe.fused_experts_train(x, w13, w2, tw, ti, interpret=INTERPRET, **kw)
+                         .astype(jnp.float32) * ct)
+        finally:
+          pmoe._PALLAS_GATHER_MIN_SLOTS = saved
 
       blk = xla_block_fn(p["E"])
 

@@ -14,6 +14,9 @@
 #   bash benchmarks/gpu_round15.sh scan    # one H200: slot_positions' block scan as a dot
 #                                          # against jnp.cumsum; GEMM1 / GEMM2 candidates at
 #                                          # qwen3's 16384 tokens, the block with both
+#   bash benchmarks/gpu_round15.sh train4k # one H200: training past 8192 slots (the jnp
+#                                          # routing path): the row copy by scatter_rows
+#                                          # against XLA's gather (qwen3 4096, mixtral 8192)
 NAME=gpu_round15; source benchmarks/gpu_env.sh
 case ${1:-small8} in
   small8)
@@ -41,4 +44,11 @@ case ${1:-small8} in
       --stages ceiling,sweep,block --sweep-presets qwen3-30b-a3b --sweep-tokens 16384 \
       --presets qwen3-30b-a3b --tokens 16384 --block-configs lib,sweep --iters 3 \
       --budget-s 300 ;;
+  train4k)
+    step 250 env OUT=$OUT/train_qwen3 python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b --train-tokens 4096 --train-variants default,take_rows \
+      --budget-s 220
+    step 250 env OUT=$OUT/train_mixtral python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets mixtral-8x7b --train-tokens 8192 --train-variants default,take_rows \
+      --budget-s 220 ;;
 esac

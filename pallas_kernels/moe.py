@@ -256,7 +256,8 @@ def routed_rows(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: in
   block_m] (the tail rows in the last expert's tiles), order [m_alloc] (slot of each row, -1 on
   padding and tail)). m_alloc >= T * k + 7 * min(E, T * k). route_impl "kernels"
   (pallas_kernels.route.route_for_training, two kernels) or "xla" (permute.moe_align_training,
-  a gather, tile_metadata). VJP: d x = gather_sum(d xs, inv)."""
+  the rows copied by permute.scatter_rows from 1024 slots, else XLA's gather, tile_metadata).
+  VJP: d x = gather_sum(d xs, inv)."""
   return _routed_rows_fwd(x, topk_ids, num_experts, m_alloc, block_ms, route_impl,
                           interpret)[0]
 
@@ -267,9 +268,15 @@ def _routed_rows_fwd(x, topk_ids, num_experts, m_alloc, block_ms, route_impl, in
                                     interpret=interpret)
   else:
     k = topk_ids.shape[1]
-    order, inv, asize = _perm.moe_align_training(topk_ids, num_experts, m_alloc)
-    tok = jnp.where(order >= 0, order // k, x.shape[0])  # past the end: zero rows
-    xs = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
+    order, inv, asize, pad = _perm.moe_align_training(topk_ids, num_experts, m_alloc,
+                                                      with_padding_rows=True)
+    if _auto_gather_impl(topk_ids.size, x.shape[1]) == "pallas":
+      # token order, each row loaded once; the padding and tail rows zeroed in the same kernel
+      xs = _perm.scatter_rows(x, inv, m_alloc, zero_rows=pad, zero_from=jnp.sum(asize),
+                              interpret=interpret)
+    else:
+      tok = jnp.where(order >= 0, order // k, x.shape[0])  # past the end: zero rows
+      xs = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
     gs_tail = asize.at[-1].add(m_alloc - jnp.sum(asize))
     metas = [gg.tile_metadata(gs_tail, m_alloc, bm) for bm in block_ms]
     out = (xs, inv, asize, metas, order)

@@ -219,13 +219,16 @@ def _gather_sum_bwd(k, out_dtype, impl, interpret, res, d):
 gather_sum_diff.defvjp(_gather_sum_fwd, _gather_sum_bwd)
 
 
-def moe_align_training(topk_ids: jax.Array, num_experts: int, m_alloc: int, align: int = 8):
+def moe_align_training(topk_ids: jax.Array, num_experts: int, m_alloc: int, align: int = 8, *,
+                       with_padding_rows: bool = False):
   """The training layout of pallas_kernels.route.route_for_training, in jnp: moe_align with
   every expert's rows padded to a multiple of `align` (its slots, then empty rows) and the rows
   past them (the tail) empty.
 
   Returns (order [m_alloc]: slot of each row, -1 on padding and tail rows; inv [T, k]: row of
-  each slot, -1 when empty; asize [E]: padded counts).
+  each slot, -1 when empty; asize [E]: padded counts), and with with_padding_rows the padding
+  rows [E * (align - 1)] (expert g's j-th padding row at g * (align - 1) + j, -1 past its
+  padding): the rows besides the tail that no slot fills.
   """
   t, k = topk_ids.shape
   n = t * k
@@ -238,7 +241,12 @@ def moe_align_training(topk_ids: jax.Array, num_experts: int, m_alloc: int, alig
   pos = jnp.where(flat >= 0, flat - off[e_s] + off_al[e_s], -1)
   order = jnp.full((m_alloc,), -1, jnp.int32).at[jnp.where(pos >= 0, pos, m_alloc)].set(
       jnp.arange(n, dtype=jnp.int32), mode="drop")
-  return order, pos.reshape(t, k).astype(jnp.int32), asize.astype(jnp.int32)
+  out = order, pos.reshape(t, k).astype(jnp.int32), asize.astype(jnp.int32)
+  if not with_padding_rows:
+    return out
+  j = jnp.arange(align - 1, dtype=jnp.int32)[None, :]
+  pad = jnp.where(j < (asize - gs)[:, None], (off_al + gs)[:, None] + j, -1)
+  return out + (pad.reshape(-1).astype(jnp.int32),)
 
 
 def moe_align_reference(topk_ids, num_experts):
@@ -278,7 +286,8 @@ def gather_rows_supports(h: int) -> bool:
 @functools.partial(jax.jit, static_argnames=("m_out", "tokens_per_step", "num_stages",
                                              "interpret"))
 def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array | None = None,
-                 *, tokens_per_step: int | None = None, num_stages: int = 4,
+                 *, zero_rows: jax.Array | None = None, zero_from: jax.Array | None = None,
+                 tokens_per_step: int | None = None, num_stages: int = 4,
                  interpret=False) -> jax.Array:
   """out[inv[t, j]] = x[t]: gather_rows' result (sorted rows) in token order, as a Mosaic GPU
   kernel. Each token row is loaded once (one TMA load per step of consecutive tokens) and
@@ -287,9 +296,12 @@ def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array |
 
   x [T, H] (H a multiple of 8), inv [T, k] int: each slot's row, -1 for a slot with none.
   Rows [0, num_rows) (an int scalar on device; default m_out) get their slots; a slot aimed at
-  or past num_rows stores nothing, and rows no slot aims at are left unwritten. Returns
-  [m_out, H]. tokens_per_step defaults to ~32 KB per step (and divides T); num_stages >= 3
-  SMEM slots: one being stored, one whose stores may still read it, the rest loading.
+  or past num_rows stores nothing, and rows no slot aims at are left unwritten, except:
+  zero_rows [Z] int (rows to zero; -1 entries zero nothing) and zero_from (an int scalar on
+  device: rows [zero_from, m_out) zeroed), the training layout's padding and tail (one row
+  store each, spread over the programs). Returns [m_out, H]. tokens_per_step defaults to ~32
+  KB per step (and divides T); num_stages >= 3 SMEM slots: one being stored, one whose stores
+  may still read it, the rest loading.
   """
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -309,12 +321,22 @@ def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array |
   dst = inv.reshape(t * k).astype(jnp.int32)
   need = jnp.full((1,), m_out, jnp.int32) if num_rows is None else jnp.clip(
       jnp.asarray(num_rows, jnp.int32).reshape(1), 0, m_out)
+  zeroing = zero_rows is not None or zero_from is not None
+  zrows = (jnp.full((1,), -1, jnp.int32) if zero_rows is None
+           else zero_rows.reshape(-1).astype(jnp.int32))
+  zfrom = jnp.full((1,), m_out, jnp.int32) if zero_from is None else jnp.clip(
+      jnp.asarray(zero_from, jnp.int32).reshape(1), 0, m_out)
   ns = num_stages
   ahead = ns - 2  # steps loading while one is stored and one's stores may still read its slot
   steps = t // r
   interp, nsm = _compat.launch_params(interpret)
 
-  def body(dst_ref, need_ref, x_ref, o_ref, buf, bars):
+  def body(dst_ref, need_ref, x_ref, *rest):
+    if zeroing:
+      zrows_ref, zfrom_ref, zero_ref, o_ref, buf, bars, zbuf, zbar = rest
+      plgpu.copy_gmem_to_smem(zero_ref, zbuf, zbar.at[0])  # one zero row, for the zeroing
+    else:
+      o_ref, buf, bars = rest
     sm = lax.axis_index("sm")
     my_steps = lax.div(jnp.int32(steps) - sm + jnp.int32(nsm - 1), jnp.int32(nsm))
     bound = need_ref[0]
@@ -353,20 +375,48 @@ def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array |
       return carry
 
     lax.fori_loop(jnp.int32(0), my_steps, step, jnp.int32(0))
+    if zeroing:
+      plgpu.barrier_wait(zbar.at[0])
+
+      def zero_listed(i, carry):  # zero_rows entries sm, sm + nsm, ...
+        d = zrows_ref[sm + i * nsm]
+
+        @pl.when(d >= 0)
+        def _():
+          plgpu.copy_smem_to_gmem(zbuf, o_ref.at[pl.ds(d, 1)])
+        return carry
+
+      lax.fori_loop(jnp.int32(0), lax.div(jnp.int32(zrows.shape[0]) - sm + jnp.int32(nsm - 1),
+                                          jnp.int32(nsm)), zero_listed, jnp.int32(0))
+      first = zfrom_ref[0] + sm  # rows zero_from + sm, + nsm, ... of the tail
+
+      def zero_tail(i, carry):
+        plgpu.copy_smem_to_gmem(zbuf, o_ref.at[pl.ds(first + i * nsm, 1)])
+        return carry
+
+      lax.fori_loop(jnp.int32(0), lax.div(jnp.maximum(jnp.int32(m_out) - first, 0)
+                                          + jnp.int32(nsm - 1), jnp.int32(nsm)),
+                    zero_tail, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
+  scratch = [plgpu.SMEM((ns, r, h // c, c), x.dtype),
+             plgpu.Barrier(num_arrivals=1, num_barriers=ns)]
+  args = (dst, need, x3)
+  if zeroing:
+    scratch += [plgpu.SMEM((1, h // c, c), x.dtype),
+                plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+    args += (zrows, zfrom, jnp.zeros((1, h // c, c), x.dtype))
   kern = _compat.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((m_out, h // c, c), x.dtype),
-      scratch_types=[plgpu.SMEM((ns, r, h // c, c), x.dtype),
-                     plgpu.Barrier(num_arrivals=1, num_barriers=ns)],
+      scratch_types=scratch,
       grid=(nsm,),
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(),
       interpret=interp,
       name="jmoe_scatter_rows",
   )
-  return kern(dst, need, x3).reshape(m_out, h)
+  return kern(*args).reshape(m_out, h)
 
 @functools.partial(jax.jit, static_argnames=("rows_per_step", "num_stages", "interpret"))
 def gather_rows(x: jax.Array, idx: jax.Array, num_rows: jax.Array | None = None, *,

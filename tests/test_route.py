@@ -151,6 +151,40 @@ def test_moe_align_training_layout(rng):
     row += asize[g]
   assert (order[row:] == -1).all()
   assert (inv.reshape(-1)[ids.reshape(-1) < 0] == -1).all()
+  # the padding rows: exactly the rows below the tail that no slot fills, by expert
+  *same, pad = perm.moe_align_training(jnp.asarray(ids), e, m_alloc, with_padding_rows=True)
+  for a, b in zip(same, (order, inv, asize)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  pad = np.asarray(pad)
+  assert pad.shape == (e * 7,)
+  np.testing.assert_array_equal(np.sort(pad[pad >= 0]), np.flatnonzero(order[:row] < 0))
+
+
+@pytest.mark.parametrize("case", ["random", "one_expert", "all_empty"])
+def test_training_rows_by_scatter_equal_the_jnp_layout(rng, monkeypatch, case):
+  """routed_rows' jnp path with the scatter copy (its padding and tail rows zeroed in the
+  kernel) makes moe_align_training's rows: slots in place, every other row zero."""
+  from pallas_kernels import _compat
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable")
+  monkeypatch.setattr(pmoe, "_PALLAS_GATHER_MIN_SLOTS", 1)  # the scatter at this small size
+  t, k, e, h = 13, 2, 5, 64
+  ids = rng.integers(-1, e, (t, k)).astype(np.int32)
+  if case == "one_expert":
+    ids[:] = 3
+  elif case == "all_empty":  # the tail is every row
+    ids[:] = -1
+  m_alloc = gg.row_alloc(t * k + 7 * min(e, t * k), 64)
+  x = _tokens(rng, t, h)
+  xs, inv, gs, _, order = pmoe.routed_rows(
+      x, jnp.asarray(ids), e, m_alloc, (64,), "xla", _compat.interpret_params(detect_races=True))
+  assert not _compat.races_found()
+  order_ref, inv_ref, asize = perm.moe_align_training(jnp.asarray(ids), e, m_alloc)
+  src = np.asarray(order_ref)
+  want = np.where((src >= 0)[:, None], np.asarray(x, np.float32)[np.maximum(src, 0) // k], 0)
+  np.testing.assert_array_equal(np.asarray(xs, np.float32), want)  # (unwritten rows: NaN)
+  np.testing.assert_array_equal(np.asarray(inv), np.asarray(inv_ref))
+  np.testing.assert_array_equal(np.asarray(order), src)
 
 
 @pytest.mark.parametrize("t,k,e,h,block_ms,case,m_alloc,one_kernel_blocks", [

@@ -17,6 +17,9 @@
 #   bash benchmarks/gpu_round15.sh train4k # one H200: training past 8192 slots (the jnp
 #                                          # routing path): the row copy by scatter_rows
 #                                          # against XLA's gather (qwen3 4096, mixtral 8192)
+#   bash benchmarks/gpu_round15.sh final   # one H200: the committed code: the block at small
+#                                          # and 1024 tokens, training at 2048 tokens of qwen3
+#                                          # (the jnp routing path) with both row copies
 NAME=gpu_round15; source benchmarks/gpu_env.sh
 case ${1:-small8} in
   small8)
@@ -51,4 +54,11 @@ case ${1:-small8} in
     step 250 env OUT=$OUT/train_mixtral python3 benchmarks/bench_grouped_gemm.py --stages train \
       --train-presets mixtral-8x7b --train-tokens 8192 --train-variants default,take_rows \
       --budget-s 220 ;;
+  final)
+    block_run 260 230 qwen3-30b-a3b 4,8,16,64,256,1024 4
+    step 120 env OUT=$OUT/block_mixtral python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets mixtral-8x7b --tokens 1,2,8,1024 --iters 4 --budget-s 100
+    step 180 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b --train-tokens 2048 --train-variants default,take_rows \
+      --budget-s 150 ;;
 esac

@@ -20,6 +20,10 @@
 #   bash benchmarks/gpu_round15.sh final   # one H200: the committed code: the block at small
 #                                          # and 1024 tokens, training at 2048 tokens of qwen3
 #                                          # (the jnp routing path) with both row copies
+#   bash benchmarks/gpu_round15.sh mix2    # one H200: GEMM candidates at mixtral's 2 tokens
+#                                          # (3 experts: 2 waves for 1.45 of work), the block
+#                                          # at 2 / 3 tokens with both; training at qwen3's
+#                                          # 2048 tokens without the XLA reference
 NAME=gpu_round15; source benchmarks/gpu_env.sh
 case ${1:-small8} in
   small8)
@@ -61,4 +65,11 @@ case ${1:-small8} in
     step 180 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
       --train-presets qwen3-30b-a3b --train-tokens 2048 --train-variants default,take_rows \
       --budget-s 150 ;;
+  mix2)
+    step 300 env OUT=$OUT/sweep python3 benchmarks/bench_grouped_gemm.py --stages sweep,block \
+      --sweep-presets mixtral-8x7b --sweep-tokens 2 --presets mixtral-8x7b --tokens 2,3 \
+      --block-configs lib,sweep --iters 5 --budget-s 270
+    step 150 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b --train-tokens 2048 --train-variants take_rows,default \
+      --train-no-xla --budget-s 120 ;;
 esac

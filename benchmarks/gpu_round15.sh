@@ -24,6 +24,8 @@
 #                                          # (3 experts: 2 waves for 1.45 of work), the block
 #                                          # at 2 / 3 tokens with both; training at qwen3's
 #                                          # 2048 tokens without the XLA reference
+#   bash benchmarks/gpu_round15.sh small   # one H200: the committed code, every preset from 1
+#                                          # to 256 tokens and at 1024, floors per input set
 NAME=gpu_round15; source benchmarks/gpu_env.sh
 case ${1:-small8} in
   small8)
@@ -72,4 +74,10 @@ case ${1:-small8} in
     step 150 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
       --train-presets qwen3-30b-a3b --train-tokens 2048 --train-variants take_rows,default \
       --train-no-xla --budget-s 120 ;;
+  small)
+    block_run 200 170 qwen3-30b-a3b 1,2,4,8,16,32,64,128,256,1024 4
+    step 130 env OUT=$OUT/block_mixtral python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets mixtral-8x7b --tokens 1,2,3,4,8,16,64,256,1024 --iters 4 --budget-s 110
+    step 170 env OUT=$OUT/block_deepseek python3 benchmarks/bench_grouped_gemm.py --stages block \
+      --presets deepseek-v3 --tokens 1,2,4,8,16,64,256,1024 --iters 3 --budget-s 150 ;;
 esac

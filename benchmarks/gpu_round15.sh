@@ -26,6 +26,9 @@
 #                                          # 2048 tokens without the XLA reference
 #   bash benchmarks/gpu_round15.sh small   # one H200: the committed code, every preset from 1
 #                                          # to 256 tokens and at 1024, floors per input set
+#   bash benchmarks/gpu_round15.sh mix1k   # one H200: GEMM candidates at mixtral's 1024 tokens
+#                                          # timed over three routings (r15h: one of three
+#                                          # took 12 % longer), the block with both
 NAME=gpu_round15; source benchmarks/gpu_env.sh
 case ${1:-small8} in
   small8)
@@ -80,4 +83,8 @@ case ${1:-small8} in
       --presets mixtral-8x7b --tokens 1,2,3,4,8,16,64,256,1024 --iters 4 --budget-s 110
     step 170 env OUT=$OUT/block_deepseek python3 benchmarks/bench_grouped_gemm.py --stages block \
       --presets deepseek-v3 --tokens 1,2,4,8,16,64,256,1024 --iters 3 --budget-s 150 ;;
+  mix1k)
+    step 300 env OUT=$OUT/sweep python3 benchmarks/bench_grouped_gemm.py --stages sweep,block \
+      --sweep-presets mixtral-8x7b --sweep-tokens 1024 --presets mixtral-8x7b --tokens 1024 \
+      --block-configs lib,sweep --iters 4 --budget-s 270 ;;
 esac

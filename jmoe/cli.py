@@ -178,7 +178,7 @@ def cmd_tune(args) -> int:
     results = tune.tune(e, k, h, n, cfg.act, args.tokens, iters=args.iters,
                         interpret=args.interpret, max_candidates=args.max_candidates,
                         progress=lambda: prog.advance(task), training=args.train,
-                        tables=tables)
+                        tables=tables, draws=args.draws)
   table = Table(title="best configs")
   for col in ("kernel", "key", "config", "µs", "tried", "failed"):
     table.add_column(col)
@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--tokens", type=_ints, default=[1, 64, 1024, 16384])
   t.add_argument("--shape", type=_ints, default=None, help="override as E,k,H,N")
   t.add_argument("--iters", type=int, default=5)
+  t.add_argument("--draws", type=int, default=3,
+                 help="random routings per token count, each candidate timed over them in turn")
   t.add_argument("--max-candidates", type=int, default=None)
   t.add_argument("--interpret", action="store_true",
                  help="run in the CPU interpreter (tests the command; timings are meaningless)")

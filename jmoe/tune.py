@@ -32,10 +32,12 @@ class TuneResult:
   failed: int
 
 
-def _device_time_us(fn: Callable, args, iters: int, interpret: bool) -> float:
-  if interpret:  # one interpreted run: a smoke test, not a timing
-    return timing.wall_time(fn, [args], iters=1)
-  return timing.device_time(fn, [args], iters=iters)[0]
+def _device_time_us(fn: Callable, arg_sets: list, iters: int, interpret: bool) -> float:
+  """Median device time over the rotated arg sets (interpret mode: one wall-clock run of the
+  first, a smoke test, not a timing)."""
+  if interpret:
+    return timing.wall_time(fn, arg_sets[:1], iters=1)
+  return timing.device_time(fn, arg_sets, iters=iters)[0]
 
 
 def problems(training: bool) -> tuple[tuple[str, str], ...]:
@@ -75,7 +77,7 @@ def num_candidates(num_experts: int, top_k: int, tokens: Sequence[int], *, train
 def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activation,
          tokens: Sequence[int], *, dtype=jnp.bfloat16, iters: int = 5, interpret: bool = False,
          max_candidates: Optional[int] = None, progress=None, seed: int = 0,
-         training: bool = False, tables: Optional[Collection[str]] = None,
+         training: bool = False, tables: Optional[Collection[str]] = None, draws: int = 3,
          report: Optional[Callable[[int, str, Any, Optional[float]], None]] = None
          ) -> list[TuneResult]:
   """Time the candidates of both GEMMs at each token count; return the best per kernel.
@@ -85,6 +87,8 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   GEMMs, which read the weights transposed (table grouped_gemm_rt).
   tables: only the problems of these tables (None: all).
   report(tokens, table, config, µs or None when it failed): called for every candidate.
+  draws: random routings per token count; a candidate's time is its median over them in turn
+  (interpret mode: draws are built, the first is run).
   """
   from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
   from pallas_kernels import permute  # noqa: PLC0415
@@ -98,51 +102,66 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   w2 = (jax.random.normal(ks[1], (e, n, h), jnp.float32) / math.sqrt(n)).astype(dtype)
   device = "interpret" if interpret else jax.devices()[0].device_kind
   results = []
-  for t in tokens:
-    x = jax.random.normal(ks[2], (t, h), jnp.float32).astype(dtype)
-    logits = jax.random.normal(ks[3], (t, e), jnp.float32)
+  def build_tgmm(cfg):
+    return jax.jit(lambda a, b, g: tgmm(a, b, g, config=cfg, interpret=interpret))
+
+  def build_plain(cfg, rt=False):
+    return jax.jit(lambda a, g, w: gg.grouped_gemm(a, w, g, config=cfg, interpret=interpret,
+                                                   transpose_rhs=rt))
+
+  def problem_args(t: int, key) -> list[tuple]:
+    """Each problem's arguments for one random routing of t tokens (problems() order)."""
+    kd = jax.random.split(key, 4)
+    x = jax.random.normal(kd[0], (t, h), jnp.float32).astype(dtype)
+    logits = jax.random.normal(kd[1], (t, e), jnp.float32)
     tw, ids = jax.lax.top_k(jax.nn.softmax(logits), top_k)
     order, gs, _ = permute.moe_align(ids.astype(jnp.int32), e)
     xs = permute.permute_rows(x, order, top_k)
-    hs = jax.random.normal(ks[4], (xs.shape[0], n), jnp.float32).astype(dtype)
+    hs = jax.random.normal(kd[2], (xs.shape[0], n), jnp.float32).astype(dtype)
     scale = permute.permute_weights(tw, order)
-    m = t * top_k
-    def build_tgmm(cfg):
-      return jax.jit(lambda a, b, g: tgmm(a, b, g, config=cfg, interpret=interpret))
-    d13 = jax.random.normal(ks[4], (xs.shape[0], 2 * n), jnp.float32).astype(dtype)
+    d13 = jax.random.normal(kd[3], (xs.shape[0], 2 * n), jnp.float32).astype(dtype)
     # the weight gradients run on the training layout (experts padded to 8-row multiples,
     # pallas_kernels.route.route_for_training): its rows and group sizes
+    m = t * top_k
     m_t = gg.row_alloc(m + 7 * min(e, m), 128)
     xs_t, _, gs_t, _, _ = routed_rows(x, ids.astype(jnp.int32), e, m_t, (128,), "xla")
-    hs_t = jax.random.normal(ks[4], (m_t, n), jnp.float32).astype(dtype)
-    d13_t = jax.random.normal(ks[4], (m_t, 2 * n), jnp.float32).astype(dtype)
-    todo = [  # (table, candidate set, output N, contraction K, args, build)
-        ("grouped_gemm_gated", "gemm1", n, h, (xs, gs, w13),
+    hs_t = jax.random.normal(kd[2], (m_t, n), jnp.float32).astype(dtype)
+    d13_t = jax.random.normal(kd[3], (m_t, 2 * n), jnp.float32).astype(dtype)
+    args = [(xs, gs, w13), (hs, gs, w2, scale), (xs_t, d13_t, gs_t), (hs_t, xs_t, gs_t)]
+    if training:
+      args += [(xs, gs, w13), (d13, gs, w13), (xs, gs, w2)]
+    return args
+
+  for t in tokens:
+    m = t * top_k
+    # every candidate is timed over `draws` routings in turn: one draw's expert loads can
+    # favour a tile shape (the waves its row tiles fill) that the next one does not
+    per_draw = [problem_args(t, jax.random.fold_in(ks[2], d)) for d in range(max(1, draws))]
+    todo = [  # (table, candidate set, output N, contraction K, build)
+        ("grouped_gemm_gated", "gemm1", n, h,
          lambda cfg: jax.jit(lambda a, g, w: gg.grouped_gemm_gated(
              a, w, g, activation=activation, config=cfg, interpret=interpret))),
-        ("grouped_gemm", "gemm2", h, n, (hs, gs, w2, scale),
+        ("grouped_gemm", "gemm2", h, n,
          lambda cfg: jax.jit(lambda a, g, w, s: gg.grouped_gemm(
              a, w, g, row_scale=s, config=cfg, interpret=interpret))),
         # weight gradients: dW13 = xs^T d(h13) [H, 2N], dW2 = a^T dy [N, H] (keyed K, N)
-        ("tgmm", "tgmm", 2 * n, h, (xs_t, d13_t, gs_t), build_tgmm),
-        ("tgmm", "tgmm", h, n, (hs_t, xs_t, gs_t), build_tgmm),
+        ("tgmm", "tgmm", 2 * n, h, build_tgmm),
+        ("tgmm", "tgmm", h, n, build_tgmm),
     ]
     if training:
-      def build_plain(cfg, rt=False):
-        return jax.jit(lambda a, g, w: gg.grouped_gemm(a, w, g, config=cfg, interpret=interpret,
-                                                       transpose_rhs=rt))
       todo += [
-          ("grouped_gemm", "gemm2", 2 * n, h, (xs, gs, w13), build_plain),
+          ("grouped_gemm", "gemm2", 2 * n, h, build_plain),
           # d x_sorted = d(h13) @ w13^T [M, H]; d a = dy @ w2^T [M, N]
-          ("grouped_gemm_rt", "gemm2", h, 2 * n, (d13, gs, w13),
-           lambda cfg: build_plain(cfg, rt=True)),
-          ("grouped_gemm_rt", "gemm2", n, h, (xs, gs, w2), lambda cfg: build_plain(cfg, rt=True)),
+          ("grouped_gemm_rt", "gemm2", h, 2 * n, lambda cfg: build_plain(cfg, rt=True)),
+          ("grouped_gemm_rt", "gemm2", n, h, lambda cfg: build_plain(cfg, rt=True)),
       ]
     assert tuple(p[:2] for p in todo) == problems(training)
-    for (kernel, gemm, n_out, k_in, args, build), on in zip(todo, sel):
+    for i, ((kernel, gemm, n_out, k_in, build), on) in enumerate(zip(todo, sel)):
       if not on:
         continue
-      m_rows = args[0].shape[0] if kernel == "tgmm" else m  # tgmm looks itself up by its rows
+      arg_sets = [args[i] for args in per_draw]
+      # tgmm looks itself up by its rows
+      m_rows = arg_sets[0][0].shape[0] if kernel == "tgmm" else m
       # the config in use now (tuned entry or heuristic) competes too: a run never writes a
       # config slower than the one it would replace
       now = (get_tgmm_config(m_rows, k_in, n_out, e, dtype) if kernel == "tgmm" else
@@ -153,7 +172,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
       best, failed = None, 0
       for cfg in cands:
         try:
-          us = _device_time_us(build(cfg), args, iters, interpret)
+          us = _device_time_us(build(cfg), arg_sets, iters, interpret)
           if best is None or us < best[1]:
             best = (cfg, us)
         except Exception:  # a candidate that does not fit this problem (smem, layout)

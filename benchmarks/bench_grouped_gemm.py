@@ -537,6 +537,9 @@ TRAIN_VARIANTS = {  # fused_experts_train keyword sets timed by --train-variants
     # the jnp routing path's row copy by XLA's gather, not permute.scatter_rows (past 8192
     # slots, where the route kernels stop)
     "take_rows": dict(_gather_min_slots=1 << 30),
+    # tuned tables looked up by exact M bucket only (before the fifteenth round: a training
+    # shape past the tuned buckets ran the default tgmm config)
+    "exact_buckets": dict(_nearest_from=1 << 40),
 }
 
 
@@ -553,15 +556,18 @@ def stage_train(args):
       ct = jax.random.normal(jax.random.key(12), (T, p["H"]), jnp.float32)
       args_ = (x, w13, w2, tw, ti, ct)
 
-      def loss_pallas(x, w13, w2, tw, ti, ct, _gather_min_slots=None, **kw):
-        saved = pmoe._PALLAS_GATHER_MIN_SLOTS  # (set while the variant is traced)
+      def loss_pallas(x, w13, w2, tw, ti, ct, _gather_min_slots=None, _nearest_from=None,
+                      **kw):
+        saved = pmoe._PALLAS_GATHER_MIN_SLOTS, gg._NEAREST_FROM  # (set while it is traced)
         if _gather_min_slots is not None:
           pmoe._PALLAS_GATHER_MIN_SLOTS = _gather_min_slots
+        if _nearest_from is not None:
+          gg._NEAREST_FROM = _nearest_from
         try:
           return jnp.sum(pmoe.fused_experts_train(x, w13, w2, tw, ti, interpret=INTERPRET, **kw)
                          .astype(jnp.float32) * ct)
         finally:
-          pmoe._PALLAS_GATHER_MIN_SLOTS = saved
+          pmoe._PALLAS_GATHER_MIN_SLOTS, gg._NEAREST_FROM = saved
 
       blk = xla_block_fn(p["E"])
 
@@ -578,7 +584,7 @@ def stage_train(args):
         gx = jax.block_until_ready(g_x(*args_))
         rec["xla_fwdbwd_us"], _, _ = cupti_times(g_x, [args_], iters=2)
       for name in variants:
-        if "_gather_min_slots" in TRAIN_VARIANTS[name] or name != variants[0]:
+        if name != variants[0]:
           jax.clear_caches()  # fused_experts_train is jitted: a cached trace keeps a module knob
         g_p = jax.jit(jax.grad(functools.partial(loss_pallas, **TRAIN_VARIANTS[name]),
                                argnums=(0, 1, 2, 3)))

@@ -29,6 +29,9 @@
 #   bash benchmarks/gpu_round15.sh mix1k   # one H200: GEMM candidates at mixtral's 1024 tokens
 #                                          # timed over three routings (r15h: one of three
 #                                          # took 12 % longer), the block with both
+#   bash benchmarks/gpu_round15.sh trainbig # one H200: training past the tuned buckets (mixtral
+#                                          # 8192, qwen3 2048 tokens): the weight gradient with
+#                                          # the nearest bucket's tuned config against the default
 NAME=gpu_round15; source benchmarks/gpu_env.sh
 case ${1:-small8} in
   small8)
@@ -87,4 +90,11 @@ case ${1:-small8} in
     step 300 env OUT=$OUT/sweep python3 benchmarks/bench_grouped_gemm.py --stages sweep,block \
       --sweep-presets mixtral-8x7b --sweep-tokens 1024 --presets mixtral-8x7b --tokens 1024 \
       --block-configs lib,sweep --iters 4 --budget-s 270 ;;
+  trainbig)
+    step 130 env OUT=$OUT/train_mixtral python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets mixtral-8x7b --train-tokens 8192 --train-variants default,exact_buckets \
+      --train-no-xla --budget-s 110
+    step 90 env OUT=$OUT/train_qwen3 python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b --train-tokens 2048 --train-variants default,exact_buckets \
+      --train-no-xla --budget-s 70 ;;
 esac

@@ -271,12 +271,28 @@ def heuristic_config(m: int, n: int, k: int, num_groups: int, dtype, *, gated: b
   return _fit_stages(cfg, itemsize, out_itemsize, 2 if gated else 1)
 
 
-def tuned_config(kernel_name: str, cls, m: int, n: int, k: int, num_groups: int, dtype):
+_NEAREST_FROM = 4096  # rows from which a bucket without an entry takes its nearest neighbour's
+
+
+def tuned_config(kernel_name: str, cls, m: int, n: int, k: int, num_groups: int, dtype, *,
+                 nearest: bool = False):
   """The `cls` config tuned for this problem in pallas_kernels/configs/<kernel_name>.json, or
   None. Keys: E, N, K, dtype, device kind, jax minor version, M bucket; fields of the entry
-  that `cls` does not know (``us``, ``note``) are dropped."""
-  key = _tuned_key(num_groups, n, k, dtype, _compat.device_kind(), _m_bucket(m))
-  entry = _load_tuned(kernel_name).get(key)
+  that `cls` does not know (``us``, ``note``) are dropped. nearest: from _NEAREST_FROM rows,
+  a bucket without an entry takes the entry of the nearest bucket (in log M, the smaller on a
+  tie) from _NEAREST_FROM up, of the same E, N, K, dtype, device and jax."""
+  table = _load_tuned(kernel_name)
+  dev = _compat.device_kind()
+  bucket = _m_bucket(m)
+  key = _tuned_key(num_groups, n, k, dtype, dev, bucket)
+  entry = table.get(key)
+  if entry is None and nearest and m > _NEAREST_FROM:
+    have = [b for b in _M_BUCKETS if b >= _NEAREST_FROM
+            and _tuned_key(num_groups, n, k, dtype, dev, b) in table]
+    if have:
+      b = min(have, key=lambda b_: (abs(math.log(b_ / bucket)), b_))
+      key = _tuned_key(num_groups, n, k, dtype, dev, b)
+      entry = table[key]
   log.debug("%s: %s config for %s", kernel_name, "tuned" if entry else "no tuned", key)
   if entry is None:
     return None

@@ -127,9 +127,11 @@ DEFAULT_CONFIG = TgmmConfig(block_k=128, block_n=128, block_r=64, num_stages=2, 
 
 def get_tgmm_config(m: int, k: int, n: int, num_groups: int, dtype) -> TgmmConfig:
   """Tuned config from pallas_kernels/configs/tgmm.json (keyed like the grouped GEMMs': E, N,
-  K, dtype, device kind, jax minor version, M bucket; `python -m jmoe tune` writes it), else
+  K, dtype, device kind, jax minor version, M bucket; `python -m jmoe tune` writes it; past
+  4096 rows a bucket without an entry takes its nearest tuned neighbour's), else
   DEFAULT_CONFIG."""
-  return gg.tuned_config("tgmm", TgmmConfig, m, n, k, num_groups, dtype) or DEFAULT_CONFIG
+  return (gg.tuned_config("tgmm", TgmmConfig, m, n, k, num_groups, dtype, nearest=True)
+          or DEFAULT_CONFIG)
 
 
 class _Tile:

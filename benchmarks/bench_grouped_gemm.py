@@ -556,18 +556,9 @@ def stage_train(args):
       ct = jax.random.normal(jax.random.key(12), (T, p["H"]), jnp.float32)
       args_ = (x, w13, w2, tw, ti, ct)
 
-      def loss_pallas(x, w13, w2, tw, ti, ct, _gather_min_slots=None, _nearest_from=None,
-                      **kw):
-        saved = pmoe._PALLAS_GATHER_MIN_SLOTS, gg._NEAREST_FROM  # (set while it is traced)
-        if _gather_min_slots is not None:
-          pmoe._PALLAS_GATHER_MIN_SLOTS = _gather_min_slots
-        if _nearest_from is not None:
-          gg._NEAREST_FROM = _nearest_from
-        try:
-          return jnp.sum(pmoe.fused_experts_train(x, w13, w2, tw, ti, interpret=INTERPRET, **kw)
-                         .astype(jnp.float32) * ct)
-        finally:
-          pmoe._PALLAS_GATHER_MIN_SLOTS, gg._NEAREST_FROM = saved
+      def loss_pallas(x, w13, w2, tw, ti, ct, **kw):
+        return jnp.sum(pmoe.fused_experts_train(x, w13, w2, tw, ti, interpret=INTERPRET, **kw)
+                       .astype(jnp.float32) * ct)
 
       blk = xla_block_fn(p["E"])
 
@@ -586,9 +577,18 @@ def stage_train(args):
       for name in variants:
         if name != variants[0]:
           jax.clear_caches()  # fused_experts_train is jitted: a cached trace keeps a module knob
-        g_p = jax.jit(jax.grad(functools.partial(loss_pallas, **TRAIN_VARIANTS[name]),
-                               argnums=(0, 1, 2, 3)))
-        gp = jax.block_until_ready(g_p(*args_))
+        kw = {k_: v_ for k_, v_ in TRAIN_VARIANTS[name].items() if not k_.startswith("_")}
+        g_p = jax.jit(jax.grad(functools.partial(loss_pallas, **kw), argnums=(0, 1, 2, 3)))
+        # module knobs ("_" keys) stay set through the first call, which traces the forward
+        # and the backward (a custom_vjp's backward is traced after the loss has returned)
+        knobs = TRAIN_VARIANTS[name]
+        saved = pmoe._PALLAS_GATHER_MIN_SLOTS, gg._NEAREST_FROM
+        pmoe._PALLAS_GATHER_MIN_SLOTS = knobs.get("_gather_min_slots", saved[0])
+        gg._NEAREST_FROM = knobs.get("_nearest_from", saved[1])
+        try:
+          gp = jax.block_until_ready(g_p(*args_))
+        finally:
+          pmoe._PALLAS_GATHER_MIN_SLOTS, gg._NEAREST_FROM = saved
         if gx is None:  # the first variant's grads are the reference then
           gx, rec["grad_reference"] = gp, name
         v = dict(grad_err_vs_xla=[rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32))

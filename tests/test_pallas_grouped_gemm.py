@@ -975,6 +975,24 @@ def test_tgmm_config_lookup(monkeypatch):
   assert tg.get_tgmm_config(8192, 2048, 1536, 16, jnp.bfloat16) == tg.DEFAULT_CONFIG
 
 
+def test_tgmm_config_takes_the_nearest_tuned_bucket(monkeypatch):
+  # past 4096 rows a bucket without an entry takes the nearest tuned one (log distance; the
+  # smaller on a tie), buckets below 4096 never lend theirs; the GEMM tables stay exact
+  from pallas_kernels import tgmm as tg
+  key = lambda b: gg._tuned_key(8, 1536, 2048, jnp.bfloat16, _compat.device_kind(), b)
+  cfg = lambda stages: dict(block_k=128, block_n=128, block_r=64, num_stages=stages)
+  tuned = {key(1024): cfg(2), key(4096): cfg(3), key(1 << 30): cfg(5)}
+  monkeypatch.setattr(gg, "_load_tuned", lambda name: tuned)
+  pick = lambda m: tg.get_tgmm_config(m, 2048, 1536, 8, jnp.bfloat16).num_stages
+  assert pick(3000) == 3                    # its own bucket
+  assert pick(16000) == 3 and pick(60000) == 3  # 4096 is nearer than 2**30
+  assert pick(1 << 29) == 5
+  del tuned[key(4096)]
+  assert pick(16000) == 5                   # 1024 is below the lending range
+  assert tg.get_tgmm_config(2000, 2048, 1536, 8, jnp.bfloat16) == tg.DEFAULT_CONFIG
+  assert gg.tuned_config("tgmm", tg.TgmmConfig, 16000, 1536, 2048, 8, jnp.bfloat16) is None
+
+
 def test_gmm_grad_matches_ragged_dot(rng):
   from pallas_kernels import tgmm as tg
   m, k, n, e = 130, 64, 128, 3

@@ -6,6 +6,10 @@ gather-sum, in jnp (XLA fuses them into a few small kernels; no host sync).
     y         = experts(x_sorted, group_sizes)          # rows >= sum(group_sizes) unused
     out[t]    = sum_j y[inv[t, j]]  (inv < 0 skipped)   # gather_sum(y, inv)
 
+Past 8192 slots (where pallas_kernels.route stops) the rows are copied by Mosaic GPU kernels:
+``scatter_rows`` in token order (each token row loaded once, stored to its k rows; the
+default) or ``gather_rows`` in sorted order.
+
 Slots whose expert id is negative (``-1``: empty, e.g. an EP-remote expert or padding) or
 ``>= num_experts`` are excluded: they sort to the end (after every real slot), are not counted in
 ``group_sizes`` and get ``inv = -1``.

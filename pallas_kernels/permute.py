@@ -287,6 +287,44 @@ def gather_rows_supports(h: int) -> bool:
 
 
 
+def _rows_per_step(count: int, h: int, dtype, requested: int | None) -> int:
+  """Rows per step of a row-copy kernel: `requested`, else about 32 KB (at most 16 rows),
+  lowered until it divides `count`."""
+  r = requested or max(1, min(16, 32768 // (h * jnp.dtype(dtype).itemsize)))
+  while count % r:
+    r -= 1
+  return r
+
+
+def _copy_pipeline(my_steps, ns: int, bars, issue, store) -> None:
+  """The row-copy kernels' software pipeline over a program's steps. Step i uses SMEM slot
+  i % ns. Its loads (issue(i, slot), arriving on bars[slot]) start ns - 2 steps ahead of the
+  step being stored (store(i, slot): one group of TMA stores). Before a slot is loaded again,
+  the stores from it two steps back must have read it, so only the last step's group may
+  still be pending."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  ahead = ns - 2
+  for i0 in range(ahead):
+    @pl.when(i0 < my_steps)
+    def _():
+      issue(jnp.int32(i0), jnp.int32(i0))
+
+  def step(i, carry):
+    slot = lax.rem(i, jnp.int32(ns))
+
+    @pl.when(i + ahead < my_steps)
+    def _():
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      issue(i + ahead, lax.rem(i + ahead, jnp.int32(ns)))
+
+    plgpu.barrier_wait(bars.at[slot])
+    store(i, slot)
+    return carry
+
+  lax.fori_loop(jnp.int32(0), my_steps, step, jnp.int32(0))
+
+
 @functools.partial(jax.jit, static_argnames=("m_out", "tokens_per_step", "num_stages",
                                              "interpret"))
 def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array | None = None,
@@ -316,10 +354,7 @@ def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array |
   if inv.ndim != 2 or inv.shape[0] != t:
     raise ValueError(f"inv must be [T={t}, k], got shape {inv.shape}")
   k = inv.shape[1]
-  row_bytes = h * jnp.dtype(x.dtype).itemsize
-  r = tokens_per_step or max(1, min(16, 32768 // row_bytes))
-  while t % r:
-    r -= 1
+  r = _rows_per_step(t, h, x.dtype, tokens_per_step)
   c = _row_chunk(h)
   x3 = x.reshape(t, h // c, c)
   dst = inv.reshape(t * k).astype(jnp.int32)
@@ -331,7 +366,6 @@ def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array |
   zfrom = jnp.full((1,), m_out, jnp.int32) if zero_from is None else jnp.clip(
       jnp.asarray(zero_from, jnp.int32).reshape(1), 0, m_out)
   ns = num_stages
-  ahead = ns - 2  # steps loading while one is stored and one's stores may still read its slot
   steps = t // r
   interp, nsm = _compat.launch_params(interpret)
 
@@ -345,27 +379,11 @@ def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array |
     my_steps = lax.div(jnp.int32(steps) - sm + jnp.int32(nsm - 1), jnp.int32(nsm))
     bound = need_ref[0]
 
-    def issue(i):  # my i-th step's tokens into slot i % ns
-      t0 = (sm + i * nsm) * r
-      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t0, r)], buf.at[lax.rem(i, jnp.int32(ns))],
-                              bars.at[lax.rem(i, jnp.int32(ns))])
+    def issue(i, slot):  # my i-th step's tokens
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds((sm + i * nsm) * r, r)], buf.at[slot],
+                              bars.at[slot])
 
-    for i0 in range(ahead):
-      @pl.when(i0 < my_steps)
-      def _():
-        issue(jnp.int32(i0))
-
-    def step(i, carry):
-      slot = lax.rem(i, jnp.int32(ns))
-
-      @pl.when(i + ahead < my_steps)
-      def _():
-        # slot (i + ahead) % ns was last stored from at step i - 2: only step i - 1's group
-        # of stores may still be pending
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        issue(i + ahead)
-
-      plgpu.barrier_wait(bars.at[slot])
+    def store(i, slot):  # each token's row to its slots' rows: one group of stores
       s0 = (sm + i * nsm) * (r * k)
       for j in range(r):
         for q in range(k):
@@ -376,9 +394,8 @@ def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array |
             plgpu.copy_smem_to_gmem(buf.at[slot, pl.ds(j, 1)], o_ref.at[pl.ds(d, 1)],
                                     commit_group=False)
       plgpu.commit_smem_to_gmem_group()
-      return carry
 
-    lax.fori_loop(jnp.int32(0), my_steps, step, jnp.int32(0))
+    _copy_pipeline(my_steps, ns, bars, issue, store)
     if zeroing:
       plgpu.barrier_wait(zbar.at[0])
 
@@ -442,10 +459,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, num_rows: jax.Array | None = None,
     raise ValueError(f"num_stages={num_stages} must be >= 3")
   t, h = x.shape
   m = idx.shape[0]
-  row_bytes = h * jnp.dtype(x.dtype).itemsize
-  r = rows_per_step or max(1, min(16, 32768 // row_bytes))
-  while m % r:
-    r -= 1
+  r = _rows_per_step(m, h, x.dtype, rows_per_step)
   c = _row_chunk(h)
   x3 = x.reshape(t, h // c, c)
   idx = jnp.clip(idx.astype(jnp.int32), 0, t - 1)
@@ -453,7 +467,6 @@ def gather_rows(x: jax.Array, idx: jax.Array, num_rows: jax.Array | None = None,
   need = jnp.full((1,), m, jnp.int32) if num_rows is None else jnp.clip(
       jnp.asarray(num_rows, jnp.int32).reshape(1), 0, m)
   ns = num_stages
-  ahead = ns - 2  # steps loading while one is stored and one store may still read its slot
   interp, nsm = _compat.launch_params(interpret)
 
   def body(idx_ref, need_ref, x_ref, o_ref, buf, bars):
@@ -461,34 +474,16 @@ def gather_rows(x: jax.Array, idx: jax.Array, num_rows: jax.Array | None = None,
     live = lax.div(need_ref[0] + jnp.int32(r - 1), jnp.int32(r))  # steps holding needed rows
     my_steps = lax.div(live - sm + jnp.int32(nsm - 1), jnp.int32(nsm))
 
-    def issue(i):  # loads of my i-th step into slot i % ns
-      s_ = sm + i * nsm
-      slot = lax.rem(i, jnp.int32(ns))
+    def issue(i, slot):  # my i-th step's rows, one load each
       for j in range(r):
-        tok = idx_ref[s_ * r + j]
+        tok = idx_ref[(sm + i * nsm) * r + j]
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok, 1)], buf.at[slot, pl.ds(j, 1)],
                                 bars.at[slot])
 
-    for i0 in range(ahead):
-      @pl.when(i0 < my_steps)
-      def _():
-        issue(jnp.int32(i0))
-
-    def step(i, carry):
-      slot = lax.rem(i, jnp.int32(ns))
-
-      @pl.when(i + ahead < my_steps)
-      def _():
-        # slot (i + ahead) % ns was last stored at step i - 2: only step i - 1's store may
-        # still be pending
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        issue(i + ahead)
-
-      plgpu.barrier_wait(bars.at[slot])
+    def store(i, slot):
       plgpu.copy_smem_to_gmem(buf.at[slot], o_ref.at[pl.ds((sm + i * nsm) * r, r)])
-      return carry
 
-    lax.fori_loop(jnp.int32(0), my_steps, step, jnp.int32(0))
+    _copy_pipeline(my_steps, ns, bars, issue, store)
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   kern = _compat.kernel(

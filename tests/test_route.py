@@ -61,17 +61,9 @@ def _tokens(rng, t, h):
   return jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("t,k,e,h,block_ms,case", [
-    (1, 8, 128, 128, (64,), "random"),          # T=1 (decode): one block, one kernel
-    (3, 2, 8, 64, (64, 128), "random"),         # two tile lists
-    (70, 2, 8, 64, (64,), "random"),            # 140 slots: two blocks, the last one partial
-    (100, 8, 100, 128, (64, 128), "random"),    # E not a power of two, 7 blocks
-    (96, 4, 16, 64, (64,), "one_expert"),       # every slot on one expert (3 blocks)
-    (40, 2, 16, 64, (128,), "zero_experts"),    # experts 0-7 get no slots
-    (5, 2, 8, 64, (64,), "all_empty"),          # every slot empty (EP: all experts remote)
-    (130, 1, 4, 64, (64,), "out_of_range"),     # ids >= E and < 0 are empty slots
-])
-def test_route_matches_jnp_path(rng, t, k, e, h, block_ms, case):
+def _case_ids(rng, t, k, e, case):
+  """[t, k] expert ids: random with 10 % empty slots, all on the last expert, on the upper
+  half only (zero-slot experts), all empty, or a third past E and a third negative."""
   ids = rng.integers(0, e, (t, k)).astype(np.int32)
   if case == "random":
     ids[rng.random((t, k)) < 0.1] = -1
@@ -84,6 +76,21 @@ def test_route_matches_jnp_path(rng, t, k, e, h, block_ms, case):
   elif case == "out_of_range":
     ids[::3] = e + rng.integers(0, 5, ids[::3].shape)
     ids[1::3] = -rng.integers(1, 5, ids[1::3].shape)
+  return ids
+
+
+@pytest.mark.parametrize("t,k,e,h,block_ms,case", [
+    (1, 8, 128, 128, (64,), "random"),          # T=1 (decode): one block, one kernel
+    (3, 2, 8, 64, (64, 128), "random"),         # two tile lists
+    (70, 2, 8, 64, (64,), "random"),            # 140 slots: two blocks, the last one partial
+    (100, 8, 100, 128, (64, 128), "random"),    # E not a power of two, 7 blocks
+    (96, 4, 16, 64, (64,), "one_expert"),       # every slot on one expert (3 blocks)
+    (40, 2, 16, 64, (128,), "zero_experts"),    # experts 0-7 get no slots
+    (5, 2, 8, 64, (64,), "all_empty"),          # every slot empty (EP: all experts remote)
+    (130, 1, 4, 64, (64,), "out_of_range"),     # ids >= E and < 0 are empty slots
+])
+def test_route_matches_jnp_path(rng, t, k, e, h, block_ms, case):
+  ids = _case_ids(rng, t, k, e, case)
   nv = _check_route(_tokens(rng, t, h), ids, e, block_ms)
   assert nv == int(((ids >= 0) & (ids < e)).sum())
 
@@ -333,16 +340,7 @@ def test_route_rejects_bad_input(rng, fn):
 def test_slot_positions_match_moe_align(rng, t, k, e, case):
   """route.slot_positions (the block-count kernel, then XLA) gives moe_align's inv (stable
   sorted positions, -1 for empty slots) and group sizes."""
-  ids = rng.integers(0, e, (t, k)).astype(np.int32)
-  if case == "random":
-    ids[rng.random((t, k)) < 0.1] = -1
-  elif case == "one_expert":
-    ids[:] = e - 1
-  elif case == "all_empty":
-    ids[:] = -1
-  elif case == "out_of_range":
-    ids[::3] = e + rng.integers(0, 5, ids[::3].shape)
-    ids[1::3] = -rng.integers(1, 5, ids[1::3].shape)
+  ids = _case_ids(rng, t, k, e, case)
   inv, gs = route.slot_positions(jnp.asarray(ids), e, interpret=True)
   _, gs_ref, inv_ref = perm.moe_align_reference(ids, e)
   assert inv.shape == (t, k) and inv.dtype == jnp.int32 and gs.dtype == jnp.int32

@@ -117,6 +117,17 @@ def make_inputs(p, T, key, dtype=jnp.bfloat16):
   return x, w.astype(jnp.float32), ids.astype(jnp.int32)
 
 
+def per_set_floor_ratios(samples, floors) -> dict:
+  """Per rotated input set: the median of its samples (device_time takes them in rotation
+  order: set i at i, i + n, ...) over its own floor; their mean (the headline x_floor) and the
+  worst."""
+  n = len(floors)
+  set_us = [float(np.median(samples[i::n])) for i in range(n)]
+  ratios = [u / f_ for u, f_ in zip(set_us, floors)]
+  return dict(set_us=set_us, set_ratio_floor=ratios, ratio_floor=float(np.mean(ratios)),
+              ratio_floor_worst=max(ratios))
+
+
 def rel_err(a, b):
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
@@ -390,12 +401,7 @@ def stage_block(args):
         us, samples, pk = cupti_times(f, sets, iters=args.iters)
         rec.update(jmoe_us=us, jmoe_samples=samples, kernels=pk)
         rec["tflops"] = flops / us / 1e6
-        nset = len(sets)
-        by_set = samples or [us] * nset  # (interpret mode: one wall-clock time)
-        rec["set_us"] = [float(np.median(by_set[i::nset])) for i in range(nset)]
-        rec["set_ratio_floor"] = [u / f_ for u, f_ in zip(rec["set_us"], rec["set_floor_us"])]
-        rec["ratio_floor"] = float(np.mean(rec["set_ratio_floor"]))
-        rec["ratio_floor_worst"] = max(rec["set_ratio_floor"])
+        rec.update(per_set_floor_ratios(samples or [us] * len(sets), rec["set_floor_us"]))
         first = (route == args.route_impls.split(",")[0] and layout == layouts[0]
                  and source == sources[0])
         if have_torch and first:  # once per (preset, T)

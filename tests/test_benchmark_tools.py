@@ -1,4 +1,5 @@
-"""The benchmark tools' own logic that runs without a GPU: ep_timeline.py's trace reading."""
+"""The benchmark tools' own logic that runs without a GPU: ep_timeline.py's trace reading and
+bench_grouped_gemm.py's floor ratios."""
 from __future__ import annotations
 
 import gzip
@@ -37,3 +38,16 @@ def test_device_events_and_calls(tmp_path):
   first = ep_timeline.summarize(calls[0])
   assert first["span_us"] == 81.0  # 100 -> 181
   assert [e["start_us"] for e in first["events"]] == [0.0, 20.0, 51.0]
+
+
+def test_per_set_floor_ratios():
+  import bench_grouped_gemm
+  # samples in rotation order (set 0, 1, 2, 0, 1, 2, ...); mixtral at 2 tokens touches 3, 4, 4
+  # experts: each set's median against its own floor, not set 0's
+  samples = [263.0, 336.0, 337.0, 264.0, 337.0, 336.0, 262.0, 336.5, 336.5]
+  floors = [245.8, 327.7, 327.7]
+  r = bench_grouped_gemm.per_set_floor_ratios(samples, floors)
+  assert r["set_us"] == [263.0, 336.5, 336.5]
+  assert abs(r["set_ratio_floor"][0] - 263.0 / 245.8) < 1e-12
+  assert abs(r["ratio_floor"] - sum(r["set_ratio_floor"]) / 3) < 1e-12
+  assert r["ratio_floor_worst"] == max(r["set_ratio_floor"]) < 1.08

@@ -25,11 +25,16 @@ log = logging.getLogger(__name__)
 _PALLAS_GATHER_MIN_SLOTS = 1024
 
 
+def _pallas_copy_pays(m: int, hdim: int) -> bool:
+  """Whether a Pallas TMA row copy (gather_rows / scatter_rows) beats XLA's gather for m slots
+  of width hdim: from 1024 slots (H200: 8192 x 2048 11.6 vs 21.0 µs), not below (1 token: 2.1
+  vs 2.6 µs), and only where a TMA box chunking of hdim exists."""
+  return m >= _PALLAS_GATHER_MIN_SLOTS and _perm.gather_rows_supports(hdim)
+
+
 def _auto_gather_impl(m: int, hdim: int) -> str:
-  """The token gather for m slots of width hdim: the Pallas TMA row copy from 1024 slots
-  (H200: 8192 x 2048 11.6 vs 21.0 µs), XLA's gather below (1 token: 2.1 vs 2.6 µs)."""
-  big = m >= _PALLAS_GATHER_MIN_SLOTS and _perm.gather_rows_supports(hdim)
-  return "pallas" if big else "xla"
+  """The sorted-order token gather for m slots of width hdim: "pallas" or "xla"."""
+  return "pallas" if _pallas_copy_pays(m, hdim) else "xla"
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "config1", "config2", "interpret",
@@ -176,7 +181,7 @@ def route_xla(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
   if permute_impl == "auto":
     # H200 (r15b), µs: qwen3 16384 tokens scatter 174.6 / gather 244.1 / XLA 371.5,
     # deepseek-v3 582.6 / 932.4 / 1289.0, mixtral 108.4 / 139.6 / 190.9
-    permute_impl = "scatter" if _auto_gather_impl(m, x.shape[1]) == "pallas" else "xla"
+    permute_impl = "scatter" if _pallas_copy_pays(m, x.shape[1]) else "xla"
   if permute_impl == "scatter":  # token order: every token row loaded once; no sort order
     if _route_kernels_run(x, topk_ids, interpret) and num_experts <= _route._MAX_EXPERTS:
       inv, group_sizes = _route.slot_positions(topk_ids, num_experts, interpret=interpret)
@@ -270,7 +275,7 @@ def _routed_rows_fwd(x, topk_ids, num_experts, m_alloc, block_ms, route_impl, in
     k = topk_ids.shape[1]
     order, inv, asize, pad = _perm.moe_align_training(topk_ids, num_experts, m_alloc,
                                                       with_padding_rows=True)
-    if _auto_gather_impl(topk_ids.size, x.shape[1]) == "pallas":
+    if _pallas_copy_pays(topk_ids.size, x.shape[1]):
       # token order, each row loaded once; the padding and tail rows zeroed in the same kernel
       xs = _perm.scatter_rows(x, inv, m_alloc, zero_rows=pad, zero_from=jnp.sum(asize),
                               interpret=interpret)

@@ -943,8 +943,9 @@ def test_expected_groups_matches_simulation(m, e):
   rng = np.random.default_rng(m * 1000 + e)
   sim = np.mean([len(np.unique(rng.integers(0, e, m))) for _ in range(4000)])
   assert gg.expected_groups(m, e) == pytest.approx(sim, rel=0.02)
-  assert 1 <= gg.expected_groups(m, e) <= min(m, e)
+  assert gg.expected_groups(m, e) == pytest.approx(e * (1 - (1 - 1 / e) ** m), rel=1e-9)
   assert gg.expected_groups(5, 1) == 1
+  assert gg.expected_groups(0, e) == 1  # (the heuristic divides rows by it)
 
 
 def test_fills_waves():

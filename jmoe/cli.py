@@ -168,6 +168,12 @@ def cmd_tune(args) -> int:
     console.print(f"[red]tune covers gated activations; {cfg.activation} is not[/]")
     return 2
   tables = args.tables.split(",") if args.tables else None
+  timed: list[dict] = []  # every candidate's time, for --log
+
+  def report(tokens, table, key, config, us):
+    timed.append({"tokens": tokens, "table": table, "key": key, "config": config.to_json(),
+                  "us": us})
+
   total = tune.num_candidates(e, k, args.tokens, training=args.train,
                              max_candidates=args.max_candidates, tables=tables)
   console.print(f"[bold]jmoe tune[/] {args.preset}: E={e} k={k} H={h} N={n} tokens={args.tokens} "
@@ -178,7 +184,10 @@ def cmd_tune(args) -> int:
     results = tune.tune(e, k, h, n, cfg.act, args.tokens, iters=args.iters,
                         interpret=args.interpret, max_candidates=args.max_candidates,
                         progress=lambda: prog.advance(task), training=args.train,
-                        tables=tables, draws=args.draws)
+                        tables=tables, draws=args.draws, report=report)
+  if args.log:
+    with open(args.log, "w") as f:  # the winner per key is in the tables; this is the field
+      json.dump({"argv": sys.argv, "jax": jax.__version__, "candidates": timed}, f, indent=1)
   table = Table(title="best configs")
   for col in ("kernel", "key", "config", "µs", "tried", "failed"):
     table.add_column(col)
@@ -264,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--tables", default=None,
                  help="comma-separated tables to tune (grouped_gemm_gated = GEMM1, grouped_gemm "
                       "= GEMM2, tgmm, grouped_gemm_rt); default: all of the mode")
+  t.add_argument("--log", default=None,
+                 help="write every candidate's time to this JSON file (first per key: the "
+                      "config in use before the run)")
   t.add_argument("--keep-existing", action="store_true",
                  help="only add the keys the tables lack (entries from earlier runs or checks "
                       "stay, even where this run timed the same key)")

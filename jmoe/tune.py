@@ -78,7 +78,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
          tokens: Sequence[int], *, dtype=jnp.bfloat16, iters: int = 5, interpret: bool = False,
          max_candidates: Optional[int] = None, progress=None, seed: int = 0,
          training: bool = False, tables: Optional[Collection[str]] = None, draws: int = 3,
-         report: Optional[Callable[[int, str, Any, Optional[float]], None]] = None
+         report: Optional[Callable[[int, str, str, Any, Optional[float]], None]] = None
          ) -> list[TuneResult]:
   """Time the candidates of both GEMMs at each token count; return the best per kernel.
 
@@ -86,7 +86,8 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   without the fused activation ([M, 2N] out, table grouped_gemm) and both backward d lhs
   GEMMs, which read the weights transposed (table grouped_gemm_rt).
   tables: only the problems of these tables (None: all).
-  report(tokens, table, config, µs or None when it failed): called for every candidate.
+  report(tokens, table, key, config, µs or None when it failed): called for every candidate,
+  the config in use now first (key: the table entry the problem's winner goes to).
   draws: random routings per token count; a candidate's time is its median over them in turn
   (interpret mode: draws are built, the first is run).
   """
@@ -169,6 +170,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
       cands = (now,) + _candidates(gemm, e, m)
       if max_candidates:
         cands = cands[:max_candidates]
+      key = gg._tuned_key(e, n_out, k_in, dtype, device, gg._m_bucket(m_rows))
       best, failed = None, 0
       for cfg in cands:
         try:
@@ -179,12 +181,11 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
           failed += 1
           us = None
         if report is not None:
-          report(t, kernel, cfg, us)
+          report(t, kernel, key, cfg, us)
         if progress is not None:
           progress()
       if best is None:
         raise RuntimeError(f"every candidate failed for {kernel} at T={t}")
-      key = gg._tuned_key(e, n_out, k_in, dtype, device, gg._m_bucket(m_rows))
       results.append(TuneResult(kernel, key, best[0].to_json(), best[1], len(cands), failed))
   return results
 

@@ -57,8 +57,13 @@ def test_tune_in_interpret_mode_writes_tables(tmp_path, capsys):
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
   rc = cli.main(["tune", "--preset", "mixtral-8x7b", "--shape", "4,2,64,64", "--tokens", "8",
-                 "--interpret", "--max-candidates", "1", "--iters", "1", "--out", str(tmp_path)])
+                 "--interpret", "--max-candidates", "1", "--iters", "1", "--out", str(tmp_path),
+                 "--log", str(tmp_path / "log.json")])
   assert rc == 0
+  log = json.loads((tmp_path / "log.json").read_text())["candidates"]
+  assert [c["table"] for c in log] == ["grouped_gemm_gated", "grouped_gemm", "tgmm", "tgmm"]
+  assert all(c["tokens"] == 8 and c["us"] > 0 and "block_k" in c["config"] for c in log)
+  assert len({(c["table"], c["key"]) for c in log}) == 4  # the weight gradients: 2 problems
   for kernel in ("grouped_gemm", "grouped_gemm_gated"):
     table = json.loads((tmp_path / f"{kernel}.json").read_text())
     (key, entry), = table.items()
@@ -121,7 +126,8 @@ def test_tune_tables_filter_and_report():
   assert [r.kernel for r in res] == ["grouped_gemm_gated"]
   assert len(seen) == 2 == tune.num_candidates(4, 2, [8], training=False, max_candidates=2,
                                                tables=["grouped_gemm_gated"])
-  assert all(t == 8 and k == "grouped_gemm_gated" and us > 0 for t, k, _, us in seen)
+  assert all(t == 8 and k == "grouped_gemm_gated" and key == res[0].key and us > 0
+             for t, k, key, _, us in seen)
   with pytest.raises(ValueError, match="not tuned tables"):
     tune.tune(4, 2, 64, 64, "silu", [8], interpret=True, tables=["gemm1"])
 

@@ -9,6 +9,13 @@
 #                                          # (never measured before) with the library's tables,
 #                                          # `jmoe tune --train` for its training-only GEMMs,
 #                                          # the ratio again, then against XLA's path if it fits
+#   bash benchmarks/gpu_round16.sh train   # one H200: the training ratio with the tuned tables:
+#                                          # deepseek-v3 1024 tokens (gradient errors now on
+#                                          # the device), mixtral 8192, qwen3 / mixtral 1024
+#                                          # against XLA's path
+#   bash benchmarks/gpu_round16.sh final   # one H200: the row copies (the shared pipeline
+#                                          # helper's first GPU run), the block at 1 / 8 / 64 /
+#                                          # 1024 tokens on every preset with torch
 NAME=gpu_round16; source benchmarks/gpu_env.sh
 case ${1:-tune8k} in
   tune8k)
@@ -36,4 +43,30 @@ case ${1:-tune8k} in
     ds_train 120 train_after --train-no-xla
     left=$((560 - SECONDS))
     [ $left -gt 90 ] && ds_train $left train_xla ;;
+  train)
+    step 200 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets deepseek-v3 --train-tokens 1024 --train-variants default --train-no-xla \
+      --budget-s 170
+    step 100 env OUT=$OUT/train_mix8k python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets mixtral-8x7b --train-tokens 8192 --train-variants default --train-no-xla \
+      --budget-s 80
+    train_ratio 200 170 ;;
+  final)
+    # the weight gradient's candidates at deepseek-v3's 1024 tokens (cross-tile variants never
+    # timed there), then its training ratio with the result
+    step 170 python3 -m jmoe tune --preset deepseek-v3 --tokens 1024 --train --draws 2 \
+      --iters 3 --tables tgmm --log $OUT/tune_ds_tgmm.json
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 60 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets deepseek-v3 --train-tokens 1024 --train-variants default --train-no-xla \
+      --budget-s 50
+    step 90 python3 benchmarks/bench_permute_rows.py --tokens 16384 \
+      --json $OUT/permute_rows.json
+    for p in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+      left=$(( (560 - SECONDS) ))
+      [ $left -lt 40 ] && break
+      block_run $(( left < 110 ? left : 110 )) 80 $p 1,64,1024 3
+      mv $OUT/block/bench.json $OUT/block_$p.json
+    done
+    find $OUT -empty -delete ;;  # (at most 8 files come back)
 esac

@@ -51,3 +51,20 @@ def test_per_set_floor_ratios():
   assert abs(r["set_ratio_floor"][0] - 263.0 / 245.8) < 1e-12
   assert abs(r["ratio_floor"] - sum(r["set_ratio_floor"]) / 3) < 1e-12
   assert r["ratio_floor_worst"] == max(r["set_ratio_floor"]) < 1.08
+
+
+def test_device_rel_err_matches_numpy():
+  import jax.numpy as jnp
+  import numpy as np
+
+  import bench_grouped_gemm
+  rng = np.random.default_rng(0)
+  b = rng.standard_normal((64, 48)).astype(np.float32)
+  a = b + 1e-2 * rng.standard_normal(b.shape).astype(np.float32)
+  for dt in (jnp.float32, jnp.bfloat16):
+    aj, bj = jnp.asarray(a, dt), jnp.asarray(b, dt)
+    want = bench_grouped_gemm.rel_err(np.asarray(aj, np.float32), np.asarray(bj, np.float32))
+    assert abs(bench_grouped_gemm.device_rel_err(aj, bj) - want) < 1e-5 * max(want, 1e-3)
+  assert bench_grouped_gemm.device_rel_err(jnp.asarray(b), jnp.asarray(b)) == 0.0
+  a[3, 5] = np.nan
+  assert bench_grouped_gemm.device_rel_err(jnp.asarray(a), jnp.asarray(b)) == float("inf")

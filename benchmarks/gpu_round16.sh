@@ -16,6 +16,9 @@
 #   bash benchmarks/gpu_round16.sh final   # one H200: the row copies (the shared pipeline
 #                                          # helper's first GPU run), the block at 1 / 8 / 64 /
 #                                          # 1024 tokens on every preset with torch
+#   bash benchmarks/gpu_round16.sh probe   # one H200: HBM write / read / copy bandwidth (the
+#                                          # weight gradient's floor), deepseek-v3's training
+#                                          # ratio at 4096 tokens and again at 1024
 NAME=gpu_round16; source benchmarks/gpu_env.sh
 case ${1:-tune8k} in
   tune8k)
@@ -69,4 +72,12 @@ case ${1:-tune8k} in
       mv $OUT/block/bench.json $OUT/block_$p.json
     done
     find $OUT -empty -delete ;;  # (at most 8 files come back)
+  probe)
+    step 90 python3 benchmarks/probe_write_bw.py --json $OUT/write_bw.json
+    for t in 4096 1024; do
+      step 120 env OUT=$OUT/train_ds$t python3 benchmarks/bench_grouped_gemm.py --stages train \
+        --train-presets deepseek-v3 --train-tokens $t --train-variants default --train-no-xla \
+        --budget-s 100
+    done
+    find $OUT -empty -delete ;;
 esac

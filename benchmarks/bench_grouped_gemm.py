@@ -554,6 +554,7 @@ def stage_tgmm_sweep(args):
 TRAIN_VARIANTS = {  # fused_experts_train keyword sets timed by --train-variants
     "default": {},
     "fused": dict(preact=True, fuse_act_grad=True),  # the activation in GEMM epilogues
+    "preact": dict(preact=True),  # GEMM1 writes a and h (no forward activation pass)
     "xla_route": dict(route_impl="xla"),   # moe_align + gather + tile_metadata in XLA
     # the jnp routing path's row copy by XLA's gather, not permute.scatter_rows (past 8192
     # slots, where the route kernels stop)

@@ -19,6 +19,10 @@
 #   bash benchmarks/gpu_round16.sh probe   # one H200: HBM write / read / copy bandwidth (the
 #                                          # weight gradient's floor), deepseek-v3's training
 #                                          # ratio at 4096 tokens and again at 1024
+#   bash benchmarks/gpu_round16.sh epi     # one H200: the training ratio with the fused
+#                                          # activation epilogues (preact, fused) against the
+#                                          # default in the same process: deepseek-v3 1024,
+#                                          # qwen3 / mixtral 1024
 NAME=gpu_round16; source benchmarks/gpu_env.sh
 case ${1:-tune8k} in
   tune8k)
@@ -79,5 +83,13 @@ case ${1:-tune8k} in
         --train-presets deepseek-v3 --train-tokens $t --train-variants default --train-no-xla \
         --budget-s 100
     done
+    find $OUT -empty -delete ;;
+  epi)
+    step 150 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets deepseek-v3 --train-tokens 1024 --train-variants default,preact,fused \
+      --train-no-xla --budget-s 130
+    step 150 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 \
+      --train-variants default,preact,fused --train-no-xla --budget-s 130
     find $OUT -empty -delete ;;
 esac

@@ -23,6 +23,9 @@
 #                                          # activation epilogues (preact, fused) against the
 #                                          # default in the same process: deepseek-v3 1024,
 #                                          # qwen3 / mixtral 1024
+#   bash benchmarks/gpu_round16.sh store   # one H200: the TMA store stream alone (1 / 2 / 8
+#                                          # stores in flight per SM) beside XLA's fill / sum /
+#                                          # copy: is the weight gradient at the write ceiling?
 NAME=gpu_round16; source benchmarks/gpu_env.sh
 case ${1:-tune8k} in
   tune8k)
@@ -84,6 +87,8 @@ case ${1:-tune8k} in
         --budget-s 100
     done
     find $OUT -empty -delete ;;
+  store)
+    step 150 python3 benchmarks/probe_write_bw.py --json $OUT/write_bw.json ;;
   epi)
     step 150 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
       --train-presets deepseek-v3 --train-tokens 1024 --train-variants default,preact,fused \

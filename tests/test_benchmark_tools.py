@@ -68,3 +68,24 @@ def test_device_rel_err_matches_numpy():
   assert bench_grouped_gemm.device_rel_err(jnp.asarray(b), jnp.asarray(b)) == 0.0
   a[3, 5] = np.nan
   assert bench_grouped_gemm.device_rel_err(jnp.asarray(a), jnp.asarray(b)) == float("inf")
+
+
+def test_probe_tma_store_fill_tiles_the_output():
+  import jax.numpy as jnp
+  import numpy as np
+  import pytest
+
+  from pallas_kernels import _compat
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
+  import probe_write_bw
+  tile = jnp.arange(64 * 256, dtype=jnp.float32).reshape(64, 256).astype(jnp.bfloat16)
+  _compat.reset_interpret_state()
+  out = np.asarray(probe_write_bw.tma_store_fill(tile, 192, 512, in_flight=2, num_ctas=4,
+                                                 interpret=_compat.interpret_params()),
+                   np.float32)
+  assert not _compat.races_found()
+  want = np.tile(np.asarray(tile, np.float32), (3, 2))
+  np.testing.assert_array_equal(out, want)
+  with pytest.raises(ValueError, match="multiples of the tile"):
+    probe_write_bw.tma_store_fill(tile, 100, 512)

@@ -68,7 +68,7 @@ def main() -> None:
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   cols = 4096
-  rows = int(args.gbytes * 1e9 / 2 / cols)
+  rows = int(args.gbytes * 1e9 / 2 / cols) // 64 * 64  # whole 64-row tiles
   nbytes = rows * cols * 2
   # two input buffers, rotated (no cache flatters a 15 GB buffer anyway, but METHOD.md)
   xs = [jax.random.normal(jax.random.key(i), (rows, cols), jnp.float32).astype(jnp.bfloat16)

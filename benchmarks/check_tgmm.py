@@ -7,7 +7,8 @@ same run. With --write-tables a correct config >= 2 % faster than the current on
 tgmm.json. Exits 1 on a mismatch or a failure.
 
   PYTHONPATH=$PWD python3 benchmarks/check_tgmm.py [--json out.json] [--write-tables]
-      [--baseline old_tgmm.py] [--shapes qwen3,mixtral] [--aligned] [--configs ' kf']
+      [--baseline old_tgmm.py] [--shapes qwen3,mixtral] [--aligned | --align 64]
+      [--configs ' kf']
 """
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ def main() -> int:
       ("--aligned", dict(action="store_true",
                          help="the training layout: every expert's rows padded to a multiple "
                               "of 8 (route_for_training), so row blocks start at each expert")),
+      ("--align", dict(type=int, default=0,
+                       help="pad every expert's rows to a multiple of this instead (64: each "
+                            "row block inside one expert, no block needs masking)")),
       ("--configs", dict(default="", help="time only the sweep candidates whose tag (as "
                                           "printed) contains this text, e.g. ' kf'"))])
   base_mod = _load_baseline(args.baseline) if args.baseline else None
@@ -81,13 +85,13 @@ def main() -> int:
     if wanted and not any(name.startswith(w) for w in wanted):
       continue
     keys = jax.random.split(jax.random.key(t + e + n), 3)
-    m = t * k + (7 * e if args.aligned else 0)
+    align = args.align or (8 if args.aligned else 1)
+    m = t * k + (align - 1) * e
     x = jax.random.normal(keys[0], (m, kdim), jnp.float32).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[1], (m, n), jnp.float32).astype(jnp.bfloat16)
     _, ids = jax.lax.top_k(jax.random.normal(keys[2], (t, e)), k)
     _, gs, _ = permute.moe_align(ids.astype(jnp.int32), e)
-    if args.aligned:
-      gs = (gs + 7) // 8 * 8
+    gs = (gs + align - 1) // align * align
     gs_host = np.asarray(gs)
     probe = [int(g) for g in np.argsort(gs_host)[[0, len(gs_host) // 2, -1]]]
     ref = _expert_products(x, dy, gs_host, probe)

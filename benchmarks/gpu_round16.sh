@@ -26,6 +26,9 @@
 #   bash benchmarks/gpu_round16.sh store   # one H200: the TMA store stream alone (1 / 2 / 8
 #                                          # stores in flight per SM) beside XLA's fill / sum /
 #                                          # copy: is the weight gradient at the write ceiling?
+#   bash benchmarks/gpu_round16.sh align   # one H200: deepseek-v3's weight gradients with the
+#                                          # experts padded to 8 rows (training's layout: most
+#                                          # row blocks masked) against 64 (none masked)
 NAME=gpu_round16; source benchmarks/gpu_env.sh
 case ${1:-tune8k} in
   tune8k)
@@ -89,6 +92,11 @@ case ${1:-tune8k} in
     find $OUT -empty -delete ;;
   store)
     step 150 python3 benchmarks/probe_write_bw.py --json $OUT/write_bw.json ;;
+  align)
+    for a in 8 64; do
+      step 120 python3 benchmarks/check_tgmm.py --shapes deepseek --align $a --configs ws \
+        --json $OUT/tgmm_align$a.json
+    done ;;
   epi)
     step 150 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
       --train-presets deepseek-v3 --train-tokens 1024 --train-variants default,preact,fused \

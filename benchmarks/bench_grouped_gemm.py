@@ -35,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jmoe import timing  # noqa: E402
+from check_common import device_rel_err  # noqa: E402  (benchmarks/, the script's directory)
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from pallas_kernels import moe as pmoe  # noqa: E402
 from pallas_kernels import decode  # noqa: E402
@@ -134,21 +135,6 @@ def rel_err(a, b):
   if not np.all(np.isfinite(a)):
     return float("inf")
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-@jax.jit
-def _device_rel_err(a, b):
-  # fused on the device: deepseek-v3's weight gradients (3.8e9 elements each) as float64
-  # NumPy arrays would take 30 GB of host memory apiece
-  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  err = jnp.sqrt(jnp.sum(jnp.square(a - b))) / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(b))),
-                                                           1e-30)
-  return jnp.where(jnp.all(jnp.isfinite(a)), err, jnp.inf)
-
-
-def device_rel_err(a, b) -> float:
-  """rel_err of two device arrays, computed on the device in float32."""
-  return float(_device_rel_err(a, b))
 
 
 # ----------------------------------------------------------------------------- stages

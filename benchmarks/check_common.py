@@ -1,6 +1,7 @@
 """What the device check scripts (check_cross_item.py, check_tgmm.py) share: their command
 line and their ending (winners into the tuned tables, the JSON record, the exit status). The
-routing benchmarks (bench_route.py, route_parts.py) write their record with write_record."""
+routing benchmarks (bench_route.py, route_parts.py) write their record with write_record; the
+benchmarks compare large device arrays with device_rel_err."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,24 @@ import datetime
 import json
 
 import jax
+import jax.numpy as jnp
 
 from jmoe.tune import default_config_dir, write_tables
+
+
+@jax.jit
+def _device_rel_err(a, b):
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  err = jnp.sqrt(jnp.sum(jnp.square(a - b))) / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(b))),
+                                                           1e-30)
+  return jnp.where(jnp.all(jnp.isfinite(a)), err, jnp.inf)
+
+
+def device_rel_err(a, b) -> float:
+  """||a - b|| / ||b|| of two device arrays (inf if a has a non-finite value), fused on the
+  device in float32: deepseek-v3's weight gradients (3.8e9 elements each) as float64 NumPy
+  copies take 30 GB of host memory apiece."""
+  return float(_device_rel_err(a, b))
 
 
 def parse_args(description: str, extra=()) -> argparse.Namespace:

@@ -39,6 +39,24 @@ SHAPES = (  # (name, E, top-k, tokens, lhs columns K, dout columns N): out [E, K
 )
 
 
+def make_problem(name: str, align: int = 1, tokens: int | None = None):
+  """(x [m, K], dout [m, N], group sizes [E]) of SHAPES' `name` on random routing, every
+  expert's rows padded to a multiple of `align` (8: training's layout), m = T k + (align - 1) E.
+  """
+  shapes = {s[0]: s[1:] for s in SHAPES}
+  if name not in shapes:
+    raise ValueError(f"shape={name!r} is not one of {sorted(shapes)}")
+  e, k, t, kdim, n = shapes[name]
+  t = tokens or t
+  keys = jax.random.split(jax.random.key(t + e + n), 3)
+  m = t * k + (align - 1) * e
+  x = jax.random.normal(keys[0], (m, kdim), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(keys[1], (m, n), jnp.float32).astype(jnp.bfloat16)
+  _, ids = jax.lax.top_k(jax.random.normal(keys[2], (t, e)), k)
+  _, gs, _ = permute.moe_align(ids.astype(jnp.int32), e)
+  return x, dy, (gs + align - 1) // align * align
+
+
 def _expert_products(x, dy, gs, experts):
   """f32 x_g^T dy_g for a few experts g (host sizes)."""
   ends = np.cumsum(gs)
@@ -84,14 +102,9 @@ def main() -> int:
   for name, e, k, t, kdim, n in SHAPES:
     if wanted and not any(name.startswith(w) for w in wanted):
       continue
-    keys = jax.random.split(jax.random.key(t + e + n), 3)
     align = args.align or (8 if args.aligned else 1)
-    m = t * k + (align - 1) * e
-    x = jax.random.normal(keys[0], (m, kdim), jnp.float32).astype(jnp.bfloat16)
-    dy = jax.random.normal(keys[1], (m, n), jnp.float32).astype(jnp.bfloat16)
-    _, ids = jax.lax.top_k(jax.random.normal(keys[2], (t, e)), k)
-    _, gs, _ = permute.moe_align(ids.astype(jnp.int32), e)
-    gs = (gs + align - 1) // align * align
+    x, dy, gs = make_problem(name, align)
+    m = x.shape[0]
     gs_host = np.asarray(gs)
     probe = [int(g) for g in np.argsort(gs_host)[[0, len(gs_host) // 2, -1]]]
     ref = _expert_products(x, dy, gs_host, probe)
@@ -113,8 +126,7 @@ def main() -> int:
         if first_out is None:
           first_out = out
         else:
-          rec["diff_vs_first"] = _rel(np.asarray(out, np.float32),
-                                      np.asarray(first_out, np.float32))
+          rec["diff_vs_first"] = check_common.device_rel_err(out, first_out)
         rec["us"] = timing.device_time(f, [(x, dy, gs)], iters=args.iters)[0]
         return rec["err_f32"] < 1e-2 and rec.get("diff_vs_first", 0.0) < 1e-2
 

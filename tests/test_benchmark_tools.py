@@ -58,16 +58,17 @@ def test_device_rel_err_matches_numpy():
   import numpy as np
 
   import bench_grouped_gemm
+  import check_common
   rng = np.random.default_rng(0)
   b = rng.standard_normal((64, 48)).astype(np.float32)
   a = b + 1e-2 * rng.standard_normal(b.shape).astype(np.float32)
   for dt in (jnp.float32, jnp.bfloat16):
     aj, bj = jnp.asarray(a, dt), jnp.asarray(b, dt)
     want = bench_grouped_gemm.rel_err(np.asarray(aj, np.float32), np.asarray(bj, np.float32))
-    assert abs(bench_grouped_gemm.device_rel_err(aj, bj) - want) < 1e-5 * max(want, 1e-3)
-  assert bench_grouped_gemm.device_rel_err(jnp.asarray(b), jnp.asarray(b)) == 0.0
+    assert abs(check_common.device_rel_err(aj, bj) - want) < 1e-5 * max(want, 1e-3)
+  assert check_common.device_rel_err(jnp.asarray(b), jnp.asarray(b)) == 0.0
   a[3, 5] = np.nan
-  assert bench_grouped_gemm.device_rel_err(jnp.asarray(a), jnp.asarray(b)) == float("inf")
+  assert check_common.device_rel_err(jnp.asarray(a), jnp.asarray(b)) == float("inf")
 
 
 def test_probe_tma_store_fill_tiles_the_output():
@@ -89,3 +90,18 @@ def test_probe_tma_store_fill_tiles_the_output():
   np.testing.assert_array_equal(out, want)
   with pytest.raises(ValueError, match="multiples of the tile"):
     probe_write_bw.tma_store_fill(tile, 100, 512)
+
+
+def test_check_tgmm_problem_layout():
+  import numpy as np
+  import pytest
+
+  import check_tgmm
+  for align in (1, 8, 64):
+    x, dy, gs = check_tgmm.make_problem("qwen3 dW2", align, tokens=4)
+    gs = np.asarray(gs)
+    assert x.shape == (4 * 8 + (align - 1) * 128, 768) and dy.shape == (x.shape[0], 2048)
+    assert gs.shape == (128,) and (gs % align == 0).all() and gs.sum() <= x.shape[0]
+    assert np.count_nonzero(gs) <= 32  # 4 tokens x top-8 touch at most 32 experts
+  with pytest.raises(ValueError, match="not one of"):
+    check_tgmm.make_problem("qwen3 dW3")

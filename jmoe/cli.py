@@ -169,25 +169,36 @@ def cmd_tune(args) -> int:
     return 2
   tables = args.tables.split(",") if args.tables else None
   timed: list[dict] = []  # every candidate's time, for --log
+  out_dir = args.out or tune.default_config_dir()
+  note = f"jmoe tune --preset {args.preset}, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}"
+
+  def write_log():
+    if args.log:
+      with open(args.log, "w") as f:  # the winner per key is in the tables; this is the field
+        json.dump({"argv": sys.argv, "jax": jax.__version__, "candidates": timed}, f, indent=1)
 
   def report(tokens, table, key, config, us):
     timed.append({"tokens": tokens, "table": table, "key": key, "config": config.to_json(),
                   "us": us})
 
+  def save(result):  # each winner goes to disk at once: a stopped run keeps what it found
+    tune.write_tables([result], out_dir, note, keep_existing=args.keep_existing)
+    write_log()
+
   total = tune.num_candidates(e, k, args.tokens, training=args.train,
                              max_candidates=args.max_candidates, tables=tables)
   console.print(f"[bold]jmoe tune[/] {args.preset}: E={e} k={k} H={h} N={n} tokens={args.tokens} "
                 f"jax={jax.__version__} device={jax.devices()[0].device_kind}")
-  with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), console=console, transient=True) as prog:
-    task = prog.add_task("timing candidates", total=total)
-    results = tune.tune(e, k, h, n, cfg.act, args.tokens, iters=args.iters,
-                        interpret=args.interpret, max_candidates=args.max_candidates,
-                        progress=lambda: prog.advance(task), training=args.train,
-                        tables=tables, draws=args.draws, report=report)
-  if args.log:
-    with open(args.log, "w") as f:  # the winner per key is in the tables; this is the field
-      json.dump({"argv": sys.argv, "jax": jax.__version__, "candidates": timed}, f, indent=1)
+  try:
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as prog:
+      task = prog.add_task("timing candidates", total=total)
+      results = tune.tune(e, k, h, n, cfg.act, args.tokens, iters=args.iters,
+                          interpret=args.interpret, max_candidates=args.max_candidates,
+                          progress=lambda: prog.advance(task), training=args.train,
+                          tables=tables, draws=args.draws, report=report, on_result=save)
+  finally:
+    write_log()
   table = Table(title="best configs")
   for col in ("kernel", "key", "config", "µs", "tried", "failed"):
     table.add_column(col)
@@ -195,10 +206,8 @@ def cmd_tune(args) -> int:
     short = {k_: v for k_, v in r.config.items() if k_ != "us"}
     table.add_row(r.kernel, r.key, json.dumps(short), f"{r.us:.1f}", str(r.tried), str(r.failed))
   console.print(table)
-  out_dir = args.out or tune.default_config_dir()
-  note = f"jmoe tune --preset {args.preset}, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}"
-  for path in tune.write_tables(results, out_dir, note, keep_existing=args.keep_existing):
-    console.print(f"wrote {path}")
+  for kernel in sorted({r.kernel for r in results}):
+    console.print(f"wrote {os.path.join(out_dir, kernel + '.json')}")
   return 0
 
 

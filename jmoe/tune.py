@@ -78,8 +78,8 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
          tokens: Sequence[int], *, dtype=jnp.bfloat16, iters: int = 5, interpret: bool = False,
          max_candidates: Optional[int] = None, progress=None, seed: int = 0,
          training: bool = False, tables: Optional[Collection[str]] = None, draws: int = 3,
-         report: Optional[Callable[[int, str, str, Any, Optional[float]], None]] = None
-         ) -> list[TuneResult]:
+         report: Optional[Callable[[int, str, str, Any, Optional[float]], None]] = None,
+         on_result: Optional[Callable[[TuneResult], None]] = None) -> list[TuneResult]:
   """Time the candidates of both GEMMs at each token count; return the best per kernel.
 
   training: also the GEMMs only the differentiable block runs (fused_experts_train): GEMM1
@@ -90,6 +90,8 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   the config in use now first (key: the table entry the problem's winner goes to).
   draws: random routings per token count; a candidate's time is its median over them in turn
   (interpret mode: draws are built, the first is run).
+  on_result(result): called with each problem's winner as soon as it is known (a caller can
+  save it before a later problem fails or the run is stopped).
   """
   from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
   from pallas_kernels import permute  # noqa: PLC0415
@@ -187,6 +189,8 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
       if best is None:
         raise RuntimeError(f"every candidate failed for {kernel} at T={t}")
       results.append(TuneResult(kernel, key, best[0].to_json(), best[1], len(cands), failed))
+      if on_result is not None:
+        on_result(results[-1])
   return results
 
 

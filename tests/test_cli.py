@@ -102,6 +102,29 @@ def test_tune_cli_tables_option(tmp_path, capsys):
               "gemm2", "--out", str(tmp_path)])
 
 
+def test_tune_saves_each_winner_before_a_later_problem_fails(tmp_path, monkeypatch):
+  from jmoe import tune
+  calls = []
+
+  def fake_time(fn, arg_sets, iters, interpret):  # GEMM1's candidate times; GEMM2's all fail
+    calls.append(fn)
+    if len(calls) > 1:
+      raise RuntimeError("does not fit")
+    return 7.0
+
+  monkeypatch.setattr(tune, "_device_time_us", fake_time)
+  with pytest.raises(RuntimeError, match="every candidate failed for grouped_gemm "):
+    cli.main(["tune", "--preset", "mixtral-8x7b", "--shape", "4,2,64,64", "--tokens", "8",
+              "--interpret", "--max-candidates", "1", "--out", str(tmp_path),
+              "--log", str(tmp_path / "log.json")])
+  (key, entry), = json.loads((tmp_path / "grouped_gemm_gated.json").read_text()).items()
+  assert key.startswith("E=4,N=64,K=64,") and entry["us"] == 7.0
+  assert not (tmp_path / "grouped_gemm.json").exists()
+  log = json.loads((tmp_path / "log.json").read_text())["candidates"]
+  assert [(c["table"], c["us"]) for c in log] == [("grouped_gemm_gated", 7.0),
+                                                  ("grouped_gemm", None)]
+
+
 def test_tune_keep_existing_only_fills_missing_keys(tmp_path):
   from jmoe import tune
   (tmp_path / "tgmm.json").write_text(json.dumps({"old": {"block_k": 64, "us": 1.0}}))

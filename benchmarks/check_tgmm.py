@@ -81,7 +81,8 @@ def _tag(cfg) -> str:
   return (f"{cfg.block_k}x{cfg.block_n} r{cfg.block_r} st{cfg.num_stages} "
           + ("ws" if getattr(cfg, "warp_specialized", False) else f"cps{cfg.ctas_per_sm}")
           + (" xt" if getattr(cfg, "cross_tile", False) else "")
-          + (" kf" if getattr(cfg, "k_fastest", False) else ""))
+          + (" kf" if getattr(cfg, "k_fastest", False) else "")
+          + (" ob2" if getattr(cfg, "out_buffers", 1) == 2 else ""))
 
 
 def main() -> int:

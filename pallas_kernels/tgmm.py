@@ -74,6 +74,14 @@ class TgmmConfig:
   # the expert's dout once per K tile and the stored gradient tiles stream through L2 between
   # two sweeps.
   k_fastest: bool = False
+  # SMEM output tiles per warpgroup (1 or 2). A tile's epilogue first waits until the TMA store
+  # of the tile before has read its SMEM tile. With one buffer that wait, then the write of
+  # the new tile, sit between two stores, and the store stream idles meanwhile; with two the
+  # wait is for the store two tiles back. For short experts (deepseek-v3 at 1024 tokens, one
+  # row block per tile) the gradient's stores are the work: dW13 ran at 3.5 TB/s of writes
+  # against 4.39 for TMA stores alone (benchmarks/probe_write_bw.py, H200, 2026-11-30). The
+  # second buffer costs SMEM: stages are refitted.
+  out_buffers: int = 1
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -88,6 +96,8 @@ class TgmmConfig:
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
     if self.warp_specialized and self.ctas_per_sm != 1:
       raise ValueError("warp_specialized=True needs ctas_per_sm=1 (registers)")
+    if self.out_buffers not in (1, 2):
+      raise ValueError(f"out_buffers={self.out_buffers} must be 1 or 2")
 
   @property
   def tile_k(self) -> int:
@@ -106,10 +116,10 @@ def _smem_limit(ctas_per_sm: int) -> int:
   return min(_SMEM_LIMIT, _SMEM_PER_SM // ctas_per_sm - 1024)
 
 
-def _smem_bytes(tk, bn, br, stages, itemsize, out_itemsize, num_groups=0):
-  """A CTA's shared memory: the pipeline's lhs and dout tiles, the output tile (and for the
+def _smem_bytes(tk, bn, br, stages, itemsize, out_itemsize, num_groups=0, out_buffers=1):
+  """A CTA's shared memory: the pipeline's lhs and dout tiles, the output tile(s) (and for the
   cross-tile pipeline the experts' row bounds, padded)."""
-  return (stages * (br * tk + br * bn) * itemsize + tk * bn * out_itemsize
+  return (stages * (br * tk + br * bn) * itemsize + out_buffers * tk * bn * out_itemsize
           + 2 * _pad_groups(num_groups) * 4)
 
 
@@ -248,18 +258,18 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
     _mask_lhs(xw, r0, lo, t.end, br=br, tik=tik, cast=_cast)
     plgpu.wgmma(acc_ref, plgpu.transpose_ref(xw, (1, 0)) if tik else xw, dy_smem)
 
+  nb = cfg.out_buffers
+
   def store(t: _Tile, acc, o_smem, out_ref, wg):
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read o_smem
-    o_smem[...] = acc.astype(out_dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(
-        o_smem, out_ref.at[t.g, pl.ds(t.ki * tk + wg * bk, bk), pl.ds(t.ni * bn, bn)])
+    _store_tile(acc, o_smem, out_ref, t.g, t.ki * tk + wg * bk, t.ni * bn, out_dtype, nb)
 
   def body(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, o_smem, *allocs):
     @plgpu.nd_loop((e * k_tiles * n_tiles,), collective_axes="sm")
     def _loop(info):
       (lin,) = info.index
       t = tile_of(lin, starts_ref, ends_ref)
+      # this CTA's tile count so far (nd_loop deals tiles round-robin): its output buffer
+      o_buf = o_smem.at[lax.rem(lax.div(lin, jnp.int32(num_ctas)), jnp.int32(nb))]
 
       if ws:
         def mma_body(idx, x_smem, dy_smem, acc_ref):
@@ -271,7 +281,7 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
           def scope(acc_ref):
             acc = eval_pipeline(acc_ref)
             wg = lax.axis_index("wg")
-            store(t, acc[...], o_smem.at[wg], out_ref, wg)
+            store(t, acc[...], o_buf.at[wg], out_ref, wg)
           pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
 
         plgpu.emit_pipeline_warp_specialized(
@@ -291,12 +301,13 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
-      store(t, pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32)), o_smem,
+      store(t, pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32)), o_buf,
             out_ref, 0)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-  scratch = [plgpu.SMEM((nwg, bk, bn) if ws else (bk, bn), out_dtype, transforms=tf(bn, out_isz))]
+  scratch = [plgpu.SMEM((nb, nwg, bk, bn) if ws else (nb, bk, bn), out_dtype,
+                        transforms=tf(bn, out_isz))]
   extra = {}
   if ws:
     # the allocations depend on the block shapes and stages only (a static grid of `stages`
@@ -371,7 +382,8 @@ def _cross_tile_common(*, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, 
 
   x_block = (br, tk) if tik else (tk, br)
   tf = lambda minor, isz=itemsize: _compat.smem_transforms(minor, isz)
-  o_shape = (nwg, cfg.block_k, bn) if nwg > 1 else (cfg.block_k, bn)
+  o_shape = ((cfg.out_buffers, nwg, cfg.block_k, bn) if nwg > 1 else
+             (cfg.out_buffers, cfg.block_k, bn))
   scratch = [
       plgpu.SMEM((st, *x_block), dtype, transforms=tf(x_block[1])),
       plgpu.SMEM((st, br, bn), dtype, transforms=tf(bn)),
@@ -383,9 +395,13 @@ def _cross_tile_common(*, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, 
   return walk, fetch, scratch
 
 
-def _store_tile(acc, o_smem, out_ref, g, row0, col0, out_dtype):
-  """acc -> o_smem -> out_ref[g, row0:, col0:] (TMA store, left in flight)."""
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read o_smem
+def _store_tile(acc, o_smem, out_ref, g, row0, col0, out_dtype, out_buffers=1):
+  """acc -> o_smem -> out_ref[g, row0:, col0:] (TMA store, left in flight). o_smem: this
+  tile's buffer of out_buffers taken in turn by the calling thread's stores."""
+  # The calling thread's stores take the buffers in turn, so the last store to read this one
+  # was issued out_buffers stores ago; the out_buffers - 1 since may still be reading theirs.
+  # (GPU interpret mode's stores read SMEM at once, so its race detector cannot check this.)
+  plgpu.wait_smem_to_gmem(out_buffers - 1, wait_read_only=True)
   o_smem[...] = acc.astype(out_dtype)
   plgpu.commit_smem()
   rows, cols = o_smem.shape
@@ -464,7 +480,8 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
           acc = acc_ref[...]
           if emulate_reset:
             acc = acc - bases[0][...]
-          _store_tile(acc, o_smem, out_ref, t.g, t.ki * bk, t.ni * bn, out_dtype)
+          _store_tile(acc, o_smem.at[lax.rem(i, cfg.out_buffers)], out_ref, t.g, t.ki * bk,
+                      t.ni * bn, out_dtype, cfg.out_buffers)
 
         return (*w.advance(i, j, steps), *w.advance(fi, fj, fsteps))
 
@@ -571,7 +588,8 @@ def _build_tgmm_ws_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, 
           return acc_ref[...], s_next
 
         acc, s = pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
-        _store_tile(acc, o_smem.at[wg], out_ref, t.g, t.ki * tk + wg * bk, t.ni * bn, out_dtype)
+        _store_tile(acc, o_smem.at[lax.rem(i, cfg.out_buffers), wg], out_ref, t.g,
+                    t.ki * tk + wg * bk, t.ni * bn, out_dtype, cfg.out_buffers)
         return s
 
       s = lax.fori_loop(0, w.my_tiles, one_tile, jnp.int32(0))
@@ -622,8 +640,8 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   stages = cfg.num_stages  # fitted to shared memory
   while stages > 2 and _smem_bytes(cfg.tile_k, bn, cfg.block_r, stages, lhs.dtype.itemsize,
-                                   out_dtype.itemsize, e if cfg.cross_tile else 0
-                                   ) > _smem_limit(cfg.ctas_per_sm):
+                                   out_dtype.itemsize, e if cfg.cross_tile else 0,
+                                   cfg.out_buffers) > _smem_limit(cfg.ctas_per_sm):
     stages -= 1
   cfg = dataclasses.replace(cfg, block_n=bn, num_stages=stages, transpose_in_kernel=tik)
   # Pad rows: a TMA box must fit in the array (tiny M); the interpreter reads past-the-end

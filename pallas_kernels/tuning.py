@@ -89,6 +89,14 @@ SWEEP_TGMM = (  # weight gradient; H200 (mixtral / qwen3 at 1024 tokens)
     # the mixtral / qwen3 dW13 winner (2026-11-30): mixtral 1264 -> 959 µs, qwen3 258 -> 233
     TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True, k_fastest=True),
+    # two output buffers per warpgroup (stages refitted: 2 for the WS 64x256 tiles): the
+    # store stream need not idle while an epilogue writes its tile. For stores-bound shapes
+    # (deepseek-v3 at 1024 tokens: dW13 1.25x the TMA store floor with one buffer); not yet
+    # timed on a GPU (2026-11-30)
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True, out_buffers=2),
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, out_buffers=2),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, cross_tile=True, out_buffers=2),
 )
 
 

@@ -809,6 +809,17 @@ TGMM_CFGS = {
                           warp_specialized=True, cross_tile=True),
     "ws_cross_tile_3st": dict(block_k=64, block_n=64, block_r=64, num_stages=3,
                               warp_specialized=True, cross_tile=True, k_fastest=True),
+    # two output buffers per warpgroup, taken in turn (the 1-CTA interpreter walks every tile,
+    # so both are reused many times). The interpreter's TMA stores read SMEM at once: a wait
+    # one store too short passed its race detector (2026-11-30), so this checks the results and
+    # the buffer indexing, not the waits; those are argued in tgmm._store_tile
+    "one_wg_2out": dict(block_k=64, block_n=64, block_r=64, num_stages=2, out_buffers=2),
+    "ws_2out": dict(block_k=64, block_n=64, block_r=64, num_stages=2, warp_specialized=True,
+                    out_buffers=2),
+    "cross_tile_2out": dict(block_k=64, block_n=64, block_r=64, num_stages=3, cross_tile=True,
+                            out_buffers=2),
+    "ws_cross_tile_2out": dict(block_k=64, block_n=64, block_r=64, num_stages=3,
+                               warp_specialized=True, cross_tile=True, out_buffers=2),
 }
 
 
@@ -913,6 +924,14 @@ def test_tgmm_config_validation_and_smem_fit():
   from pallas_kernels import tgmm as tg
   with pytest.raises(ValueError, match="ctas_per_sm"):
     tg.TgmmConfig(ctas_per_sm=3)
+  with pytest.raises(ValueError, match="out_buffers=3"):
+    tg.TgmmConfig(out_buffers=3)
+  # deepseek-v3's dW13 winner (WS, 2 x 64x256 per CTA) with a second output buffer per
+  # warpgroup: 2 stages still fit one block's shared memory, with the cross-tile bounds too
+  itemsize, e = 2, 256
+  for groups in (0, e):
+    assert tg._smem_bytes(128, 256, 64, 2, itemsize, itemsize, groups, 2) <= tg._smem_limit(1)
+  assert tg._smem_bytes(128, 256, 64, 3, itemsize, itemsize, 0, 2) > tg._smem_limit(1)
   # two resident CTAs share one SM's shared memory: the default's 2 stages must fit in half
   d = tg.DEFAULT_CONFIG
   assert d.ctas_per_sm == 2

@@ -269,7 +269,7 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
       (lin,) = info.index
       t = tile_of(lin, starts_ref, ends_ref)
       # this CTA's tile count so far (nd_loop deals tiles round-robin): its output buffer
-      o_buf = o_smem.at[lax.rem(lax.div(lin, jnp.int32(num_ctas)), jnp.int32(nb))]
+      o_buf = _out_buffer(o_smem, lax.div(lin, jnp.int32(num_ctas)), nb)
 
       if ws:
         def mma_body(idx, x_smem, dy_smem, acc_ref):
@@ -395,6 +395,11 @@ def _cross_tile_common(*, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, 
   return walk, fetch, scratch
 
 
+def _out_buffer(o_smem, i, out_buffers: int):
+  """The output buffer of a CTA's i-th tile (o_smem's leading dimension: out_buffers)."""
+  return o_smem.at[0] if out_buffers == 1 else o_smem.at[lax.rem(i, jnp.int32(out_buffers))]
+
+
 def _store_tile(acc, o_smem, out_ref, g, row0, col0, out_dtype, out_buffers=1):
   """acc -> o_smem -> out_ref[g, row0:, col0:] (TMA store, left in flight). o_smem: this
   tile's buffer of out_buffers taken in turn by the calling thread's stores."""
@@ -480,7 +485,7 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
           acc = acc_ref[...]
           if emulate_reset:
             acc = acc - bases[0][...]
-          _store_tile(acc, o_smem.at[lax.rem(i, cfg.out_buffers)], out_ref, t.g, t.ki * bk,
+          _store_tile(acc, _out_buffer(o_smem, i, cfg.out_buffers), out_ref, t.g, t.ki * bk,
                       t.ni * bn, out_dtype, cfg.out_buffers)
 
         return (*w.advance(i, j, steps), *w.advance(fi, fj, fsteps))
@@ -588,7 +593,7 @@ def _build_tgmm_ws_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, 
           return acc_ref[...], s_next
 
         acc, s = pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
-        _store_tile(acc, o_smem.at[lax.rem(i, cfg.out_buffers), wg], out_ref, t.g,
+        _store_tile(acc, _out_buffer(o_smem, i, cfg.out_buffers).at[wg], out_ref, t.g,
                     t.ki * tk + wg * bk, t.ni * bn, out_dtype, cfg.out_buffers)
         return s
 

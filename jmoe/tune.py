@@ -67,7 +67,8 @@ def _candidates(gemm: str, num_experts: int, m: int) -> tuple:
 def num_candidates(num_experts: int, top_k: int, tokens: Sequence[int], *, training: bool,
                    max_candidates: Optional[int] = None,
                    tables: Optional[Collection[str]] = None) -> int:
-  """How many configs tune() times (for a progress bar)."""
+  """tune()'s progress steps (for a progress bar): the configs it times, plus a step for the
+  sweep candidate it skips where that is the config in use already."""
   sel = _selected(tables, training)
   counts = [len(_candidates(g, num_experts, t * top_k)) + 1  # + the config in use now
             for t in tokens for (_, g), on in zip(problems(training), sel) if on]
@@ -169,9 +170,13 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
       # config slower than the one it would replace
       now = (get_tgmm_config(m_rows, k_in, n_out, e, dtype) if kernel == "tgmm" else
              gg.get_config(kernel, m, n_out, k_in, e, dtype, gated=kernel.endswith("gated")))
-      cands = (now,) + _candidates(gemm, e, m)
+      sweep = _candidates(gemm, e, m)
+      cands = (now,) + tuple(c for c in sweep if c != now)  # a tuned entry is often a candidate
       if max_candidates:
         cands = cands[:max_candidates]
+      if progress is not None:  # num_candidates counts the config in use and every candidate
+        for _ in range(min(len(sweep) + 1, max_candidates or len(sweep) + 1) - len(cands)):
+          progress()
       key = gg._tuned_key(e, n_out, k_in, dtype, device, gg._m_bucket(m_rows))
       best, failed = None, 0
       for cfg in cands:

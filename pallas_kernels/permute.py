@@ -286,7 +286,6 @@ def gather_rows_supports(h: int) -> bool:
   return True
 
 
-
 def _rows_per_step(count: int, h: int, dtype, requested: int | None) -> int:
   """Rows per step of a row-copy kernel: `requested`, else about 32 KB (at most 16 rows),
   lowered until it divides `count`."""
@@ -438,6 +437,7 @@ def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array |
       name="jmoe_scatter_rows",
   )
   return kern(*args).reshape(m_out, h)
+
 
 @functools.partial(jax.jit, static_argnames=("rows_per_step", "num_stages", "interpret"))
 def gather_rows(x: jax.Array, idx: jax.Array, num_rows: jax.Array | None = None, *,

@@ -125,6 +125,23 @@ def test_tune_saves_each_winner_before_a_later_problem_fails(tmp_path, monkeypat
                                                   ("grouped_gemm", None)]
 
 
+def test_tune_times_the_config_in_use_once(monkeypatch):
+  from jmoe import tune
+  from pallas_kernels import tgmm as tg
+  from pallas_kernels import tuning
+  in_use = tuning.SWEEP_TGMM[2]  # a tuned entry that is also a sweep candidate
+  monkeypatch.setattr(tg, "get_tgmm_config", lambda *a, **kw: in_use)
+  monkeypatch.setattr(tune, "_device_time_us", lambda *a, **kw: 1.0)
+  seen, steps = [], []
+  tune.tune(4, 2, 64, 64, "silu", [8], interpret=True, tables=["tgmm"],
+            report=lambda *a: seen.append(a), progress=lambda: steps.append(1))
+  for key in {k_ for _, _, k_, _, _ in seen}:
+    cfgs = [c for _, _, k_, c, _ in seen if k_ == key]
+    assert cfgs[0] == in_use and cfgs.count(in_use) == 1
+    assert len(cfgs) == len(tuning.SWEEP_TGMM)  # the sweep, its copy of the one in use skipped
+  assert len(steps) == tune.num_candidates(4, 2, [8], training=False, tables=["tgmm"])
+
+
 def test_tune_keep_existing_only_fills_missing_keys(tmp_path):
   from jmoe import tune
   (tmp_path / "tgmm.json").write_text(json.dumps({"old": {"block_k": 64, "us": 1.0}}))

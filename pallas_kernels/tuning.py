@@ -90,13 +90,18 @@ SWEEP_TGMM = (  # weight gradient; H200 (mixtral / qwen3 at 1024 tokens)
     TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True, k_fastest=True),
     # two output buffers per warpgroup (stages refitted: 2 for the WS 64x256 tiles): the
-    # store stream need not idle while an epilogue writes its tile. For stores-bound shapes
-    # (deepseek-v3 at 1024 tokens: dW13 1.25x the TMA store floor with one buffer); not yet
-    # timed on a GPU (2026-11-30)
-    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True, out_buffers=2),
+    # store stream need not idle while an epilogue writes its tile. deepseek-v3 at 1024 tokens
+    # (stores-bound: one row block per tile), WS cross-tile: dW13 4361 -> 3800 µs, dW2 2271 ->
+    # 1890 (H200, 2026-11-30). Dropped: per-tile WS (5811: 2 stages restart every tile) and
+    # one-warpgroup cross-tile (no gain) with two buffers; qwen3 / mixtral lost 7-50 % with both
     TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True, out_buffers=2),
-    TC(block_k=128, block_n=128, block_r=64, num_stages=4, cross_tile=True, out_buffers=2),
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, k_fastest=True, out_buffers=2),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, out_buffers=2),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, k_fastest=True, out_buffers=2),
 )
 
 

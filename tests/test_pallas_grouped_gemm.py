@@ -820,6 +820,9 @@ TGMM_CFGS = {
                             out_buffers=2),
     "ws_cross_tile_2out": dict(block_k=64, block_n=64, block_r=64, num_stages=3,
                                warp_specialized=True, cross_tile=True, out_buffers=2),
+    "ws_cross_tile_kf_2out": dict(block_k=64, block_n=64, block_r=64, num_stages=2,
+                                  warp_specialized=True, cross_tile=True, k_fastest=True,
+                                  out_buffers=2),
 }
 
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 17's device calls (each under the 600 s call limit):
+#   bash benchmarks/gpu_round17.sh obuf    # one H200: the weight gradient's two output buffers
+#                                          # (TgmmConfig.out_buffers=2, first GPU run): `jmoe
+#                                          # tune --tables tgmm` at deepseek-v3's 1024 tokens
+#                                          # (the config in use competes), its training ratio,
+#                                          # the ob2 candidates against the tables on qwen3 /
+#                                          # mixtral, then Nsight Compute's counters on
+#                                          # deepseek-v3's dW13
+NAME=gpu_round17; source benchmarks/gpu_env.sh
+ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
+  local lim=$1 shape=$2 tag=$3; shift 3
+  step $lim ncu --clock-control none --kernel-name regex:jmoe_tgmm --launch-skip 1 \
+    --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section LaunchStats --section Occupancy \
+    python3 benchmarks/tgmm_once.py --shape "$shape" "$@" > $OUT/ncu_$tag.txt 2>&1
+  tail -60 $OUT/ncu_$tag.txt
+}
+case ${1:-obuf} in
+  obuf)
+    step 200 python3 -m jmoe tune --preset deepseek-v3 --tokens 1024 --train --draws 2 \
+      --iters 3 --tables tgmm --log $OUT/tune_ds_tgmm.json
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 80 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets deepseek-v3 --train-tokens 1024 --train-variants default --train-no-xla \
+      --budget-s 65
+    step 100 python3 benchmarks/check_tgmm.py --shapes qwen3,mixtral --aligned --configs ob2 \
+      --json $OUT/tgmm_ob2.json
+    left=$((570 - SECONDS))
+    [ $left -gt 40 ] && ncu_tgmm $left "deepseek dW13" ds_dw13
+    find $OUT -empty -delete ;;
+esac

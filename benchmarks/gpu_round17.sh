@@ -7,6 +7,9 @@
 #                                          # the ob2 candidates against the tables on qwen3 /
 #                                          # mixtral, then Nsight Compute's counters on
 #                                          # deepseek-v3's dW13
+#   bash benchmarks/gpu_round17.sh obuf2   # one H200: `jmoe tune --tables tgmm` with the two-buffer
+#                                          # candidates at qwen3 / mixtral 1024 and deepseek-v3
+#                                          # 4096 tokens, then those training ratios
 NAME=gpu_round17; source benchmarks/gpu_env.sh
 ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
   local lim=$1 shape=$2 tag=$3; shift 3
@@ -28,5 +31,18 @@ case ${1:-obuf} in
       --json $OUT/tgmm_ob2.json
     left=$((570 - SECONDS))
     [ $left -gt 40 ] && ncu_tgmm $left "deepseek dW13" ds_dw13
+    find $OUT -empty -delete ;;
+  obuf2)
+    for pt in qwen3-30b-a3b:1024 mixtral-8x7b:1024 deepseek-v3:4096; do
+      step 120 python3 -m jmoe tune --preset ${pt%:*} --tokens ${pt#*:} --train --draws 2 \
+        --iters 3 --tables tgmm --log $OUT/tune_${pt%%-*}.json
+    done
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 150 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 --train-variants default \
+      --train-no-xla --budget-s 130
+    step 120 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets deepseek-v3 --train-tokens 4096 --train-variants default --train-no-xla \
+      --budget-s 100
     find $OUT -empty -delete ;;
 esac

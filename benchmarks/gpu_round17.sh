@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_round17.sh obuf2   # one H200: `jmoe tune --tables tgmm` with the two-buffer
 #                                          # candidates at qwen3 / mixtral 1024 and deepseek-v3
 #                                          # 4096 tokens, then those training ratios
+#   bash benchmarks/gpu_round17.sh ncuq    # one H200: Nsight Compute's counters on qwen3's block at
+#                                          # 1024 tokens, GEMM1 (gated) and GEMM2: where do they
+#                                          # lose to the read ceiling (DRAM bytes, L2 hits)?
 NAME=gpu_round17; source benchmarks/gpu_env.sh
 ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
   local lim=$1 shape=$2 tag=$3; shift 3
@@ -45,4 +48,14 @@ case ${1:-obuf} in
       --train-presets deepseek-v3 --train-tokens 4096 --train-variants default --train-no-xla \
       --budget-s 100
     find $OUT -empty -delete ;;
+  ncuq)
+    for kn in jmoe_gg_gated jmoe_gg_ws_xi; do
+      step 200 ncu --clock-control none --kernel-name regex:$kn --launch-skip 5 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
+        --section Occupancy --section WorkloadDistribution \
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum \
+        python3 benchmarks/bench_grouped_gemm.py --stages block --presets qwen3-30b-a3b \
+        --tokens 1024 --iters 1 --no-torch > $OUT/ncu_$kn.txt 2>&1
+      grep -A200 "Section: GPU Speed" $OUT/ncu_$kn.txt | grep -v "^ *--\|OPT\|^ *$" | head -70
+    done ;;
 esac

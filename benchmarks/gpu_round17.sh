@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_round17.sh ncuq    # one H200: Nsight Compute's counters on qwen3's block at
 #                                          # 1024 tokens, GEMM1 (gated) and GEMM2: where do they
 #                                          # lose to the read ceiling (DRAM bytes, L2 hits)?
+#   bash benchmarks/gpu_round17.sh final   # one H200: the training ratios with this round's tables
+#                                          # (deepseek-v3, qwen3, mixtral at 1024 tokens), then the
+#                                          # block at 1 / 64 / 1024 tokens on every preset with torch
 NAME=gpu_round17; source benchmarks/gpu_env.sh
 ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
   local lim=$1 shape=$2 tag=$3; shift 3
@@ -47,6 +50,20 @@ case ${1:-obuf} in
     step 120 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
       --train-presets deepseek-v3 --train-tokens 4096 --train-variants default --train-no-xla \
       --budget-s 100
+    find $OUT -empty -delete ;;
+  final)
+    step 90 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets deepseek-v3 --train-tokens 1024 --train-variants default --train-no-xla \
+      --budget-s 75
+    step 100 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 --train-variants default \
+      --train-no-xla --budget-s 85
+    for p in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+      left=$(( (570 - SECONDS) ))
+      [ $left -lt 40 ] && break
+      block_run $(( left < 110 ? left : 110 )) 80 $p 1,64,1024 3
+      mv $OUT/block/bench.json $OUT/block_$p.json
+    done
     find $OUT -empty -delete ;;
   ncuq)
     for kn in jmoe_gg_gated jmoe_gg_ws_xi; do

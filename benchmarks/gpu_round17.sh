@@ -16,6 +16,9 @@
 #   bash benchmarks/gpu_round17.sh final   # one H200: the training ratios with this round's tables
 #                                          # (deepseek-v3, qwen3, mixtral at 1024 tokens), then the
 #                                          # block at 1 / 64 / 1024 tokens on every preset with torch
+#   bash benchmarks/gpu_round17.sh big     # one H200: the dense ceiling, then the block at 16384
+#                                          # tokens on every preset with torch (the % of dense
+#                                          # targets re-checked with the code as it is now)
 NAME=gpu_round17; source benchmarks/gpu_env.sh
 ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
   local lim=$1 shape=$2 tag=$3; shift 3
@@ -64,6 +67,10 @@ case ${1:-obuf} in
       block_run $(( left < 110 ? left : 110 )) 80 $p 1,64,1024 3
       mv $OUT/block/bench.json $OUT/block_$p.json
     done
+    find $OUT -empty -delete ;;
+  big)
+    step 420 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages ceiling,block \
+      --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --tokens 16384 --iters 3 --budget-s 380
     find $OUT -empty -delete ;;
   ncuq)
     for kn in jmoe_gg_gated jmoe_gg_ws_xi; do

@@ -19,6 +19,10 @@
 #   bash benchmarks/gpu_round17.sh big     # one H200: the dense ceiling, then the block at 16384
 #                                          # tokens on every preset with torch (the % of dense
 #                                          # targets re-checked with the code as it is now)
+#   bash benchmarks/gpu_round17.sh tune16k # one H200: `jmoe tune` of the forward GEMMs at 16384 tokens
+#                                          # with the chained warp-specialized candidates (deepseek-
+#                                          # v3 first: 65.6 % of dense in r17e), then the block at
+#                                          # 16384 tokens with the dense ceiling
 NAME=gpu_round17; source benchmarks/gpu_env.sh
 ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
   local lim=$1 shape=$2 tag=$3; shift 3
@@ -71,6 +75,18 @@ case ${1:-obuf} in
   big)
     step 420 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages ceiling,block \
       --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --tokens 16384 --iters 3 --budget-s 380
+    find $OUT -empty -delete ;;
+  tune16k)
+    for p in deepseek-v3 mixtral-8x7b qwen3-30b-a3b; do
+      left=$((400 - SECONDS))
+      [ $left -lt 60 ] && break
+      step $(( left < 160 ? left : 160 )) python3 -m jmoe tune --preset $p --tokens 16384 \
+        --draws 2 --iters 3 --tables grouped_gemm_gated,grouped_gemm --log $OUT/tune_${p%%-*}.json
+    done
+    cp pallas_kernels/configs/grouped_gemm_gated.json pallas_kernels/configs/grouped_gemm.json $OUT/
+    step $((580 - SECONDS)) env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py \
+      --stages ceiling,block --presets deepseek-v3,mixtral-8x7b,qwen3-30b-a3b --tokens 16384 \
+      --iters 3 --budget-s $((560 - SECONDS))
     find $OUT -empty -delete ;;
   ncuq)
     for kn in jmoe_gg_gated jmoe_gg_ws_xi; do

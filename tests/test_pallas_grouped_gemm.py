@@ -44,6 +44,8 @@ CFG_XI_WS = C(block_m=64, block_n=128, block_k=32, num_stages=3, wg_split="n",
               cross_item=True)  # warp specialized: the items' pipelines chained
 CFG_WS_M = C(block_m=128, block_n=64, block_k=32, num_stages=3, wg_split="m", grid_minor="m",
              grid_tile_width=1)
+CFG_XI_WS_M = C(block_m=128, block_n=64, block_k=32, num_stages=3, wg_split="m",
+                grid_minor="m", grid_tile_width=2, cross_item=True)  # chained, row-tile bands
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 
@@ -242,8 +244,8 @@ def test_grouped_gemm_edge_cases(rng, case):
   assert _rel(out[:tot], ref[:tot]) < TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("cfg", [CFG_XI, CFG_XI_2CTA, CFG_XI_WS],
-                         ids=["one_cta", "two_ctas", "warp_specialized"])
+@pytest.mark.parametrize("cfg", [CFG_XI, CFG_XI_2CTA, CFG_XI_WS, CFG_XI_WS_M],
+                         ids=["one_cta", "two_ctas", "warp_specialized", "ws_split_m_bands"])
 def test_grouped_gemm_cross_item_pipeline(rng, cfg):
   # several items per CTA through one pipeline: zero-row experts, a tile straddling groups,
   # an expert over two row tiles, rows past the total unwritten; plain (bias, scale), gated

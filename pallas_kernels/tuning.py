@@ -20,12 +20,8 @@ SWEEP_G1 = (  # gated GEMM1, large M
       grid_tile_width=2),
     C(block_m=64, block_n=128, block_k=64, num_stages=4, warp_specialized=False,
       cross_item=True),
-    # warp specialized with the items' pipelines chained (no fill / epilogue bubble per item);
-    # for compute-bound sizes (deepseek-v3 at 16384 tokens: 112 K steps per item)
-    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
-      grid_tile_width=2, cross_item=True),
-    C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",
-      grid_tile_width=4, cross_item=True),
+    # (warp specialized with the items' pipelines chained, wg_split m, bands of 2 or 4: 15-20 %
+    # slower than unchained on every preset at 16384 tokens, H200 2026-11-30; not kept)
 )
 SWEEP_G2 = (  # GEMM2 (row scale), large M
     C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
@@ -40,11 +36,10 @@ SWEEP_G2 = (  # GEMM2 (row scale), large M
     C(block_m=128, block_n=128, block_k=64, num_stages=3, warp_specialized=False, ctas_per_sm=2),
     C(block_m=128, block_n=128, block_k=64, num_stages=4, warp_specialized=False,
       cross_item=True),
-    # warp specialized, items chained (the qwen3 1024-token GEMM2 winner, here for large M)
+    # warp specialized, items chained: qwen3 at 16384 tokens 706 -> 660 µs; deepseek-v3 /
+    # mixtral 14-15 % slower (H200, 2026-11-30). Chained with bands of 2 lost everywhere
     C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="n",
       cross_item=True),
-    C(block_m=128, block_n=256, block_k=64, num_stages=4, wg_split="n", grid_minor="m",
-      grid_tile_width=2, cross_item=True),
 )
 SWEEP_SMALL = (  # narrow-row / weight-streaming candidates (both GEMMs)
     C(block_m=64, block_n=128, block_k=128, num_stages=6, wg_split="n"),

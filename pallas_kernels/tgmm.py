@@ -80,7 +80,9 @@ class TgmmConfig:
   # wait is for the store two tiles back. For short experts (deepseek-v3 at 1024 tokens, one
   # row block per tile) the gradient's stores are the work: dW13 ran at 3.5 TB/s of writes
   # against 4.39 for TMA stores alone (benchmarks/probe_write_bw.py, H200, 2026-11-30). The
-  # second buffer costs SMEM: stages are refitted.
+  # second buffer costs SMEM: stages are refitted (2 for the WS 64x256 form). H200: dW13 4361
+  # -> 3800 µs (WS cross-tile, 3.96 TB/s of writes), dW2 2271 -> 1890; 25-50 % slower wherever
+  # a tile has a K loop (qwen3 / mixtral 1024, deepseek-v3 4096), whose 2 stages then show.
   out_buffers: int = 1
 
   def __post_init__(self):

@@ -82,7 +82,8 @@ def _tag(cfg) -> str:
           + ("ws" if getattr(cfg, "warp_specialized", False) else f"cps{cfg.ctas_per_sm}")
           + (" xt" if getattr(cfg, "cross_tile", False) else "")
           + (" kf" if getattr(cfg, "k_fastest", False) else "")
-          + (" ob2" if getattr(cfg, "out_buffers", 1) == 2 else ""))
+          + (" ob2" if getattr(cfg, "out_buffers", 1) == 2 else "")
+          + (f" p{cfg.store_parts}" if getattr(cfg, "store_parts", 1) > 1 else ""))
 
 
 def main() -> int:

@@ -23,6 +23,10 @@
 #                                          # with the chained warp-specialized candidates (deepseek-
 #                                          # v3 first: 65.6 % of dense in r17e), then the block at
 #                                          # 16384 tokens with the dense ceiling
+#   bash benchmarks/gpu_round17.sh parts   # one H200: the weight gradient storing tiles in chunks
+#                                          # (TgmmConfig.store_parts, first GPU run): `jmoe tune
+#                                          # --train --tables tgmm` at deepseek-v3 1024 / 4096,
+#                                          # qwen3 / mixtral 1024, then the training ratios
 NAME=gpu_round17; source benchmarks/gpu_env.sh
 ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
   local lim=$1 shape=$2 tag=$3; shift 3
@@ -87,6 +91,23 @@ case ${1:-obuf} in
     step $((580 - SECONDS)) env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py \
       --stages ceiling,block --presets deepseek-v3,mixtral-8x7b,qwen3-30b-a3b --tokens 16384 \
       --iters 3 --budget-s $((560 - SECONDS))
+    find $OUT -empty -delete ;;
+  parts)
+    for pt in deepseek-v3:1024 qwen3-30b-a3b:1024 mixtral-8x7b:1024 deepseek-v3:4096; do
+      step 120 python3 -m jmoe tune --preset ${pt%:*} --tokens ${pt#*:} --train --draws 2 \
+        --iters 3 --tables tgmm --log $OUT/tune_${pt%%-*}${pt#*:}.json
+    done
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 90 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets deepseek-v3 --train-tokens 1024 --train-variants default --train-no-xla \
+      --budget-s 75
+    step 100 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 --train-variants default \
+      --train-no-xla --budget-s 85
+    left=$((570 - SECONDS))
+    [ $left -gt 60 ] && step $left env OUT=$OUT/train_ds4k python3 benchmarks/bench_grouped_gemm.py \
+      --stages train --train-presets deepseek-v3 --train-tokens 4096 --train-variants default \
+      --train-no-xla --budget-s $((left - 15))
     find $OUT -empty -delete ;;
   ncuq)
     for kn in jmoe_gg_gated jmoe_gg_ws_xi; do

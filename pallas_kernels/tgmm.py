@@ -84,6 +84,11 @@ class TgmmConfig:
   # -> 3800 µs (WS cross-tile, 3.96 TB/s of writes), dW2 2271 -> 1890; 25-50 % slower wherever
   # a tile has a K loop (qwen3 / mixtral 1024, deepseek-v3 4096), whose 2 stages then show.
   out_buffers: int = 1
+  # Column chunks each tile is stored in (1, 2 or 4; at least 64 columns each, else fewer):
+  # the output buffers hold chunks, not tiles, so two buffers of half tiles cost the SMEM of
+  # one whole tile and keep the stages, yet one chunk's store is always in flight while the
+  # next chunk is written.
+  store_parts: int = 1
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -100,6 +105,8 @@ class TgmmConfig:
       raise ValueError("warp_specialized=True needs ctas_per_sm=1 (registers)")
     if self.out_buffers not in (1, 2):
       raise ValueError(f"out_buffers={self.out_buffers} must be 1 or 2")
+    if self.store_parts not in (1, 2, 4):
+      raise ValueError(f"store_parts={self.store_parts} must be 1, 2 or 4")
 
   @property
   def tile_k(self) -> int:
@@ -118,10 +125,13 @@ def _smem_limit(ctas_per_sm: int) -> int:
   return min(_SMEM_LIMIT, _SMEM_PER_SM // ctas_per_sm - 1024)
 
 
-def _smem_bytes(tk, bn, br, stages, itemsize, out_itemsize, num_groups=0, out_buffers=1):
-  """A CTA's shared memory: the pipeline's lhs and dout tiles, the output tile(s) (and for the
-  cross-tile pipeline the experts' row bounds, padded)."""
-  return (stages * (br * tk + br * bn) * itemsize + out_buffers * tk * bn * out_itemsize
+def _smem_bytes(tk, bn, br, stages, itemsize, out_itemsize, num_groups=0, out_buffers=1,
+                store_parts=1):
+  """A CTA's shared memory: the pipeline's lhs and dout tiles, the output buffers (each a
+  1 / store_parts column chunk of a tile) and for the cross-tile pipeline the experts' row
+  bounds, padded."""
+  return (stages * (br * tk + br * bn) * itemsize
+          + out_buffers * tk * (bn // store_parts) * out_itemsize
           + 2 * _pad_groups(num_groups) * 4)
 
 
@@ -260,18 +270,17 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
     _mask_lhs(xw, r0, lo, t.end, br=br, tik=tik, cast=_cast)
     plgpu.wgmma(acc_ref, plgpu.transpose_ref(xw, (1, 0)) if tik else xw, dy_smem)
 
-  nb = cfg.out_buffers
-
-  def store(t: _Tile, acc, o_smem, out_ref, wg):
-    _store_tile(acc, o_smem, out_ref, t.g, t.ki * tk + wg * bk, t.ni * bn, out_dtype, nb)
+  def store(t: _Tile, acc, ring, i, out_ref, wg):
+    _store_tile(acc, ring, i, out_ref, t.g, t.ki * tk + wg * bk, t.ni * bn, out_dtype,
+                cfg.store_parts)
 
   def body(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, o_smem, *allocs):
     @plgpu.nd_loop((e * k_tiles * n_tiles,), collective_axes="sm")
     def _loop(info):
       (lin,) = info.index
       t = tile_of(lin, starts_ref, ends_ref)
-      # this CTA's tile count so far (nd_loop deals tiles round-robin): its output buffer
-      o_buf = _out_buffer(o_smem, lax.div(lin, jnp.int32(num_ctas)), nb)
+      # this CTA's tile count so far (nd_loop deals tiles round-robin): its output buffers
+      i = lax.div(lin, jnp.int32(num_ctas))
 
       if ws:
         def mma_body(idx, x_smem, dy_smem, acc_ref):
@@ -283,7 +292,7 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
           def scope(acc_ref):
             acc = eval_pipeline(acc_ref)
             wg = lax.axis_index("wg")
-            store(t, acc[...], o_buf.at[wg], out_ref, wg)
+            store(t, acc[...], o_smem.at[wg], i, out_ref, wg)
           pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
 
         plgpu.emit_pipeline_warp_specialized(
@@ -303,13 +312,12 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
-      store(t, pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32)), o_buf,
+      store(t, pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32)), o_smem, i,
             out_ref, 0)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-  scratch = [plgpu.SMEM((nb, nwg, bk, bn) if ws else (nb, bk, bn), out_dtype,
-                        transforms=tf(bn, out_isz))]
+  scratch = [_out_ring(cfg, nwg, bn, out_dtype, tf)]
   extra = {}
   if ws:
     # the allocations depend on the block shapes and stages only (a static grid of `stages`
@@ -384,12 +392,10 @@ def _cross_tile_common(*, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, 
 
   x_block = (br, tk) if tik else (tk, br)
   tf = lambda minor, isz=itemsize: _compat.smem_transforms(minor, isz)
-  o_shape = ((cfg.out_buffers, nwg, cfg.block_k, bn) if nwg > 1 else
-             (cfg.out_buffers, cfg.block_k, bn))
   scratch = [
       plgpu.SMEM((st, *x_block), dtype, transforms=tf(x_block[1])),
       plgpu.SMEM((st, br, bn), dtype, transforms=tf(bn)),
-      plgpu.SMEM(o_shape, out_dtype, transforms=tf(bn, jnp.dtype(out_dtype).itemsize)),
+      _out_ring(cfg, nwg, bn, out_dtype, tf),
       plgpu.SMEM((2, _pad_groups(e)), jnp.int32),
       plgpu.Barrier(num_arrivals=2, num_barriers=st),  # a slot's two TMA loads landed
       plgpu.Barrier(num_arrivals=1, num_barriers=1),  # the bounds landed
@@ -397,22 +403,30 @@ def _cross_tile_common(*, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, 
   return walk, fetch, scratch
 
 
-def _out_buffer(o_smem, i, out_buffers: int):
-  """The output buffer of a CTA's i-th tile (o_smem's leading dimension: out_buffers)."""
-  return o_smem.at[0] if out_buffers == 1 else o_smem.at[lax.rem(i, jnp.int32(out_buffers))]
+def _out_ring(cfg: TgmmConfig, nwg: int, bn: int, out_dtype, tf):
+  """SMEM of the output buffers: [nwg,] out_buffers x (block_k, bn / store_parts), a ring per
+  compute warpgroup."""
+  w = bn // cfg.store_parts
+  shape = (cfg.out_buffers, cfg.block_k, w)
+  return plgpu.SMEM((nwg, *shape) if nwg > 1 else shape, out_dtype,
+                    transforms=tf(w, jnp.dtype(out_dtype).itemsize))
 
 
-def _store_tile(acc, o_smem, out_ref, g, row0, col0, out_dtype, out_buffers=1):
-  """acc -> o_smem -> out_ref[g, row0:, col0:] (TMA store, left in flight). o_smem: this
-  tile's buffer of out_buffers taken in turn by the calling thread's stores."""
-  # The calling thread's stores take the buffers in turn, so the last store to read this one
-  # was issued out_buffers stores ago; the out_buffers - 1 since may still be reading theirs.
-  # (GPU interpret mode's stores read SMEM at once, so its race detector cannot check this.)
-  plgpu.wait_smem_to_gmem(out_buffers - 1, wait_read_only=True)
-  o_smem[...] = acc.astype(out_dtype)
-  plgpu.commit_smem()
-  rows, cols = o_smem.shape
-  plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(row0, rows), pl.ds(col0, cols)])
+def _store_tile(acc, ring, i, out_ref, g, row0, col0, out_dtype, parts=1):
+  """acc [rows, parts * w] -> out_ref[g, row0:, col0:] in `parts` column chunks, each through
+  the next buffer of `ring` [out_buffers, rows, w] (TMA stores, left in flight). i: the
+  calling thread's tile count, so its q-th chunk store (q = i * parts + p) takes buffer
+  q % out_buffers."""
+  nb, rows, w = ring.shape
+  for p in range(parts):
+    # The last store to read this buffer was issued nb stores ago; the nb - 1 since may still
+    # be reading theirs. (GPU interpret mode's stores read SMEM at once, so its race
+    # detector cannot check this.)
+    plgpu.wait_smem_to_gmem(nb - 1, wait_read_only=True)
+    buf = ring.at[0] if nb == 1 else ring.at[lax.rem(i * parts + p, jnp.int32(nb))]
+    buf[...] = (acc if parts == 1 else acc[:, p * w:(p + 1) * w]).astype(out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buf, out_ref.at[g, pl.ds(row0, rows), pl.ds(col0 + p * w, w)])
 
 
 def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas,
@@ -487,8 +501,8 @@ def _build_tgmm_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num
           acc = acc_ref[...]
           if emulate_reset:
             acc = acc - bases[0][...]
-          _store_tile(acc, _out_buffer(o_smem, i, cfg.out_buffers), out_ref, t.g, t.ki * bk,
-                      t.ni * bn, out_dtype, cfg.out_buffers)
+          _store_tile(acc, o_smem, i, out_ref, t.g, t.ki * bk, t.ni * bn, out_dtype,
+                      cfg.store_parts)
 
         return (*w.advance(i, j, steps), *w.advance(fi, fj, fsteps))
 
@@ -595,8 +609,8 @@ def _build_tgmm_ws_cross_tile(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, 
           return acc_ref[...], s_next
 
         acc, s = pl.run_scoped(scope, plgpu.ACC((bk, bn), jnp.float32))
-        _store_tile(acc, _out_buffer(o_smem, i, cfg.out_buffers).at[wg], out_ref, t.g,
-                    t.ki * tk + wg * bk, t.ni * bn, out_dtype, cfg.out_buffers)
+        _store_tile(acc, o_smem.at[wg], i, out_ref, t.g, t.ki * tk + wg * bk, t.ni * bn,
+                    out_dtype, cfg.store_parts)
         return s
 
       s = lax.fori_loop(0, w.my_tiles, one_tile, jnp.int32(0))
@@ -643,14 +657,16 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, num_groups:
   while n % bn:
     bn //= 2
   bn = max(bn, 64)
+  parts = min(cfg.store_parts, bn // 64)  # chunks of >= 64 columns (one swizzled TMA box)
   tik = (not interpret) if cfg.transpose_in_kernel is None else cfg.transpose_in_kernel
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   stages = cfg.num_stages  # fitted to shared memory
   while stages > 2 and _smem_bytes(cfg.tile_k, bn, cfg.block_r, stages, lhs.dtype.itemsize,
                                    out_dtype.itemsize, e if cfg.cross_tile else 0,
-                                   cfg.out_buffers) > _smem_limit(cfg.ctas_per_sm):
+                                   cfg.out_buffers, parts) > _smem_limit(cfg.ctas_per_sm):
     stages -= 1
-  cfg = dataclasses.replace(cfg, block_n=bn, num_stages=stages, transpose_in_kernel=tik)
+  cfg = dataclasses.replace(cfg, block_n=bn, num_stages=stages, transpose_in_kernel=tik,
+                            store_parts=parts)
   # Pad rows: a TMA box must fit in the array (tiny M); the interpreter reads past-the-end
   # rows as NaN where the GPU's TMA fills zeros (row blocks may reach past M).
   pad = cfg.block_r if interpret else max(cfg.block_r - m, 0)

@@ -108,6 +108,16 @@ SWEEP_TGMM = (  # weight gradient; H200 (mixtral / qwen3 at 1024 tokens)
        cross_tile=True, out_buffers=2),
     TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True, k_fastest=True, out_buffers=2),
+    # two buffers of half / quarter tiles: a chunk's store stays in flight while the next is
+    # written, at the SMEM of one whole tile (3 stages) or half of it (4 stages)
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, out_buffers=2, store_parts=2),
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, out_buffers=2, store_parts=4),
+    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, k_fastest=True, out_buffers=2, store_parts=2),
+    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
+       cross_tile=True, out_buffers=2, store_parts=2),
 )
 
 

@@ -120,11 +120,17 @@ def test_route_for_training_lowers_for_gpu(preset, t, expect):
     (dict(num_stages=2, out_buffers=2), "jmoe_tgmm"),
     (dict(warp_specialized=True, cross_tile=True, k_fastest=True, out_buffers=2),
      "jmoe_tgmm_ws_xt"),
+    (dict(block_k=64, block_n=256, warp_specialized=True, cross_tile=True, out_buffers=2,
+          store_parts=2), "jmoe_tgmm_ws_xt"),
+    (dict(block_k=64, block_n=256, warp_specialized=True, out_buffers=2, store_parts=4),
+     "jmoe_tgmm_ws"),
+    (dict(cross_tile=True, store_parts=2), "jmoe_tgmm_xt"),
 ], ids=["two_ctas", "ws", "ws_lhs_transposed_by_xla", "rows_128", "cross_tile",
         "cross_tile_two_ctas", "cross_tile_lhs_transposed_by_xla", "ws_cross_tile",
         "ws_cross_tile_k_fastest_lhs_transposed_by_xla", "ws_k_fastest", "ws_64x256_two_out",
         "ws_cross_tile_64x256_two_out", "cross_tile_two_out", "one_wg_two_out",
-        "ws_cross_tile_k_fastest_two_out"])
+        "ws_cross_tile_k_fastest_two_out", "ws_cross_tile_64x256_halves_two_out",
+        "ws_64x256_quarters_two_out", "cross_tile_halves"])
 def test_tgmm_lowers_for_gpu(cfg, name):
   cfg = tg.TgmmConfig(**{"block_k": 128, "block_n": 128, **cfg})
   found = _kernels(lambda a, b, g: tg.tgmm(a, b, g, config=cfg), S((8192, 2048), jnp.bfloat16),

@@ -825,6 +825,16 @@ TGMM_CFGS = {
     "ws_cross_tile_kf_2out": dict(block_k=64, block_n=64, block_r=64, num_stages=2,
                                   warp_specialized=True, cross_tile=True, k_fastest=True,
                                   out_buffers=2),
+    # tiles stored in 64-column chunks through the buffers (128-column tiles: two chunks; 4
+    # asked for, 2 fit)
+    "one_wg_halves": dict(block_k=64, block_n=128, block_r=64, num_stages=2, store_parts=2),
+    "ws_halves_2out": dict(block_k=64, block_n=128, block_r=64, num_stages=2,
+                           warp_specialized=True, out_buffers=2, store_parts=2),
+    "cross_tile_halves_2out": dict(block_k=64, block_n=128, block_r=64, num_stages=3,
+                                   cross_tile=True, out_buffers=2, store_parts=2),
+    "ws_cross_tile_quarters_2out": dict(block_k=64, block_n=128, block_r=64, num_stages=3,
+                                        warp_specialized=True, cross_tile=True,
+                                        out_buffers=2, store_parts=4),
 }
 
 
@@ -931,6 +941,11 @@ def test_tgmm_config_validation_and_smem_fit():
     tg.TgmmConfig(ctas_per_sm=3)
   with pytest.raises(ValueError, match="out_buffers=3"):
     tg.TgmmConfig(out_buffers=3)
+  with pytest.raises(ValueError, match="store_parts=3"):
+    tg.TgmmConfig(store_parts=3)
+  # two buffers of half tiles take the SMEM of one whole tile
+  assert (tg._smem_bytes(128, 256, 64, 3, 2, 2, 0, 2, 2)
+          == tg._smem_bytes(128, 256, 64, 3, 2, 2, 0, 1, 1))
   # deepseek-v3's dW13 winner (WS, 2 x 64x256 per CTA) with a second output buffer per
   # warpgroup: 2 stages still fit one block's shared memory, with the cross-tile bounds too
   itemsize, e = 2, 256

@@ -27,6 +27,9 @@
 #                                          # (TgmmConfig.store_parts, first GPU run): `jmoe tune
 #                                          # --train --tables tgmm` at deepseek-v3 1024 / 4096,
 #                                          # qwen3 / mixtral 1024, then the training ratios
+#   bash benchmarks/gpu_round17.sh mix8k   # one H200: `jmoe tune --train --tables tgmm` at mixtral's
+#                                          # 8192 tokens with the chunked-store candidates, its
+#                                          # training ratio, then qwen3 / mixtral at 1024 again
 NAME=gpu_round17; source benchmarks/gpu_env.sh
 ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
   local lim=$1 shape=$2 tag=$3; shift 3
@@ -108,6 +111,18 @@ case ${1:-obuf} in
     [ $left -gt 60 ] && step $left env OUT=$OUT/train_ds4k python3 benchmarks/bench_grouped_gemm.py \
       --stages train --train-presets deepseek-v3 --train-tokens 4096 --train-variants default \
       --train-no-xla --budget-s $((left - 15))
+    find $OUT -empty -delete ;;
+  mix8k)
+    step 170 python3 -m jmoe tune --preset mixtral-8x7b --tokens 8192 --train --draws 2 \
+      --iters 3 --tables tgmm --log $OUT/tune_mixtral8192.json
+    cp pallas_kernels/configs/tgmm.json $OUT/
+    step 100 env OUT=$OUT/train_mix8k python3 benchmarks/bench_grouped_gemm.py --stages train \
+      --train-presets mixtral-8x7b --train-tokens 8192 --train-variants default --train-no-xla \
+      --budget-s 85
+    left=$((400 - SECONDS))
+    [ $left -gt 50 ] && step $left env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py \
+      --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 \
+      --train-variants default --train-no-xla --budget-s $((left - 15))
     find $OUT -empty -delete ;;
   ncuq)
     for kn in jmoe_gg_gated jmoe_gg_ws_xi; do

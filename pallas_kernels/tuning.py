@@ -98,26 +98,20 @@ SWEEP_TGMM = (  # weight gradient; H200 (mixtral / qwen3 at 1024 tokens)
     # two output buffers per warpgroup (stages refitted: 2 for the WS 64x256 tiles): the
     # store stream need not idle while an epilogue writes its tile. deepseek-v3 at 1024 tokens
     # (stores-bound: one row block per tile), WS cross-tile: dW13 4361 -> 3800 µs, dW2 2271 ->
-    # 1890 (H200, 2026-11-30). Dropped: per-tile WS (5811: 2 stages restart every tile) and
-    # one-warpgroup cross-tile (no gain) with two buffers; qwen3 / mixtral lost 7-50 % with both
+    # 1890 (H200, 2026-11-30); 25-50 % slower wherever a tile has a K loop. Dropped: per-tile
+    # WS, one-warpgroup cross-tile, K-fastest and 128x128 WS cross-tile with two whole buffers
     TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True, out_buffers=2),
-    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
-       cross_tile=True, k_fastest=True, out_buffers=2),
-    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
-       cross_tile=True, out_buffers=2),
-    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
-       cross_tile=True, k_fastest=True, out_buffers=2),
-    # two buffers of half / quarter tiles: a chunk's store stays in flight while the next is
-    # written, at the SMEM of one whole tile (3 stages) or half of it (4 stages)
-    TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
-       cross_tile=True, out_buffers=2, store_parts=2),
+    # two buffers of quarter / half tiles: a chunk's store stays in flight while the next is
+    # written, at half / all of one whole tile's SMEM (4 / 3 stages). H200, 2026-11-30:
+    # quarters: deepseek-v3 4096 dW13 5230 -> 4646 µs, dW2 2649 -> 2362; mixtral dW2 500 ->
+    # 461 (1024 tokens), 2488 -> 2460 (8192); halves, K-fastest: mixtral dW13 957 -> 917 (1024),
+    # 4902 -> 4893 (8192). No gain on qwen3 or deepseek-v3 1024; the 64x256 N-fastest and
+    # 128x128 forms with halves won nowhere
     TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True, out_buffers=2, store_parts=4),
     TC(block_k=64, block_n=256, block_r=64, num_stages=4, warp_specialized=True,
        cross_tile=True, k_fastest=True, out_buffers=2, store_parts=2),
-    TC(block_k=128, block_n=128, block_r=64, num_stages=4, warp_specialized=True,
-       cross_tile=True, out_buffers=2, store_parts=2),
 )
 
 

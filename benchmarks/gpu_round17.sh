@@ -30,6 +30,9 @@
 #   bash benchmarks/gpu_round17.sh mix8k   # one H200: `jmoe tune --train --tables tgmm` at mixtral's
 #                                          # 8192 tokens with the chunked-store candidates, its
 #                                          # training ratio, then qwen3 / mixtral at 1024 again
+#   bash benchmarks/gpu_round17.sh rt      # one H200: `jmoe tune --train` of the plain / transposed-
+#                                          # weight GEMMs with the chained WS candidate at qwen3 /
+#                                          # mixtral 1024 tokens, then their training ratios
 NAME=gpu_round17; source benchmarks/gpu_env.sh
 ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
   local lim=$1 shape=$2 tag=$3; shift 3
@@ -120,6 +123,17 @@ case ${1:-obuf} in
       --train-presets mixtral-8x7b --train-tokens 8192 --train-variants default --train-no-xla \
       --budget-s 85
     left=$((400 - SECONDS))
+    [ $left -gt 50 ] && step $left env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py \
+      --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 \
+      --train-variants default --train-no-xla --budget-s $((left - 15))
+    find $OUT -empty -delete ;;
+  rt)
+    for p in qwen3-30b-a3b mixtral-8x7b; do
+      step 110 python3 -m jmoe tune --preset $p --tokens 1024 --train --draws 2 --iters 3 \
+        --tables grouped_gemm,grouped_gemm_rt --log $OUT/tune_${p%%-*}.json
+    done
+    cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_rt.json $OUT/
+    left=$((330 - SECONDS))
     [ $left -gt 50 ] && step $left env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py \
       --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 \
       --train-variants default --train-no-xla --budget-s $((left - 15))

@@ -120,5 +120,7 @@ def candidates(gemm: str, rows_per_expert: float) -> tuple:
   if gemm == "tgmm":
     return SWEEP_TGMM
   if rows_per_expert <= 64:
-    return SWEEP_SMALL + ((SWEEP_G1[0],) if gemm == "gemm1" else (SWEEP_G2[1],))
+    # plain GEMMs (GEMM2, training's transposed-weight GEMMs): also the chained WS 128x256 form,
+    # qwen3's GEMM2 winner at 1024 tokens (64 rows per expert)
+    return SWEEP_SMALL + ((SWEEP_G1[0],) if gemm == "gemm1" else (SWEEP_G2[1], SWEEP_G2[-1]))
   return SWEEP_G1 if gemm == "gemm1" else SWEEP_G2

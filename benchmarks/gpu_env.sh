@@ -23,3 +23,23 @@ block_run() {  # LIMIT BUDGET_S PRESETS TOKENS ITERS
   step $1 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages block \
     --presets $3 --tokens $4 --iters $5 --budget-s $2
 }
+train_run() {  # LIMIT BUDGET_S OUTDIR PRESETS TOKENS: the training ratio, default path, no XLA
+  step $1 env OUT=$OUT/$3 python3 benchmarks/bench_grouped_gemm.py --stages train \
+    --train-presets $4 --train-tokens $5 --train-variants default --train-no-xla --budget-s $2
+}
+tune_run() {  # LIMIT PRESET TOKENS TABLES LOGFILE [jmoe tune args]: every candidate logged
+  local lim=$1 preset=$2 tokens=$3 tables=$4 log=$5
+  shift 5
+  step $lim python3 -m jmoe tune --preset $preset --tokens $tokens --draws 2 --iters 3 \
+    --tables $tables --log $OUT/$log "$@"
+}
+blocks_every_preset() {  # UNTIL_S: the block at 1 / 64 / 1024 tokens with torch, preset by
+                         # preset while the call has time left (until UNTIL_S seconds in)
+  local p left
+  for p in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+    left=$(( $1 - SECONDS ))
+    [ $left -lt 40 ] && break
+    block_run $(( left < 110 ? left : 110 )) 80 $p 1,64,1024 3
+    mv $OUT/block/bench.json $OUT/block_$p.json
+  done
+}

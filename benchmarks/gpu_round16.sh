@@ -75,12 +75,7 @@ case ${1:-tune8k} in
       --budget-s 50
     step 90 python3 benchmarks/bench_permute_rows.py --tokens 16384 \
       --json $OUT/permute_rows.json
-    for p in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
-      left=$(( (560 - SECONDS) ))
-      [ $left -lt 40 ] && break
-      block_run $(( left < 110 ? left : 110 )) 80 $p 1,64,1024 3
-      mv $OUT/block/bench.json $OUT/block_$p.json
-    done
+    blocks_every_preset 560
     find $OUT -empty -delete ;;  # (at most 8 files come back)
   probe)
     step 90 python3 benchmarks/probe_write_bw.py --json $OUT/write_bw.json

@@ -44,12 +44,9 @@ ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory coun
 }
 case ${1:-obuf} in
   obuf)
-    step 200 python3 -m jmoe tune --preset deepseek-v3 --tokens 1024 --train --draws 2 \
-      --iters 3 --tables tgmm --log $OUT/tune_ds_tgmm.json
+    tune_run 200 deepseek-v3 1024 tgmm tune_ds_tgmm.json --train
     cp pallas_kernels/configs/tgmm.json $OUT/
-    step 80 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
-      --train-presets deepseek-v3 --train-tokens 1024 --train-variants default --train-no-xla \
-      --budget-s 65
+    train_run 80 65 train_ds deepseek-v3 1024
     step 100 python3 benchmarks/check_tgmm.py --shapes qwen3,mixtral --aligned --configs ob2 \
       --json $OUT/tgmm_ob2.json
     left=$((570 - SECONDS))
@@ -57,30 +54,16 @@ case ${1:-obuf} in
     find $OUT -empty -delete ;;
   obuf2)
     for pt in qwen3-30b-a3b:1024 mixtral-8x7b:1024 deepseek-v3:4096; do
-      step 120 python3 -m jmoe tune --preset ${pt%:*} --tokens ${pt#*:} --train --draws 2 \
-        --iters 3 --tables tgmm --log $OUT/tune_${pt%%-*}.json
+      tune_run 120 ${pt%:*} ${pt#*:} tgmm tune_${pt%%-*}.json --train
     done
     cp pallas_kernels/configs/tgmm.json $OUT/
-    step 150 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
-      --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 --train-variants default \
-      --train-no-xla --budget-s 130
-    step 120 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
-      --train-presets deepseek-v3 --train-tokens 4096 --train-variants default --train-no-xla \
-      --budget-s 100
+    train_run 150 130 train qwen3-30b-a3b,mixtral-8x7b 1024
+    train_run 120 100 train_ds deepseek-v3 4096
     find $OUT -empty -delete ;;
   final)
-    step 90 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
-      --train-presets deepseek-v3 --train-tokens 1024 --train-variants default --train-no-xla \
-      --budget-s 75
-    step 100 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
-      --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 --train-variants default \
-      --train-no-xla --budget-s 85
-    for p in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
-      left=$(( (570 - SECONDS) ))
-      [ $left -lt 40 ] && break
-      block_run $(( left < 110 ? left : 110 )) 80 $p 1,64,1024 3
-      mv $OUT/block/bench.json $OUT/block_$p.json
-    done
+    train_run 90 75 train_ds deepseek-v3 1024
+    train_run 100 85 train qwen3-30b-a3b,mixtral-8x7b 1024
+    blocks_every_preset 570
     find $OUT -empty -delete ;;
   big)
     step 420 env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py --stages ceiling,block \
@@ -90,8 +73,8 @@ case ${1:-obuf} in
     for p in deepseek-v3 mixtral-8x7b qwen3-30b-a3b; do
       left=$((400 - SECONDS))
       [ $left -lt 60 ] && break
-      step $(( left < 160 ? left : 160 )) python3 -m jmoe tune --preset $p --tokens 16384 \
-        --draws 2 --iters 3 --tables grouped_gemm_gated,grouped_gemm --log $OUT/tune_${p%%-*}.json
+      tune_run $(( left < 160 ? left : 160 )) $p 16384 grouped_gemm_gated,grouped_gemm \
+        tune_${p%%-*}.json
     done
     cp pallas_kernels/configs/grouped_gemm_gated.json pallas_kernels/configs/grouped_gemm.json $OUT/
     step $((580 - SECONDS)) env OUT=$OUT/block python3 benchmarks/bench_grouped_gemm.py \
@@ -100,43 +83,28 @@ case ${1:-obuf} in
     find $OUT -empty -delete ;;
   parts)
     for pt in deepseek-v3:1024 qwen3-30b-a3b:1024 mixtral-8x7b:1024 deepseek-v3:4096; do
-      step 120 python3 -m jmoe tune --preset ${pt%:*} --tokens ${pt#*:} --train --draws 2 \
-        --iters 3 --tables tgmm --log $OUT/tune_${pt%%-*}${pt#*:}.json
+      tune_run 120 ${pt%:*} ${pt#*:} tgmm tune_${pt%%-*}${pt#*:}.json --train
     done
     cp pallas_kernels/configs/tgmm.json $OUT/
-    step 90 env OUT=$OUT/train_ds python3 benchmarks/bench_grouped_gemm.py --stages train \
-      --train-presets deepseek-v3 --train-tokens 1024 --train-variants default --train-no-xla \
-      --budget-s 75
-    step 100 env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py --stages train \
-      --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 --train-variants default \
-      --train-no-xla --budget-s 85
+    train_run 90 75 train_ds deepseek-v3 1024
+    train_run 100 85 train qwen3-30b-a3b,mixtral-8x7b 1024
     left=$((570 - SECONDS))
-    [ $left -gt 60 ] && step $left env OUT=$OUT/train_ds4k python3 benchmarks/bench_grouped_gemm.py \
-      --stages train --train-presets deepseek-v3 --train-tokens 4096 --train-variants default \
-      --train-no-xla --budget-s $((left - 15))
+    [ $left -gt 60 ] && train_run $left $((left - 15)) train_ds4k deepseek-v3 4096
     find $OUT -empty -delete ;;
   mix8k)
-    step 170 python3 -m jmoe tune --preset mixtral-8x7b --tokens 8192 --train --draws 2 \
-      --iters 3 --tables tgmm --log $OUT/tune_mixtral8192.json
+    tune_run 170 mixtral-8x7b 8192 tgmm tune_mixtral8192.json --train
     cp pallas_kernels/configs/tgmm.json $OUT/
-    step 100 env OUT=$OUT/train_mix8k python3 benchmarks/bench_grouped_gemm.py --stages train \
-      --train-presets mixtral-8x7b --train-tokens 8192 --train-variants default --train-no-xla \
-      --budget-s 85
+    train_run 100 85 train_mix8k mixtral-8x7b 8192
     left=$((400 - SECONDS))
-    [ $left -gt 50 ] && step $left env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py \
-      --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 \
-      --train-variants default --train-no-xla --budget-s $((left - 15))
+    [ $left -gt 50 ] && train_run $left $((left - 15)) train qwen3-30b-a3b,mixtral-8x7b 1024
     find $OUT -empty -delete ;;
   rt)
     for p in qwen3-30b-a3b mixtral-8x7b; do
-      step 110 python3 -m jmoe tune --preset $p --tokens 1024 --train --draws 2 --iters 3 \
-        --tables grouped_gemm,grouped_gemm_rt --log $OUT/tune_${p%%-*}.json
+      tune_run 110 $p 1024 grouped_gemm,grouped_gemm_rt tune_${p%%-*}.json --train
     done
     cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_rt.json $OUT/
     left=$((330 - SECONDS))
-    [ $left -gt 50 ] && step $left env OUT=$OUT/train python3 benchmarks/bench_grouped_gemm.py \
-      --stages train --train-presets qwen3-30b-a3b,mixtral-8x7b --train-tokens 1024 \
-      --train-variants default --train-no-xla --budget-s $((left - 15))
+    [ $left -gt 50 ] && train_run $left $((left - 15)) train qwen3-30b-a3b,mixtral-8x7b 1024
     find $OUT -empty -delete ;;
   ncuq)
     for kn in jmoe_gg_gated jmoe_gg_ws_xi; do

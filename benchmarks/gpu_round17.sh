@@ -33,6 +33,9 @@
 #   bash benchmarks/gpu_round17.sh rt      # one H200: `jmoe tune --train` of the plain / transposed-
 #                                          # weight GEMMs with the chained WS candidate at qwen3 /
 #                                          # mixtral 1024 tokens, then their training ratios
+#   bash benchmarks/gpu_round17.sh last    # one H200: the thinnest targets once more with the final
+#                                          # tables: qwen3's training ratio and block at 1024
+#                                          # tokens, deepseek-v3's block at 16384 (% of dense)
 NAME=gpu_round17; source benchmarks/gpu_env.sh
 ncu_tgmm() {  # LIMIT SHAPE TAG [tgmm_once args]: speed-of-light and memory counters, one launch
   local lim=$1 shape=$2 tag=$3; shift 3
@@ -105,6 +108,12 @@ case ${1:-obuf} in
     cp pallas_kernels/configs/grouped_gemm.json pallas_kernels/configs/grouped_gemm_rt.json $OUT/
     left=$((330 - SECONDS))
     [ $left -gt 50 ] && train_run $left $((left - 15)) train qwen3-30b-a3b,mixtral-8x7b 1024
+    find $OUT -empty -delete ;;
+  last)
+    train_run 50 40 train qwen3-30b-a3b 1024
+    block_run 50 40 qwen3-30b-a3b 1024 5
+    step 90 env OUT=$OUT/block16k python3 benchmarks/bench_grouped_gemm.py --stages ceiling,block \
+      --presets deepseek-v3 --tokens 16384 --iters 3 --budget-s 75
     find $OUT -empty -delete ;;
   ncuq)
     for kn in jmoe_gg_gated jmoe_gg_ws_xi; do

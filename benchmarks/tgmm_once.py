@@ -5,9 +5,10 @@ reads hardware counters (Nsight Compute) to attach to:
       --section SpeedOfLight --section MemoryWorkloadAnalysis \\
       python3 benchmarks/tgmm_once.py --shape "deepseek dW13" [--align 8] [--config '{...}']
 
-The problem is one of check_tgmm.SHAPES on random routing (check_tgmm.make_problem), experts padded to --align rows as
-in training's layout; the config is the library's (tuned table or default) unless --config
-gives a TgmmConfig as JSON. Prints the output's checksum so the work cannot be skipped.
+The problem is one of check_tgmm.SHAPES on random routing (check_tgmm.make_problem), experts
+padded to --align rows as in training's layout; the config is the library's (tuned table or
+default) unless --config gives a TgmmConfig as JSON. Prints the output's checksum so the work
+cannot be skipped.
 """
 from __future__ import annotations
 

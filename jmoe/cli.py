@@ -181,8 +181,12 @@ def cmd_tune(args) -> int:
     timed.append({"tokens": tokens, "table": table, "key": key, "config": config.to_json(),
                   "us": us})
 
+  written: list[str] = []
+
   def save(result):  # each winner goes to disk at once: a stopped run keeps what it found
-    tune.write_tables([result], out_dir, note, keep_existing=args.keep_existing)
+    for path in tune.write_tables([result], out_dir, note, keep_existing=args.keep_existing):
+      if path not in written:
+        written.append(path)
     write_log()
 
   total = tune.num_candidates(e, k, args.tokens, training=args.train,
@@ -206,8 +210,8 @@ def cmd_tune(args) -> int:
     short = {k_: v for k_, v in r.config.items() if k_ != "us"}
     table.add_row(r.kernel, r.key, json.dumps(short), f"{r.us:.1f}", str(r.tried), str(r.failed))
   console.print(table)
-  for kernel in sorted({r.kernel for r in results}):
-    console.print(f"wrote {os.path.join(out_dir, kernel + '.json')}")
+  for path in written:
+    console.print(f"wrote {path}")
   return 0
 
 

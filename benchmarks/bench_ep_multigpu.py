@@ -41,11 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmoe
-import sharding
+from jmoe import sharding
 from jmoe import timing
 from jmoe.config import get_preset
 from jmoe.modular import NaiveBatched, NoOp
-from sharding import comm_model
+from jmoe.sharding import comm_model
 
 RESULTS: dict = {"meta": {}, "peak": [], "comm": [], "layer": []}
 BACKENDS = ("allgather", "ragged_a2a", "ragged_dedup", "padded_a2a")
@@ -66,7 +66,7 @@ def backend_variant(name: str) -> tuple[str, str | None]:
 @contextlib.contextmanager
 def dedup_rows(variant):
   """DEDUP_DIRECT_ROWS set while a variant's functions are built and traced (None: as is)."""
-  from sharding import prepare_finalize  # noqa: PLC0415
+  from jmoe.sharding import prepare_finalize  # noqa: PLC0415
   old = prepare_finalize.DEDUP_DIRECT_ROWS
   if variant is not None:
     prepare_finalize.DEDUP_DIRECT_ROWS = variant == "direct"
@@ -221,7 +221,7 @@ def _dispatch_combine(par, a2a, cfg, combine: bool, whole_buffer: bool = True):
   output: 55 µs at deepseek-v3 / 4096 tokens on 2 H200s (ep_timeline.py), which a layer,
   whose experts read the buffer where it is, does not pay."""
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-  from sharding.ep import select_parts  # noqa: PLC0415
+  from jmoe.sharding.ep import select_parts  # noqa: PLC0415
   a2a, _ = backend_variant(a2a)
   batched = a2a == "padded_a2a"
   pf, _, _ = select_parts(par, runner_backend="xla_batched" if batched else "xla",

@@ -36,12 +36,12 @@ import jax.numpy as jnp  # noqa: E402
 
 from jmoe import timing  # noqa: E402
 from check_common import device_rel_err  # noqa: E402  (benchmarks/, the script's directory)
-from pallas_kernels import grouped_gemm as gg  # noqa: E402
-from pallas_kernels import moe as pmoe  # noqa: E402
-from pallas_kernels import decode  # noqa: E402
-from pallas_kernels import permute as perm  # noqa: E402
-from pallas_kernels import route as _route  # noqa: E402
-from pallas_kernels.grouped_gemm import GroupedGemmConfig as C  # noqa: E402
+from jmoe.kernels import grouped_gemm as gg  # noqa: E402
+from jmoe.kernels import moe as pmoe  # noqa: E402
+from jmoe.kernels import decode  # noqa: E402
+from jmoe.kernels import permute as perm  # noqa: E402
+from jmoe.kernels import route as _route  # noqa: E402
+from jmoe.kernels.grouped_gemm import GroupedGemmConfig as C  # noqa: E402
 
 ONE_KERNEL_BLOCKS_DEFAULT = _route.ONE_KERNEL_BLOCKS
 
@@ -71,7 +71,7 @@ def err(where, e):
   ERR.flush()
   log(f"[ERR] {where}: {type(e).__name__}: {str(e)[:300]}")
   if INTERPRET:
-    from pallas_kernels import _compat
+    from jmoe.kernels import _compat
     _compat.reset_interpret_state()
 
 
@@ -432,7 +432,7 @@ def stage_block(args):
     del w13, w2, tw13, tw2
 
 
-from pallas_kernels.tuning import SWEEP_TGMM  # noqa: E402
+from jmoe.kernels.tuning import SWEEP_TGMM  # noqa: E402
 
 
 def stage_sweep(args):
@@ -472,7 +472,7 @@ def stage_sweep(args):
 
 
 def xla_block_fn(E, act="silu"):
-  from pallas_kernels.activations import as_activation
+  from jmoe.kernels.activations import as_activation
   a_ = as_activation(act)
 
   def block(x, w13, w2, tw, ti):
@@ -490,7 +490,7 @@ def xla_block_fn(E, act="silu"):
 def stage_tgmm_sweep(args):
   """Weight-gradient kernel configs on the training shapes (mixtral / qwen3 at 1024 tokens);
   the best total becomes tgmm's default for the train stage of this run."""
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   shapes = [("mixtral dW13", 8, 2048, 4096, 28672), ("mixtral dW2", 8, 2048, 14336, 4096),
             ("qwen3 dW13", 128, 8192, 2048, 1536)]
   if INTERPRET:

@@ -26,10 +26,10 @@ import jax.numpy as jnp  # noqa: E402
 from jmoe import timing  # noqa: E402
 from jmoe.config import get_preset  # noqa: E402
 import check_common  # noqa: E402  (benchmarks/, the script's own directory)
-from pallas_kernels import grouped_gemm as gg  # noqa: E402
-from pallas_kernels import moe as pmoe  # noqa: E402
-from pallas_kernels import permute  # noqa: E402
-from pallas_kernels import route  # noqa: E402
+from jmoe.kernels import grouped_gemm as gg  # noqa: E402
+from jmoe.kernels import moe as pmoe  # noqa: E402
+from jmoe.kernels import permute  # noqa: E402
+from jmoe.kernels import route  # noqa: E402
 
 BW = 4.3e12  # H200 copy rate, bytes / s (METHOD.md ceiling)
 

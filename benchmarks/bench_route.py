@@ -1,4 +1,4 @@
-"""The routing step alone on the GPU: pallas_kernels.route (one kernel vs two) against the jnp
+"""The routing step alone on the GPU: jmoe.kernels.route (one kernel vs two) against the jnp
 path (moe_align + tile_metadata + the token gather), CUPTI device time, outputs checked equal.
 
     python benchmarks/bench_route.py --json OUT.json [--presets ...] [--tokens ...]
@@ -27,9 +27,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from jmoe import timing  # noqa: E402
 import check_common  # noqa: E402  (benchmarks/, the script's own directory)
-from pallas_kernels import grouped_gemm as gg  # noqa: E402
-from pallas_kernels import moe as pmoe  # noqa: E402
-from pallas_kernels import route  # noqa: E402
+from jmoe.kernels import grouped_gemm as gg  # noqa: E402
+from jmoe.kernels import moe as pmoe  # noqa: E402
+from jmoe.kernels import route  # noqa: E402
 
 PRESETS = {"mixtral-8x7b": (8, 2, 4096), "qwen3-30b-a3b": (128, 8, 2048),
            "deepseek-v3": (256, 8, 7168)}  # E, k, H

@@ -23,9 +23,9 @@ import numpy as np
 
 from jmoe import timing
 import check_common  # benchmarks/, the script's own directory
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels import permute
-from pallas_kernels.activations import Activation
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels import permute
+from jmoe.kernels.activations import Activation
 
 C = gg.GroupedGemmConfig
 SHAPES = (("qwen3", 128, 8, 1024, 2048, 768), ("mixtral", 8, 2, 1024, 4096, 14336))  # E k T H N

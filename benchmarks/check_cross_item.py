@@ -28,9 +28,9 @@ import numpy as np
 from jmoe import timing
 import check_common  # benchmarks/, the script's own directory
 from jmoe.tune import TuneResult
-from pallas_kernels import _compat
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels import permute
+from jmoe.kernels import _compat
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels import permute
 
 PROBLEMS = (  # (name, E, top-k, tokens, K, N, gated)
     ("qwen3 GEMM1 T=1024", 128, 8, 1024, 2048, 768, True),

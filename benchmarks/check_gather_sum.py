@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jmoe import timing  # noqa: E402
-from pallas_kernels import permute as perm  # noqa: E402
+from jmoe.kernels import permute as perm  # noqa: E402
 
 
 def axis_sum(y, inv, w):

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe import timing
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels import permute
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels import permute
 
 SHAPES = (  # name, E, k, T, K (lhs cols), N (output cols), kind (gated / plain / rt: the
             # backward's d lhs GEMM on transposed weights)

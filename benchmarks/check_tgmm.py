@@ -1,6 +1,6 @@
 """Weight-gradient (tgmm) variants on a GPU, in a process of their own: for the training shapes
 at 1024 tokens, the config training uses now (tuned table or default) against the candidates
-of pallas_kernels.tuning.SWEEP_TGMM, outputs compared with an f32 product on a few experts and
+of jmoe.kernels.tuning.SWEEP_TGMM, outputs compared with an f32 product on a few experts and
 with the first variant's, device µs. --baseline PATH also times the tgmm of another copy of
 pallas_kernels/tgmm.py (e.g. `git show REV:pallas_kernels/tgmm.py > /tmp/old.py`), same data,
 same run. With --write-tables a correct config >= 2 % faster than the current one goes into
@@ -23,11 +23,11 @@ import numpy as np
 from jmoe import timing
 import check_common  # benchmarks/, the script's own directory
 from jmoe.tune import TuneResult
-from pallas_kernels import _compat
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels import permute
-from pallas_kernels import tgmm as tg
-from pallas_kernels import tuning
+from jmoe.kernels import _compat
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels import permute
+from jmoe.kernels import tgmm as tg
+from jmoe.kernels import tuning
 
 SHAPES = (  # (name, E, top-k, tokens, lhs columns K, dout columns N): out [E, K, N]
     ("qwen3 dW13", 128, 8, 1024, 2048, 1536),

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_ep_multigpu as ep  # noqa: E402
-import sharding  # noqa: E402
+from jmoe import sharding  # noqa: E402
 from jmoe import timing  # noqa: E402
 
 

@@ -77,7 +77,7 @@ def overlap_report(hlo: str) -> list[dict]:
 def build(args):
   import jax
   import jax.numpy as jnp
-  import sharding
+  from jmoe import sharding
   from jmoe.config import get_preset
 
   cfg = get_preset(args.preset)

@@ -29,7 +29,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_ep_multigpu as ep  # noqa: E402
-import sharding  # noqa: E402
+from jmoe import sharding  # noqa: E402
 
 
 def read_trace(log_dir: str) -> dict:

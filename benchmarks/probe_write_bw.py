@@ -33,7 +33,7 @@ def tma_store_fill(tile, rows: int, cols: int, *, in_flight: int = 4, num_ctas: 
   programs loads the tile once and walks its output tiles, at most in_flight stores pending."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   br, bc = tile.shape
   if rows % br or cols % bc:
     raise ValueError(f"rows={rows}, cols={cols} must be multiples of the tile {tile.shape}")

@@ -31,8 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 from jmoe import timing  # noqa: E402
 import check_common  # noqa: E402  (benchmarks/, the script's own directory)
 from bench_route import route_problems  # noqa: E402
-from pallas_kernels import grouped_gemm as gg  # noqa: E402
-from pallas_kernels import route  # noqa: E402
+from jmoe.kernels import grouped_gemm as gg  # noqa: E402
+from jmoe.kernels import route  # noqa: E402
 
 
 def _build(variant: str, e: int, n: int, bms: tuple):

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from check_tgmm import make_problem  # noqa: E402  (benchmarks/, the script's own directory)
-from pallas_kernels import tgmm as tg  # noqa: E402
+from jmoe.kernels import tgmm as tg  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
          tg.get_tgmm_config(x.shape[0], x.shape[1], dy.shape[1], gs.shape[0], x.dtype))
   interpret = None
   if args.interpret:
-    from pallas_kernels import _compat  # noqa: PLC0415
+    from jmoe.kernels import _compat  # noqa: PLC0415
     interpret = _compat.interpret_params()
   fn = jax.jit(lambda a, b, g: tg.tgmm(a, b, g, config=cfg, interpret=interpret))
   for _ in range(args.runs):

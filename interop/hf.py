@@ -48,7 +48,7 @@ jmoe's layout: w13 [E, H, 2N] (gate = w13[..., :N], up = w13[..., N:]), w2 [E, N
 Example (a checkpoint on disk; nothing here downloads)::
 
   import json, safetensors.numpy, jmoe
-  from interop import hf
+  from jmoe.interop import hf
   cfg = json.load(open("config.json"))
   sd = safetensors.numpy.load_file("model-00001-of-00004.safetensors")
   for prefix in hf.moe_layer_prefixes(sd):            # "model.layers.0.mlp.", ...

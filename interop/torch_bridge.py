@@ -1,7 +1,7 @@
 """Run jmoe from PyTorch: a `torch.nn.Module` whose forward and backward are jitted JAX, with
 tensors handed across zero-copy through DLPack.
 
-    block = interop.torch_bridge.JmoeMoE.from_hf(hf_model.model.layers[3].mlp)
+    block = jmoe.interop.torch_bridge.JmoeMoE.from_hf(hf_model.model.layers[3].mlp)
     y = block(x)            # x [..., H] torch tensor; y.backward() reaches block's parameters
 
 Parameters stay torch `nn.Parameter`s (optimizers, state_dict and device moves work as usual).
@@ -95,8 +95,8 @@ class JmoeMoE(torch.nn.Module):
 
   @classmethod
   def from_hf(cls, hf_block, hf_config=None, *, dtype=None, runner_backend=None) -> "JmoeMoE":
-    """Build from a live transformers MoE block (see `interop.hf.from_hf_module`)."""
-    from interop.hf import from_hf_module  # noqa: PLC0415
+    """Build from a live transformers MoE block (see `jmoe.interop.hf.from_hf_module`)."""
+    from jmoe.interop.hf import from_hf_module  # noqa: PLC0415
 
     config, params = from_hf_module(hf_block, hf_config, dtype=dtype)
     device = next(hf_block.parameters()).device

@@ -4,6 +4,10 @@ The public surface: `select_experts` (routing), `fused_moe` (the routed expert b
 `moe_block` / `MoEParams` (router + experts + shared experts), the configs, and the modular
 parts for those who assemble their own kernels.
 """
+from jmoe import _layout
+
+_layout.install(__name__, __file__)  # jmoe.kernels / .sharding / .interop from a source tree
+
 from jmoe._validate import checkify_ids
 from jmoe.api import fused_moe
 from jmoe.block import MoEParams, init_params, moe_block, router_logits
@@ -13,7 +17,7 @@ from jmoe.modular import (ActivationFormat, Contiguous, Delegate, Experts, Exper
                           NoOp, PrepareFinalize, TopKWeightAndReduce)
 from jmoe.oracle import select_backend
 from jmoe.router import select_experts
-from pallas_kernels.activations import ACTIVATIONS, Activation
+from jmoe.kernels.activations import ACTIVATIONS, Activation  # noqa: E402
 
 __version__ = "0.1.0"
 

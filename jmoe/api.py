@@ -11,7 +11,7 @@ from jmoe._validate import (check_distinct_ids, check_expert_map, check_floating
                             check_ids_in_range, check_topk)
 from jmoe.config import ParallelConfig, QuantConfig
 from jmoe.modular import ActivationFormat, ExpertWeights, ModularKernel
-from pallas_kernels.activations import Activation, as_activation
+from jmoe.kernels.activations import Activation, as_activation
 
 
 def _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act: Activation,
@@ -122,7 +122,7 @@ def fused_moe(
     if global_num_experts != e_local:
       raise ValueError(f"global_num_experts={global_num_experts} differs from w13's "
                        f"E={e_local}: with a mesh, w13/w2 hold every expert (sharded)")
-    from sharding import ep_fused_moe  # noqa: PLC0415 (sharding registers into jmoe, not reverse)
+    from jmoe.sharding import ep_fused_moe  # noqa: PLC0415 (sharding registers into jmoe, not reverse)
     return ep_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=act,
                         w13_bias=w13_bias, w2_bias=w2_bias,
                         apply_router_weight_on_input=apply_router_weight_on_input,

@@ -216,7 +216,7 @@ def cmd_tune(args) -> int:
 
 
 def cmd_eplb(args) -> int:
-  from sharding import eplb  # noqa: PLC0415
+  from jmoe.sharding import eplb  # noqa: PLC0415
 
   r = eplb.simulate(args.preset, args.ep, args.redundant, args.skew, plot=args.plot,
                     tokens=args.tokens, gpus_per_node=args.gpus_per_node, seed=args.seed)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
-from pallas_kernels.activations import ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
+from jmoe.kernels.activations import ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 RUNNER_BACKENDS = ("auto", "reference", "xla", "xla_batched", "pallas_mosaic")

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.config import QuantConfig
-from pallas_kernels.activations import Activation
+from jmoe.kernels.activations import Activation
 
 
 class ActivationFormat(enum.Enum):

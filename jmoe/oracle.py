@@ -80,7 +80,7 @@ def auto_ep_dispatch(ep: int, hidden_size: int, num_experts: int, top_k: int,
   All-gather sends every token to every rank and needs no sort; its bytes grow with EP, while
   the deduplicated ragged all-to-all sends a token once to each rank holding one of its experts.
   """
-  from sharding import comm_model  # noqa: PLC0415 (sharding imports jmoe)
+  from jmoe.sharding import comm_model  # noqa: PLC0415 (sharding imports jmoe)
   kw = dict(hidden=hidden_size, top_k=top_k, num_experts=num_experts, ep=ep,
             tokens_per_rank=max(tokens_per_rank, 1))
   ag = comm_model.bytes_per_token("allgather", **kw)["total"]

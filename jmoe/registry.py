@@ -76,7 +76,7 @@ def _load_builtin() -> None:
 def _load_optional() -> None:
   """Parts that live outside jmoe's core register through their own modules."""
   import importlib
-  for mod in ("jmoe.experts.pallas", "sharding.register"):
+  for mod in ("jmoe.experts.pallas", "jmoe.sharding.register"):
     try:
       importlib.import_module(mod)
     except ModuleNotFoundError as e:  # the part is not built yet / not installed

@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.activations import Activation
+from jmoe.kernels.activations import Activation
 
 _HI = jax.lax.Precision.HIGHEST
 

@@ -1,7 +1,7 @@
 """`python -m jmoe tune`: autotune the Pallas kernels' block configs for a preset on this GPU.
 
 For each token count, routes random tokens with the preset's top-k, then times every candidate
-config (pallas_kernels.tuning) of GEMM1 (gated, activation fused), GEMM2 (router weight
+config (jmoe.kernels.tuning) of GEMM1 (gated, activation fused), GEMM2 (router weight
 fused) and the weight-gradient tgmm of both (with ``training``: also GEMM1 without the fused
 activation and the backward's transposed-weight GEMMs), and writes the fastest into the JSON
 tables the kernels read (`pallas_kernels/configs/<kernel>.json`, keyed by E, N, K, dtype,
@@ -41,7 +41,7 @@ def _device_time_us(fn: Callable, arg_sets: list, iters: int, interpret: bool) -
 
 
 def problems(training: bool) -> tuple[tuple[str, str], ...]:
-  """(table, candidate set of pallas_kernels.tuning.candidates) of each problem tune() times
+  """(table, candidate set of jmoe.kernels.tuning.candidates) of each problem tune() times
   per token count, in order: GEMM1, GEMM2, the two weight gradients (+ with training: unfused
   GEMM1 and the two transposed-weight d lhs GEMMs)."""
   base = (("grouped_gemm_gated", "gemm1"), ("grouped_gemm", "gemm2"), ("tgmm", "tgmm"),
@@ -59,8 +59,8 @@ def _selected(tables: Optional[Collection[str]], training: bool) -> list[bool]:
 
 
 def _candidates(gemm: str, num_experts: int, m: int) -> tuple:
-  """pallas_kernels.tuning's candidates for m routed slots over num_experts experts."""
-  from pallas_kernels import tuning  # noqa: PLC0415
+  """jmoe.kernels.tuning's candidates for m routed slots over num_experts experts."""
+  from jmoe.kernels import tuning  # noqa: PLC0415
   return tuning.candidates(gemm, m / max(1, min(num_experts, m)))
 
 
@@ -94,10 +94,10 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
   on_result(result): called with each problem's winner as soon as it is known (a caller can
   save it before a later problem fails or the run is stopped).
   """
-  from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
-  from pallas_kernels import permute  # noqa: PLC0415
-  from pallas_kernels.tgmm import get_tgmm_config, tgmm  # noqa: PLC0415
-  from pallas_kernels.moe import routed_rows  # noqa: PLC0415
+  from jmoe.kernels import grouped_gemm as gg  # noqa: PLC0415
+  from jmoe.kernels import permute  # noqa: PLC0415
+  from jmoe.kernels.tgmm import get_tgmm_config, tgmm  # noqa: PLC0415
+  from jmoe.kernels.moe import routed_rows  # noqa: PLC0415
 
   sel = _selected(tables, training)  # (checks `tables` before anything is timed)
   ks = jax.random.split(jax.random.key(seed), 5)
@@ -125,7 +125,7 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
     scale = permute.permute_weights(tw, order)
     d13 = jax.random.normal(kd[3], (xs.shape[0], 2 * n), jnp.float32).astype(dtype)
     # the weight gradients run on the training layout (experts padded to 8-row multiples,
-    # pallas_kernels.route.route_for_training): its rows and group sizes
+    # jmoe.kernels.route.route_for_training): its rows and group sizes
     m = t * top_k
     m_t = gg.row_alloc(m + 7 * min(e, m), 128)
     xs_t, _, gs_t, _, _ = routed_rows(x, ids.astype(jnp.int32), e, m_t, (128,), "xla")
@@ -221,5 +221,5 @@ def write_tables(results: Sequence[TuneResult], out_dir: str, note: str, *,
 
 
 def default_config_dir() -> str:
-  from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
+  from jmoe.kernels import grouped_gemm as gg  # noqa: PLC0415
   return gg._CONFIG_DIR

@@ -40,9 +40,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _compat
-from pallas_kernels.activations import Activation, as_activation
-from pallas_kernels.grouped_gemm import kernel_activation
+from jmoe.kernels import _compat
+from jmoe.kernels.activations import Activation, as_activation
+from jmoe.kernels.grouped_gemm import kernel_activation
 
 log = logging.getLogger(__name__)
 

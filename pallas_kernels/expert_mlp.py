@@ -33,10 +33,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels import tgmm as _tg
-from pallas_kernels.activations import Activation
-from pallas_kernels.grouped_gemm import GroupedGemmConfig
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels import tgmm as _tg
+from jmoe.kernels.activations import Activation
+from jmoe.kernels.grouped_gemm import GroupedGemmConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _compat
-from pallas_kernels.activations import Activation, as_activation
+from jmoe.kernels import _compat
+from jmoe.kernels.activations import Activation, as_activation
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ def tuned_config(kernel_name: str, cls, m: int, n: int, k: int, num_groups: int,
 
 def get_config(kernel_name: str, m: int, n: int, k: int, num_groups: int, dtype, *,
                gated: bool = False, out_dtype=None) -> GroupedGemmConfig:
-  """Tuned config from pallas_kernels/configs/<kernel>.json if one matches, else the heuristic."""
+  """Tuned config from jmoe.kernels/configs/<kernel>.json if one matches, else the heuristic."""
   cfg = tuned_config(kernel_name, GroupedGemmConfig, m, n, k, num_groups, dtype)
   if cfg is None:
     cfg = heuristic_config(m, n, k, num_groups, dtype, gated=gated, out_dtype=out_dtype)
@@ -387,7 +387,7 @@ def tile_rows(starts: jax.Array, ends: jax.Array, block_m: int, t: jax.Array):
 
 
 # ============================================================================ in-kernel activations
-# Same functions as pallas_kernels.activations (which the tests check against), written with
+# Same functions as jmoe.kernels.activations (which the tests check against), written with
 # primitives Mosaic GPU lowers (no lax.logistic): sigmoid(x) = 1 / (1 + exp(-x)).
 
 

@@ -11,13 +11,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
-from pallas_kernels import decode as _decode
-from pallas_kernels import permute as _perm
-from pallas_kernels import route as _route
-from pallas_kernels.activations import Activation, as_activation
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels.grouped_gemm import GroupedGemmConfig
+from jmoe.kernels import _compat
+from jmoe.kernels import decode as _decode
+from jmoe.kernels import permute as _perm
+from jmoe.kernels import route as _route
+from jmoe.kernels.activations import Activation, as_activation
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels.grouped_gemm import GroupedGemmConfig
 
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   layout: "sorted" (moe_align + grouped tiles: each expert's weights stream once),
     "per_slot" (decode: no sort; one task per (slot, column tile) reading slot s's row of
     x[s // k] and its expert's weights, then a sum over k: 4 kernels instead of ~15; an
-    expert streams once per slot routed to it), "fused_decode" (pallas_kernels.decode: GEMM1,
+    expert streams once per slot routed to it), "fused_decode" (jmoe.kernels.decode: GEMM1,
     activation and GEMM2 in one kernel whose weight loads run as one TMA ring, plus one
     reduction; gated activations and <= 128 slots, else per_slot) or "auto": when 4 * T * k
     <= E (slots rarely share an expert) fused_decode up to FUSED_DECODE_MAX_BYTES of streamed
@@ -66,7 +66,7 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
     (per_slot 27.4, sorted 43.7), 4 tokens per_slot 77.0 (sorted 99.4); deepseek-v3 1 / 4
     tokens per_slot 167 / 631; mixtral 1 token per_slot 172; at 16 tokens per_slot loses
     (qwen3 277 vs 201, mixtral 2509 vs 653).
-  route_impl (sorted layout): "kernels" (pallas_kernels.route: moe_align, both GEMMs' tile
+  route_impl (sorted layout): "kernels" (jmoe.kernels.route: moe_align, both GEMMs' tile
     lists and the token gather in two kernels, one up to 128 slots), "xla" (moe_align +
     tile_metadata in jnp, ~16 small XLA kernels, then permute_impl's gather) or "auto":
     "kernels" where route.supports the shape (<= 8192 slots, <= 256 experts) and the Triton
@@ -145,7 +145,7 @@ def _auto_layout(t: int, k: int, e: int, hdim: int, n: int, act: Activation, dty
 
 
 def _route_kernels_run(x, topk_ids, interpret) -> bool:
-  """Whether pallas_kernels.route's (Triton) kernels can run here: the lowering imports, and
+  """Whether jmoe.kernels.route's (Triton) kernels can run here: the lowering imports, and
   not in interpret mode inside shard_map(check_vma=True), where the interpreter's gathers mix
   varying refs and invarying indices (the GPU lowering has no such check)."""
   in_shard_map = bool(_compat.varying_axes(topk_ids) | _compat.varying_axes(x))
@@ -153,7 +153,7 @@ def _route_kernels_run(x, topk_ids, interpret) -> bool:
 
 
 def _pick_route_impl(route_impl: str, x, topk_ids, num_experts: int, interpret) -> str:
-  """route_impl "auto" -> "kernels" where pallas_kernels.route takes the shape and its Triton
+  """route_impl "auto" -> "kernels" where jmoe.kernels.route takes the shape and its Triton
   lowering imports, else "xla"; checks the name."""
   if route_impl == "auto":
     m, hdim = topk_ids.size, x.shape[1]
@@ -168,7 +168,7 @@ def _pick_route_impl(route_impl: str, x, topk_ids, num_experts: int, interpret) 
 
 def route_xla(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
               block_ms, *, permute_impl: str = "auto", interpret: Any = False):
-  """pallas_kernels.route.route's results from the jnp path: moe_align, the token gather
+  """jmoe.kernels.route.route's results from the jnp path: moe_align, the token gather
   (permute_impl: "xla", "pallas", "scatter" or "auto", see fused_experts) and tile_metadata
   per block_m. The scatter copy needs no sort order: the slots' positions come from
   route.slot_positions (route's block-count kernel and a few XLA ops) where the Triton
@@ -260,7 +260,7 @@ def routed_rows(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: in
   (xs [m_alloc, H], inv [T, k], group_sizes [E] (padded counts), [(meta, num_tasks) per
   block_m] (the tail rows in the last expert's tiles), order [m_alloc] (slot of each row, -1 on
   padding and tail)). m_alloc >= T * k + 7 * min(E, T * k). route_impl "kernels"
-  (pallas_kernels.route.route_for_training, two kernels) or "xla" (permute.moe_align_training,
+  (jmoe.kernels.route.route_for_training, two kernels) or "xla" (permute.moe_align_training,
   the rows copied by permute.scatter_rows from 1024 slots, else XLA's gather, tile_metadata).
   VJP: d x = gather_sum(d xs, inv)."""
   return _routed_rows_fwd(x, topk_ids, num_experts, m_alloc, block_ms, route_impl,
@@ -309,9 +309,9 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   activation's input, GEMM2; backward: the d a and d x GEMMs on transposed weights and two
   tgmm); the weighted gather-sum: permute.gather_sum_diff (its VJP writes d y once in the GEMM's
   dtype, and d topk_weights). preact (gated activations) / fuse_act_grad: expert_mlp's fused
-  epilogues, opt-in (slower on an H200, see pallas_kernels.expert_mlp).
+  epilogues, opt-in (slower on an H200, see jmoe.kernels.expert_mlp).
   """
-  from pallas_kernels import expert_mlp as _mlp  # noqa: PLC0415
+  from jmoe.kernels import expert_mlp as _mlp  # noqa: PLC0415
   act = as_activation(activation)
   t, k = topk_ids.shape
   e, hdim, n13 = w13.shape

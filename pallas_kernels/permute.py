@@ -6,7 +6,7 @@ gather-sum, in jnp (XLA fuses them into a few small kernels; no host sync).
     y         = experts(x_sorted, group_sizes)          # rows >= sum(group_sizes) unused
     out[t]    = sum_j y[inv[t, j]]  (inv < 0 skipped)   # gather_sum(y, inv)
 
-Past 8192 slots (where pallas_kernels.route stops) the rows are copied by Mosaic GPU kernels:
+Past 8192 slots (where jmoe.kernels.route stops) the rows are copied by Mosaic GPU kernels:
 ``scatter_rows`` in token order (each token row loaded once, stored to its k rows; the
 default) or ``gather_rows`` in sorted order.
 
@@ -225,7 +225,7 @@ gather_sum_diff.defvjp(_gather_sum_fwd, _gather_sum_bwd)
 
 def moe_align_training(topk_ids: jax.Array, num_experts: int, m_alloc: int, align: int = 8, *,
                        with_padding_rows: bool = False):
-  """The training layout of pallas_kernels.route.route_for_training, in jnp: moe_align with
+  """The training layout of jmoe.kernels.route.route_for_training, in jnp: moe_align with
   every expert's rows padded to a multiple of `align` (its slots, then empty rows) and the rows
   past them (the tail) empty.
 
@@ -346,7 +346,7 @@ def scatter_rows(x: jax.Array, inv: jax.Array, m_out: int, num_rows: jax.Array |
   """
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if num_stages < 3:
     raise ValueError(f"num_stages={num_stages} must be >= 3")
   t, h = x.shape
@@ -454,7 +454,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, num_rows: jax.Array | None = None,
   """
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if num_stages < 3:
     raise ValueError(f"num_stages={num_stages} must be >= 3")
   t, h = x.shape

@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
-from pallas_kernels import grouped_gemm as gg
+from jmoe.kernels import _compat
+from jmoe.kernels import grouped_gemm as gg
 
 BLOCK = 128          # slots per block (kernel 1's [128, 128] rank compare)
 _ROWS = 32           # slots per inner step of both kernels

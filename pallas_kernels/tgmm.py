@@ -14,7 +14,7 @@ walked N-fastest or K-fastest (k_fastest) within an expert.
 
 ``gmm(lhs, rhs, group_sizes)`` is grouped_gemm with a ``jax.custom_vjp``: d lhs = gmm(dout, rhs^T)
 (the forward kernel on transposed weights) and d rhs = tgmm(lhs, dout), so ``jax.grad`` runs on
-the Pallas kernels. (The MoE block's training path, ``pallas_kernels.expert_mlp``, calls the
+the Pallas kernels. (The MoE block's training path, ``jmoe.kernels.expert_mlp``, calls the
 GEMMs and tgmm itself, on the routing kernels' tile lists.)
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _compat
-from pallas_kernels import grouped_gemm as gg
+from jmoe.kernels import _compat
+from jmoe.kernels import grouped_gemm as gg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ DEFAULT_CONFIG = TgmmConfig(block_k=128, block_n=128, block_r=64, num_stages=2, 
 
 
 def get_tgmm_config(m: int, k: int, n: int, num_groups: int, dtype) -> TgmmConfig:
-  """Tuned config from pallas_kernels/configs/tgmm.json (keyed like the grouped GEMMs': E, N,
+  """Tuned config from jmoe.kernels/configs/tgmm.json (keyed like the grouped GEMMs': E, N,
   K, dtype, device kind, jax minor version, M bucket; `python -m jmoe tune` writes it; past
   4096 rows a bucket without an entry takes its nearest tuned neighbour's), else
   DEFAULT_CONFIG."""

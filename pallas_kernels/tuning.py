@@ -3,8 +3,8 @@ benchmarks/bench_grouped_gemm.py). Candidates that do not fit a problem are adap
 kernel wrapper (block_k / block_n shrink to divide K / N, stages fitted to shared memory)."""
 from __future__ import annotations
 
-from pallas_kernels.grouped_gemm import GroupedGemmConfig as C
-from pallas_kernels.tgmm import TgmmConfig as TC
+from jmoe.kernels.grouped_gemm import GroupedGemmConfig as C
+from jmoe.kernels.tgmm import TgmmConfig as TC
 
 SWEEP_G1 = (  # gated GEMM1, large M
     C(block_m=128, block_n=128, block_k=64, num_stages=4, wg_split="m", grid_minor="m",

@@ -14,11 +14,11 @@ left for jit to shard); `ep_fused_moe` adds placement, capacity, shared experts 
 the dispatch, micro-batches (two-batch overlap) and a stats side output (dropped copies, expert
 load for `sharding.eplb`). `sharding.comm_model` models the bytes each backend sends.
 """
-from sharding.ep import ep_fused_moe, select_parts
-from sharding.mesh import (ExpertPlacement, as_auto_mesh, expert_map, expert_placement,
+from jmoe.sharding.ep import ep_fused_moe, select_parts
+from jmoe.sharding.mesh import (ExpertPlacement, as_auto_mesh, expert_map, expert_placement,
                            make_ep_mesh, make_parallel, parallel_config, place_weights,
                            shard_expert_weights, shard_tokens, token_sharding, validate)
-from sharding.prepare_finalize import (AllGather, AllGatherBatched, EPPrepareFinalize, PaddedA2A,
+from jmoe.sharding.prepare_finalize import (AllGather, AllGatherBatched, EPPrepareFinalize, PaddedA2A,
                                        RaggedA2A, RaggedDedupA2A)
 
 __all__ = [

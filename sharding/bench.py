@@ -6,7 +6,7 @@ buffer, labelling received rows, un-sorting and the weighted sum (ragged_a2a), o
 compacting the fixed-capacity buffers (padded_a2a). Rows per device match an EP rank with the
 same tokens per rank and balanced routing (T k rows), so the GEMM time is comparable too.
 
-    python -m sharding.bench --preset deepseek-v3 --tokens 4096
+    python -m jmoe.sharding.bench --preset deepseek-v3 --tokens 4096
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from jmoe.config import get_preset
 from jmoe.experts._common import sort_slots_by_expert
 from jmoe.experts.xla import expert_mlp_sorted
 from jmoe.modular import ExpertWeights
-from sharding.mesh import make_ep_mesh, parallel_config
+from jmoe.sharding.mesh import make_ep_mesh, parallel_config
 
 
 def _time(fn: Callable, *args, iters: int = 20) -> float:
@@ -72,7 +72,7 @@ def local_cost(preset="deepseek-v3", tokens: int = 4096, dtype=jnp.bfloat16,
   par = parallel_config(make_ep_mesh(expert=1, devices=[dev], keep_unit_axes=False))
   act = cfg.act
   cap = max(1, int(np.ceil(capacity_factor * tokens * k / e)))
-  import sharding  # noqa: PLC0415
+  from jmoe import sharding  # noqa: PLC0415
 
   def path(a2a, runner):
     if a2a == "padded_a2a":

@@ -19,9 +19,9 @@ from jmoe._validate import check_distinct_ids
 from jmoe.config import ParallelConfig, QuantConfig
 from jmoe.modular import ActivationFormat, ExpertWeights, ModularKernel
 from jmoe.shared import shared_expert_mlp
-from pallas_kernels.activations import Activation, as_activation
-from sharding.mesh import (ExpertPlacement, token_axes, validate, weight_specs)
-from sharding.prepare_finalize import EPPrepareFinalize
+from jmoe.kernels.activations import Activation, as_activation
+from jmoe.sharding.mesh import (ExpertPlacement, token_axes, validate, weight_specs)
+from jmoe.sharding.prepare_finalize import EPPrepareFinalize
 
 log = logging.getLogger("jmoe.sharding")
 

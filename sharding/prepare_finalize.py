@@ -30,10 +30,10 @@ from jmoe.modular import (ActivationFormat, Contiguous, Delegate, ExpertsInput, 
                           PrepareFinalize, TopKWeightAndReduce, local_expert_ids,
                           weighted_row_sum)
 from jmoe.prepare_finalize.no_ep import apply_weight_on_input, batched_layout
-from pallas_kernels.permute import inverse_permutation
+from jmoe.kernels.permute import inverse_permutation
 from jmoe.quant import dequantize_rows_fp8, quantize_activations, quantize_rows_fp8
-from sharding import collectives
-from sharding.mesh import ExpertPlacement, axis_sizes, expert_placement
+from jmoe.sharding import collectives
+from jmoe.sharding.mesh import ExpertPlacement, axis_sizes, expert_placement
 
 
 class EPPrepareFinalize(PrepareFinalize):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from jmoe.modular import ActivationFormat
 from jmoe.registry import A2ABackend, register_a2a
-from sharding.prepare_finalize import (AllGather, AllGatherBatched, PaddedA2A, RaggedA2A,
+from jmoe.sharding.prepare_finalize import (AllGather, AllGatherBatched, PaddedA2A, RaggedA2A,
                                        RaggedDedupA2A, factory)
 
 register_a2a(A2ABackend(

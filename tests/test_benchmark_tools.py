@@ -76,7 +76,7 @@ def test_probe_tma_store_fill_tiles_the_output():
   import numpy as np
   import pytest
 
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
   import probe_write_bw

@@ -53,7 +53,7 @@ def test_eplb_simulation(tmp_path, capsys):
 
 
 def test_tune_in_interpret_mode_writes_tables(tmp_path, capsys):
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
   rc = cli.main(["tune", "--preset", "mixtral-8x7b", "--shape", "4,2,64,64", "--tokens", "8",
@@ -75,7 +75,7 @@ def test_tune_in_interpret_mode_writes_tables(tmp_path, capsys):
 
 
 def test_tune_train_adds_training_gemm_tables(tmp_path, capsys):
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
   rc = cli.main(["tune", "--preset", "mixtral-8x7b", "--shape", "4,2,64,64", "--tokens", "8",
@@ -89,7 +89,7 @@ def test_tune_train_adds_training_gemm_tables(tmp_path, capsys):
 
 
 def test_tune_cli_tables_option(tmp_path, capsys):
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
   rc = cli.main(["tune", "--preset", "mixtral-8x7b", "--shape", "4,2,64,64", "--tokens", "8",
@@ -127,8 +127,8 @@ def test_tune_saves_each_winner_before_a_later_problem_fails(tmp_path, monkeypat
 
 def test_tune_times_the_config_in_use_once(monkeypatch):
   from jmoe import tune
-  from pallas_kernels import tgmm as tg
-  from pallas_kernels import tuning
+  from jmoe.kernels import tgmm as tg
+  from jmoe.kernels import tuning
   in_use = tuning.SWEEP_TGMM[2]  # a tuned entry that is also a sweep candidate
   monkeypatch.setattr(tg, "get_tgmm_config", lambda *a, **kw: in_use)
   monkeypatch.setattr(tune, "_device_time_us", lambda *a, **kw: 1.0)
@@ -156,7 +156,7 @@ def test_tune_keep_existing_only_fills_missing_keys(tmp_path):
 
 
 def test_tune_tables_filter_and_report():
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   from jmoe import tune
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this jax")

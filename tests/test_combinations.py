@@ -17,7 +17,7 @@ from jmoe.modular import (ActivationFormat, Contiguous, Delegate, ExpertsInput, 
                           IncompatiblePartsError, ModularKernel, compatibility)
 from jmoe.experts import ReferenceExperts
 from jmoe.prepare_finalize import NoEP, NoEPBatched
-from pallas_kernels.activations import Activation
+from jmoe.kernels.activations import Activation
 
 PFS = registry.all_prepare_finalize()
 EXPERTS = registry.all_experts()
@@ -51,7 +51,7 @@ def _sizes(experts, dtype):
 @pytest.fixture(autouse=True)
 def pallas_in_interpreter(monkeypatch):
   """Run the Pallas experts in the matrix too, in Pallas' GPU interpret mode (off a GPU)."""
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if _compat.interpret_available():
     monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
 

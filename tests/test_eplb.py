@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jmoe  # noqa: E402
-from sharding import eplb  # noqa: E402
-from sharding.mesh import make_parallel  # noqa: E402
+from jmoe.sharding import eplb  # noqa: E402
+from jmoe.sharding.mesh import make_parallel  # noqa: E402
 
 
 def skewed_load(rng, layers, experts, skew=1.2):

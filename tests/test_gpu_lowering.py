@@ -13,11 +13,11 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels import moe as pmoe
-from pallas_kernels import route
-from pallas_kernels import tgmm as tg
+from jmoe.kernels import _compat
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels import moe as pmoe
+from jmoe.kernels import route
+from jmoe.kernels import tgmm as tg
 
 S = jax.ShapeDtypeStruct
 PRESETS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336),
@@ -166,7 +166,7 @@ def test_activation_epilogues_lower_for_gpu(h200_tables, name):
 def test_decode_kernel_lowers_for_gpu(preset, t, bias):
   # the one-kernel decode block at full size: the swapped (transposed) wgmma operands, the ring
   # at its default depth within shared memory (checked by Mosaic GPU at lowering), a w13 bias
-  from pallas_kernels import decode as dc
+  from jmoe.kernels import decode as dc
   e, k, h, n = PRESETS[preset]
   kw = dict(w13_bias=S((e, 2 * n), jnp.float32)) if bias else {}
   found = _kernels(lambda x, w13, w2, tw, ti, **kw: dc.fused_experts_decode(x, w13, w2, tw, ti,

@@ -2,7 +2,7 @@
 
 Each case builds the transformers sparse-MoE block from a tiny config object (nothing is
 downloaded), fills its weights from a seeded torch generator, runs it, converts its state with
-`interop.hf` and checks `jmoe.moe_block` against it to <= 1e-4 relative (||a-b|| / ||b||):
+`jmoe.interop.hf` and checks `jmoe.moe_block` against it to <= 1e-4 relative (||a-b|| / ||b||):
 the six families of the foundation issue on every CPU runner backend (and with fused shared
 experts where that is expressible), the families sharing their semantics on one backend. The
 routing itself (chosen experts and weights) is compared first, so a failure says whether the
@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 import jmoe  # noqa: E402
-from interop import hf  # noqa: E402
+from jmoe.interop import hf  # noqa: E402
 
 RTOL = 1e-4
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2)

@@ -37,7 +37,7 @@ def worker(process_id: int, port: int) -> None:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import jmoe
-  from sharding.mesh import make_parallel
+  from jmoe.sharding.mesh import make_parallel
 
   assert jax.device_count() == 8 and jax.local_device_count() == 4, jax.devices()
   t, h, n, e, k = 32, 16, 8, 16, 4

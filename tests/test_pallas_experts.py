@@ -10,7 +10,7 @@ import pytest
 import jmoe
 import jmoe.registry
 from jmoe.experts.pallas import PallasExperts
-from pallas_kernels import _compat
+from jmoe.kernels import _compat
 
 pytestmark = pytest.mark.skipif(not _compat.interpret_available(),
                                 reason="Mosaic GPU interpret mode unavailable in this jax")
@@ -103,7 +103,7 @@ def test_expert_parallel_dispatch_with_pallas_experts(a2a):
   One-device mesh: the Mosaic GPU interpreter simulates one GPU per process and deadlocks
   when several simulated devices run kernels at once, so the multi-device case is left to the
   GPU machines."""
-  import sharding
+  from jmoe import sharding
 
   x, w13, w2, tw, ids, _, _ = _problem(3)
   ids = jnp.where(ids < 0, 0, ids)  # the EP paths take routed slots; no empty slot here
@@ -143,9 +143,9 @@ def test_batched_pallas_experts_forward_and_grad():
 @pytest.mark.parametrize("ep", [False, True])
 def test_decode_shape_runs_the_one_kernel_decode(ep, monkeypatch):
   """At a decode shape (4 T k <= E, H a multiple of 128) the Pallas runner takes the one-kernel
-  decode block (pallas_kernels.decode), also inside the EP layer's shard_map; it matches the
+  decode block (jmoe.kernels.decode), also inside the EP layer's shard_map; it matches the
   reference, and the layout choice is the one-kernel decode (spied, not assumed)."""
-  from pallas_kernels import decode as dc
+  from jmoe.kernels import decode as dc
   seen = []
   real = dc.fused_experts_decode
   monkeypatch.setattr(dc, "fused_experts_decode", lambda *a, **kw: seen.append(1) or real(*a, **kw))
@@ -157,7 +157,7 @@ def test_decode_shape_runs_the_one_kernel_decode(ep, monkeypatch):
   tw, ids = jmoe.select_experts(x, jax.random.normal(ks[3], (1, e)), 2)
   kw = {}
   if ep:
-    import sharding
+    from jmoe import sharding
     kw = dict(parallel=sharding.make_parallel(expert=1, devices=jax.devices()[:1]),
               a2a_backend="allgather")
   out = jax.jit(lambda *a: jmoe.fused_moe(*a, runner_backend="pallas_mosaic", **kw))(

@@ -1,7 +1,7 @@
 """CPU tests of the Pallas Mosaic GPU grouped-GEMM kernels, in Mosaic GPU interpret mode.
 
 The kernels run in GPU interpret mode (InterpretGPUParams(detect_races=True), through
-pallas_kernels._compat); every kernel call must finish without a detected race. Output buffers of
+jmoe.kernels._compat); every kernel call must finish without a detected race. Output buffers of
 interpreted kernels start as NaN (uninitialized memory), which poisons them: every row that the
 contract says is written (rows < sum(group_sizes)) must be finite and match the pure-jnp
 reference; the pure-jnp reference is itself checked against a float64 NumPy oracle.
@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels import moe as pmoe
-from pallas_kernels import permute as perm
-from pallas_kernels.activations import ACTIVATIONS, Activation
+from jmoe.kernels import _compat
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels import moe as pmoe
+from jmoe.kernels import permute as perm
+from jmoe.kernels.activations import ACTIVATIONS, Activation
 
 pytestmark = pytest.mark.skipif(
     not _compat.interpret_available(),
@@ -678,7 +678,7 @@ def test_fused_decode_kernel(rng, t, k, stages, dtype):
   """The one-kernel decode block against the f32 reference: the CTA walks every item in turn
   (interpret mode runs one CTA), so item boundaries, the x-row double buffer and the ring's
   wrap-around are all crossed; poisoned (unwritten) rows of empty slots must not leak."""
-  from pallas_kernels import decode as dc
+  from jmoe.kernels import decode as dc
   e, h, n = 4, 256, 128
   x = jnp.asarray(rng.standard_normal((t, h)), dtype)
   w13, w2, b13, b2 = _moe_weights(rng, e, h, n)
@@ -704,7 +704,7 @@ def test_fused_decode_kernel(rng, t, k, stages, dtype):
 
 def test_fused_decode_all_slots_empty(rng):
   # no valid slot: the kernel runs no item, and the output is exactly zero
-  from pallas_kernels import decode as dc
+  from jmoe.kernels import decode as dc
   e, h, n = 2, 128, 64
   x = jnp.asarray(rng.standard_normal((2, h)), jnp.bfloat16)
   w13, w2, _, _ = _moe_weights(rng, e, h, n)
@@ -724,7 +724,7 @@ def test_fused_decode_property(t, k, seed):
   w13, w2, b13, b2 = _moe_weights(rng, e, h, n)
   tw = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
   ti = jnp.asarray(rng.choice(np.arange(-1, e + 2), size=(t, k)), jnp.int32)
-  from pallas_kernels import decode as dc
+  from jmoe.kernels import decode as dc
   out = _call(dc.fused_experts_decode, x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2)
   ref = np.asarray(pmoe.fused_experts_reference(x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2),
                    np.float32)
@@ -733,7 +733,7 @@ def test_fused_decode_property(t, k, seed):
 
 
 def test_fused_decode_rejects_what_it_cannot_run(rng):
-  from pallas_kernels import decode as dc
+  from jmoe.kernels import decode as dc
   x = jnp.zeros((1, 192), jnp.bfloat16)
   w13 = jnp.zeros((2, 192, 128), jnp.bfloat16)
   w2 = jnp.zeros((2, 64, 192), jnp.bfloat16)
@@ -768,7 +768,7 @@ def test_fused_decode_rejects_what_it_cannot_run(rng):
     (64, 8, 128, 2048, 768, "silu", "sorted"),  # slots share experts
 ])
 def test_auto_layout(t, k, e, h, n, act, expect):
-  from pallas_kernels.activations import as_activation
+  from jmoe.kernels.activations import as_activation
   assert pmoe._auto_layout(t, k, e, h, n, as_activation(act), jnp.bfloat16) == expect
 
 
@@ -847,7 +847,7 @@ def test_tgmm(rng, sizes, cfg):
   """Blocks start at each expert's first row; a last block reaching past M is loaded from
   M - block_r (so it overlaps rows already counted, which get masked); lhs rows past the total
   are poisoned with NaN and must not leak; empty experts are zeros."""
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   m, k, n = 150, 128, 128
   gs = jnp.array(sizes, jnp.int32)
   total = sum(sizes)
@@ -871,7 +871,7 @@ def test_tgmm(rng, sizes, cfg):
 def test_tgmm_ws_cross_tile_walks_k_and_n_tiles(rng, k_fastest):
   """The warp-specialized cross-tile kernel over 2 K tiles x 2 N tiles per expert (each
   compute warpgroup's rows land at ki * 2 block_k + wg * block_k), in either tile order."""
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   m, k, n = 120, 256, 128
   sizes = [40, 0, 57]
   gs = jnp.array(sizes, jnp.int32)
@@ -893,7 +893,7 @@ def test_tgmm_ws_cross_tile_walks_k_and_n_tiles(rng, k_fastest):
 def test_tgmm_cta_walk_visits_every_tile_once(e, k_tiles, n_tiles, num_ctas, k_fastest):
   """The cross-tile kernels' per-CTA tile lists (tgmm._CtaWalk) partition the output tiles
   (expert, K tile, N tile), in either tile order; K-fastest order changes the K tile first."""
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   bounds = types.SimpleNamespace(at=np.zeros((2, e), np.int32))  # bounds_smem.at[0 / 1]
   seen = []
   for cta in range(num_ctas):
@@ -919,7 +919,7 @@ def test_tgmm_row_blocks_cover_each_expert_once(sizes, extra, block_r, align):
   """The weight gradient's row blocks (tgmm._Tile): loaded from multiples of `align` that
   start inside the array, and the rows each block keeps (from its first own row to the end of its load,
   capped at the expert's end) are the expert's rows, each exactly once."""
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   m = max(sum(sizes) + extra, block_r)
   ends = np.cumsum(sizes).astype(np.int32)
   starts = (ends - np.asarray(sizes)).astype(np.int32)
@@ -936,7 +936,7 @@ def test_tgmm_row_blocks_cover_each_expert_once(sizes, extra, block_r, align):
 
 
 def test_tgmm_config_validation_and_smem_fit():
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   with pytest.raises(ValueError, match="ctas_per_sm"):
     tg.TgmmConfig(ctas_per_sm=3)
   with pytest.raises(ValueError, match="out_buffers=3"):
@@ -1006,7 +1006,7 @@ def test_heuristic_at_qwen3_8_tokens_keeps_the_sms_busy():
 
 
 def test_tgmm_config_lookup(monkeypatch):
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   key = gg._tuned_key(8, 1536, 2048, jnp.bfloat16, _compat.device_kind(), gg._m_bucket(8192))
   tuned = {key: dict(block_k=64, block_n=256, block_r=64, num_stages=3, us=1.0, note="x")}
   monkeypatch.setattr(gg, "_load_tuned", lambda name: tuned if name == "tgmm" else {})
@@ -1018,7 +1018,7 @@ def test_tgmm_config_lookup(monkeypatch):
 def test_tgmm_config_takes_the_nearest_tuned_bucket(monkeypatch):
   # past 4096 rows a bucket without an entry takes the nearest tuned one (log distance; the
   # smaller on a tie), buckets below 4096 never lend theirs; the GEMM tables stay exact
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   key = lambda b: gg._tuned_key(8, 1536, 2048, jnp.bfloat16, _compat.device_kind(), b)
   cfg = lambda stages: dict(block_k=128, block_n=128, block_r=64, num_stages=stages)
   tuned = {key(1024): cfg(2), key(4096): cfg(3), key(1 << 30): cfg(5)}
@@ -1034,7 +1034,7 @@ def test_tgmm_config_takes_the_nearest_tuned_bucket(monkeypatch):
 
 
 def test_gmm_grad_matches_ragged_dot(rng):
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   m, k, n, e = 130, 64, 128, 3
   gs = jnp.array([50, 0, 70], jnp.int32)
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -1103,7 +1103,7 @@ def cross_tile_tgmm(monkeypatch):
   """The training path's weight gradients on the warp-specialized cross-tile kernel in K-fastest
   order (what the H200 tables pick for mixtral and qwen3); tgmm's trace cache is cleared on
   both sides so that no other test runs with (or without) the patched lookup."""
-  from pallas_kernels import tgmm as tg
+  from jmoe.kernels import tgmm as tg
   cfg = tg.TgmmConfig(block_k=64, block_n=64, block_r=64, num_stages=2, warp_specialized=True,
                       cross_tile=True, k_fastest=True)
   seen = []

@@ -1,4 +1,4 @@
-"""CPU tests of pallas_kernels.route (the two routing kernels), in Pallas interpret mode.
+"""CPU tests of jmoe.kernels.route (the two routing kernels), in Pallas interpret mode.
 
 route() must give exactly what the jnp path gives: moe_align's stable order (checked against
 its NumPy reference), grouped_gemm.tile_metadata's work lists for every block_m asked for, and
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels import moe as pmoe
-from pallas_kernels import permute as perm
-from pallas_kernels import route
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels import moe as pmoe
+from jmoe.kernels import permute as perm
+from jmoe.kernels import route
 
 pytestmark = pytest.mark.skipif(not route.available(),
                                 reason="the Pallas Triton lowering does not import")
@@ -171,7 +171,7 @@ def test_moe_align_training_layout(rng):
 def test_training_rows_by_scatter_equal_the_jnp_layout(rng, monkeypatch, case):
   """routed_rows' jnp path with the scatter copy (its padding and tail rows zeroed in the
   kernel) makes moe_align_training's rows: slots in place, every other row zero."""
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable")
   monkeypatch.setattr(pmoe, "_PALLAS_GATHER_MIN_SLOTS", 1)  # the scatter at this small size
@@ -360,7 +360,7 @@ def test_blocks_before_is_the_exclusive_prefix_sum(rng):
 def test_xla_route_with_scatter_copy_equals_route_kernels(rng):
   """route_xla's scatter copy (slot_positions + permute.scatter_rows) makes route()'s rows,
   positions, group sizes and tile lists."""
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable")
   t, k, e, h, bms = 150, 2, 8, 64, (64, 128)
@@ -381,7 +381,7 @@ def test_xla_route_with_scatter_copy_equals_route_kernels(rng):
 @pytest.mark.parametrize("t", [5, 150])
 def test_fused_experts_route_kernels_equal_xla_route(rng, t):
   """Both routings feed the GEMMs the same rows in the same order: outputs are identical."""
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable")
   k, e, h, n = 2, 4, 64, 64
@@ -408,7 +408,7 @@ def test_fused_experts_route_kernels_equal_xla_route(rng, t):
 def test_fused_experts_falls_back_to_jnp_routing(rng, monkeypatch, caplog):
   """Without the Triton lowering (deprecated in jax 0.11), "auto" routes in jnp and says so."""
   import logging
-  from pallas_kernels import _compat
+  from jmoe.kernels import _compat
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable")
   route.available.cache_clear()
@@ -422,7 +422,7 @@ def test_fused_experts_falls_back_to_jnp_routing(rng, monkeypatch, caplog):
   tw, ti = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((t, e)))), k)
   cfg = gg.GroupedGemmConfig(block_m=64, block_n=64, block_k=32, num_stages=2,
                              warp_specialized=False)
-  with caplog.at_level(logging.DEBUG, logger="pallas_kernels.moe"):
+  with caplog.at_level(logging.DEBUG, logger="jmoe.kernels.moe"):
     out = pmoe.fused_experts(x, w13, w2, tw, ti, layout="sorted", config1=cfg, config2=cfg,
                              interpret=_compat.interpret_params(detect_races=True))
   assert not called

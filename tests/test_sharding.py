@@ -22,13 +22,13 @@ from jax.extend.core import Literal  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jmoe  # noqa: E402
-import sharding  # noqa: E402
+from jmoe import sharding  # noqa: E402
 from jmoe.config import get_preset  # noqa: E402
 from jmoe.quant import dequantize_rows_fp8, quantize_rows_fp8  # noqa: E402
 from jmoe import registry  # noqa: E402
 from jmoe.shared import shared_expert_mlp  # noqa: E402
-from sharding import collectives  # noqa: E402
-from sharding.mesh import (ExpertPlacement, expert_placement, make_ep_mesh,  # noqa: E402
+from jmoe.sharding import collectives  # noqa: E402
+from jmoe.sharding.mesh import (ExpertPlacement, expert_placement, make_ep_mesh,  # noqa: E402
                            make_parallel, parallel_config, place_weights)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,

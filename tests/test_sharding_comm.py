@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from sharding import comm_model as cm
+from jmoe.sharding import comm_model as cm
 
 
 def test_hand_computed_values():
@@ -91,7 +91,7 @@ def test_model_matches_the_emitted_collectives(a2a):
   import numpy as np
 
   import jmoe
-  from sharding import make_parallel
+  from jmoe.sharding import make_parallel
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 (simulated) devices")
   t, h, n, e, k, ep = 32, 8, 4, 16, 2, 8

@@ -13,7 +13,7 @@ import pytest
 import jmoe
 import oracle_np as onp
 from jmoe.shared import fuse_shared_slots, shared_expert_mlp, split_shared_weights
-from pallas_kernels.activations import Activation
+from jmoe.kernels.activations import Activation
 
 H, N, T = 12, 6, 7
 # Whole blocks run jitted (one compile per config: cheaper than eager op-by-op on CPU).

@@ -1,4 +1,4 @@
-"""interop.torch_bridge: a jmoe block as a torch module, forward and backward through DLPack,
+"""jmoe.interop.torch_bridge: a jmoe block as a torch module, forward and backward through DLPack,
 against Hugging Face's own torch MoE block (values and gradients)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from interop.torch_bridge import JmoeMoE  # noqa: E402
+from jmoe.interop.torch_bridge import JmoeMoE  # noqa: E402
 from test_hf_parity import build  # noqa: E402
 
 

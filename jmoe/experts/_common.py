@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.modular import ExpertWeights
-from pallas_kernels.permute import inverse_permutation
-from pallas_kernels.activations import Activation
+from jmoe.kernels.permute import inverse_permutation
+from jmoe.kernels.activations import Activation
 
 
 def check_weights_for_activation(weights: ExpertWeights, activation: Activation) -> None:

@@ -35,7 +35,7 @@ BACKWARDS = ("pallas", "xla")
 
 
 def _forward(act, interpret, x, w13, w2, tw, ids, b13, b2):
-  from pallas_kernels.moe import fused_experts  # noqa: PLC0415 (kernels load lazily)
+  from jmoe.kernels.moe import fused_experts  # noqa: PLC0415 (kernels load lazily)
   return fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2,
                        interpret=interpret)
 
@@ -43,7 +43,7 @@ def _forward(act, interpret, x, w13, w2, tw, ids, b13, b2):
 def _differentiable(backward, act, interpret, x, w13, w2, tw, ids, b13, b2):
   """The same block on a path jax can differentiate."""
   if backward == "pallas":
-    from pallas_kernels.moe import fused_experts_train  # noqa: PLC0415
+    from jmoe.kernels.moe import fused_experts_train  # noqa: PLC0415
     return fused_experts_train(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2,
                                interpret=interpret)
   from jmoe.experts.xla import XlaExperts  # noqa: PLC0415
@@ -91,7 +91,7 @@ class PallasExperts(Experts):
     if platform == "gpu" and cc is not None and cc[0] == 9:
       return True, f"sm{cc[0]}{cc[1]} ({kind})"
     if _interpret_from_env():
-      from pallas_kernels import _compat  # noqa: PLC0415
+      from jmoe.kernels import _compat  # noqa: PLC0415
       if _compat.interpret_available():
         return True, "GPU interpret mode (JMOE_PALLAS_INTERPRET=1)"
       return False, "GPU interpret mode unavailable in this jax"
@@ -133,7 +133,7 @@ class PallasExperts(Experts):
 
 
 def _batched_forward(act, interpret, a, ent, w13, w2, b13, b2):
-  from pallas_kernels import grouped_gemm as gg  # noqa: PLC0415
+  from jmoe.kernels import grouped_gemm as gg  # noqa: PLC0415
 
   if act.is_gated:
     h = gg.batched_grouped_gemm_gated(a, w13, ent, activation=act, bias=b13, interpret=interpret)

@@ -10,7 +10,7 @@ from jmoe.config import QuantConfig
 from jmoe.modular import (ActivationFormat, Contiguous, ExpertsInput, NaiveBatched,
                           PrepareFinalize, local_expert_ids)
 from jmoe.quant import quantize_activations
-from pallas_kernels.permute import inverse_permutation
+from jmoe.kernels.permute import inverse_permutation
 
 
 def apply_weight_on_input(x: jax.Array, topk_weights: jax.Array, enabled: bool

@@ -29,15 +29,16 @@ def _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act: Activation,
   if hidden_states.shape[1] != h:
     raise ValueError(f"hidden size mismatch: hidden_states has H={hidden_states.shape[1]} but "
                      f"w13 has H={h} (w13 shape {w13.shape})")
+  if act.is_gated and w % 2:
+    raise ValueError(f"w13 must be [E, H, 2N] for the gated activation {act.name!r}: its last "
+                     f"dim {w} is odd (w13 shape {w13.shape})")
   if w2.shape[0] != e:
     raise ValueError(f"expert count mismatch: w13 has E={e}, w2 has E={w2.shape[0]}")
-  if w2.shape[2] != h:
-    raise ValueError(f"w2 must be [E, N, H] with H={h}, got shape {w2.shape}")
-  n = w2.shape[1]
-  want = 2 * n if act.is_gated else n
-  if w != want:
-    raise ValueError(f"w13 last dim must be {want} for activation {act.name!r} with "
-                     f"N={n} (w2.shape[1]), got w13 shape {w13.shape}")
+  # w13 fixes E, H and N; w2 must agree with it, and the message blames w2 when it does not
+  n = w // 2 if act.is_gated else w
+  if w2.shape != (e, n, h):
+    raise ValueError(f"w2 must be [E, N, H] = {(e, n, h)} to match w13 {tuple(w13.shape)} "
+                     f"(activation {act.name!r}), got w2 shape {tuple(w2.shape)}")
   if w13_bias is not None and w13_bias.shape != (e, w):
     raise ValueError(f"w13_bias must have shape {(e, w)}, got {w13_bias.shape}")
   if w2_bias is not None and w2_bias.shape != (e, h):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe._validate import check_floating
 from jmoe.api import fused_moe
 from jmoe.config import MoEConfig
 from jmoe.modular import _pytree_dataclass
@@ -95,6 +96,12 @@ def fuse_shared_params(params: MoEParams, config: MoEConfig) -> MoEParams:
 
 
 def router_logits(x: jax.Array, params: MoEParams) -> jax.Array:
+  """x [T, H] (floating) -> router logits [T, E] f32 (x @ router_w + router_b)."""
+  check_floating("x", x)
+  check_floating("params.router_w", params.router_w)
+  if x.shape[-1] != params.router_w.shape[0]:
+    raise ValueError(f"x has H={x.shape[-1]} but params.router_w is [H, E] = "
+                     f"{tuple(params.router_w.shape)}")
   logits = jnp.dot(x.astype(jnp.float32), params.router_w.astype(jnp.float32), precision=_HI)
   if params.router_b is not None:
     logits = logits + params.router_b.astype(jnp.float32)

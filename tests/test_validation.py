@@ -58,10 +58,14 @@ FUSED_BAD = {
     "w2_expert_count": (dict(w2=jnp.ones((E + 1, N, H))), ValueError,
                         r"expert count mismatch: w13 has E=5, w2 has E=6"),
     "w2_hidden": (dict(w2=jnp.ones((E, N, H + 1))), ValueError, r"w2 must be \[E, N, H\]"),
+    "w2_intermediate": (dict(w2=jnp.ones((E, N + 2, H))), ValueError,
+                        r"w2 must be \[E, N, H\] = \(5, 5, 6\) to match w13 \(5, 6, 10\) "
+                        r"\(activation 'silu'\), got w2 shape \(5, 7, 6\)"),
     "w13_width": (dict(w13=jnp.ones((E, H, 2 * N + 1))), ValueError,
-                  r"w13 last dim must be 10 for activation 'silu'"),
+                  r"w13 must be \[E, H, 2N\] for the gated activation 'silu': its last dim 11 "
+                  r"is odd"),
     "w13_width_no_mul": (dict(activation="silu_no_mul"), ValueError,
-                         r"w13 last dim must be 5 for activation 'silu_no_mul'"),
+                         r"w2 must be \[E, N, H\] = \(5, 10, 6\) to match w13 .*'silu_no_mul'"),
     "w13_rank": (dict(w13=jnp.ones((H, 2 * N))), ValueError, r"w13 must be \[E, H, 2N\]"),
     "w2_rank": (dict(w2=jnp.ones((N, H))), ValueError, r"w2 must be \[E, N, H\]"),
     "hidden_rank": (dict(hidden_states=jnp.ones((1, T, H))), ValueError,
@@ -270,6 +274,17 @@ def test_moe_config_good_and_frozen():
     assert jmoe.get_preset(name) is jmoe.PRESETS[name]
   with pytest.raises(ValueError, match=r"preset='nope' is not known; known: 'mixtral-8x7b'"):
     jmoe.get_preset("nope")
+
+
+def test_router_logits_bad_input():
+  params = jmoe.MoEParams(router_w=jnp.ones((H, E)), w13=_g["w13"], w2=_g["w2"])
+  with pytest.raises(TypeError, match=r"x must be a floating-point array, got dtype int32"):
+    jmoe.router_logits(jnp.ones((T, H), jnp.int32), params)
+  with pytest.raises(TypeError, match=r"params.router_w must be a floating-point array"):
+    jmoe.router_logits(jnp.ones((T, H)), jmoe.MoEParams(
+        router_w=jnp.ones((H, E), jnp.int8), w13=_g["w13"], w2=_g["w2"]))
+  with pytest.raises(ValueError, match=r"x has H=7 but params.router_w is \[H, E\] = \(6, 5\)"):
+    jmoe.router_logits(jnp.ones((T, H + 1)), params)
 
 
 def test_quant_and_parallel_config_bad_fields():

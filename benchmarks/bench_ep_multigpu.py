@@ -10,7 +10,7 @@ Stages (--stages, comma-separated):
             PyTorch's NCCL all_to_all_single in one process per GPU): the same-run ceiling
   comm      per a2a backend and dispatch dtype (bf16, fp8): dispatch alone (prepare) and
             dispatch + combine with identity experts, on all GPUs; bytes from
-            sharding.comm_model -> achieved GB/s, ratio to peak
+            jmoe.sharding.comm_model -> achieved GB/s, ratio to peak
   layer     the whole EP MoE layer at EP = 1, 2, 4, ... GPUs (weak scaling: fixed tokens per
             GPU): tokens/s per GPU, efficiency vs EP=1, and with the overlap options (shared
             expert, two micro-batches); the EP output checked against the 1-GPU layer; on GPUs

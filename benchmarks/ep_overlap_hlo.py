@@ -1,6 +1,6 @@
 """Does XLA overlap the EP dispatch with the shared expert / the other micro-batch?
 
-Compiles `sharding.ep_fused_moe` for an 8-GPU expert mesh and reads the *scheduled* optimized
+Compiles `jmoe.sharding.ep_fused_moe` for an 8-GPU expert mesh and reads the *scheduled* optimized
 HLO: for every asynchronous collective (`*-start` ... `*-done`) it lists the compute (fusions,
 GEMM custom calls) that the scheduler placed between start and done, i.e. what runs while the
 collective is in flight.

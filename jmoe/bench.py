@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import pathlib
+import platform as pyplatform
 import time
 from typing import Callable, Optional, Sequence
 
@@ -38,21 +41,100 @@ class Machine:
   how: str
 
 
-def measure_machine() -> Machine:
-  """The two ceilings: H200 figures on a GPU, a quick measurement elsewhere."""
-  platform, cc, kind = platform_info()
-  if platform == "gpu":
-    return Machine(platform, kind, H200_PEAK_FLOPS, H200_BANDWIDTH,
+# CPU ceilings are measured once per machine and cached (`cache_path()`): measuring takes
+# seconds, and a fresh measurement on a shared CPU drifts ~2x between runs, and "× roofline"
+# with it.
+REMEASURE_ENV = "JMOE_REMEASURE"
+_MATMUL_SIZES = (1024, 2048)  # f32 n x n matmuls
+_READ_MIB = (16, 128)  # one inside a typical L3, one outside: the ceiling is the faster
+_REPEATS = 15
+
+
+def cache_path() -> pathlib.Path:
+  """`$XDG_CACHE_HOME/jmoe/ceilings.json` (default `~/.cache/jmoe/ceilings.json`)."""
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(root) / "jmoe" / "ceilings.json"
+
+
+def cpu_model() -> str:
+  """The CPU's marketing name ('AMD EPYC', 'Intel(R) Xeon(R) ...'), else the architecture."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.lower().startswith(("model name", "hardware")):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return pyplatform.processor() or pyplatform.machine() or "unknown CPU"
+
+
+def _cores() -> int:
+  try:
+    return len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups)
+  except AttributeError:
+    return os.cpu_count() or 1
+
+
+def machine_key(platform_name: str, kind: str) -> str:
+  """What the ceilings depend on: CPU, cores, jax/jaxlib (XLA's kernels), backend, XLA_FLAGS."""
+  import jaxlib  # noqa: PLC0415
+  return "|".join([cpu_model(), f"cores={_cores()}", f"jax={jax.__version__}",
+                   f"jaxlib={jaxlib.__version__}", f"{platform_name}:{kind}",
+                   f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"])
+
+
+def _measure_ceilings() -> tuple[float, float]:
+  """(peak FLOP/s, bandwidth B/s): the best of many runs of dense f32 matmuls and of
+  streaming reads (a sum). Not `x + 1`: its fresh output buffer pays page faults on every call
+  on a CPU, which made the bandwidth ~10x too low: a roofline time too long to be a bound."""
+  flops = 0.0
+  for n in _MATMUL_SIZES:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    flops = max(flops, 2 * n ** 3 / _best_time(lambda: mm(a), _REPEATS))  # noqa: B023
+  bw = 0.0
+  for mib in _READ_MIB:
+    x = jnp.ones((mib << 18,), jnp.float32)
+    rd = jax.jit(jnp.sum)
+    bw = max(bw, x.nbytes / _best_time(lambda: rd(x), _REPEATS))  # noqa: B023
+  return flops, bw
+
+
+def measure_machine(remeasure: bool = False) -> Machine:
+  """The two ceilings: H200 figures on a GPU; elsewhere measured once and cached per machine
+  (`cache_path()`, keyed by `machine_key`). `remeasure` (or $JMOE_REMEASURE=1) measures again
+  and keeps the best of the old and new figures: a ceiling is the most the machine was seen
+  to do, so a run on a busy machine cannot lower it."""
+  platform_name, _, kind = platform_info()
+  if platform_name == "gpu":
+    return Machine(platform_name, kind, H200_PEAK_FLOPS, H200_BANDWIDTH,
                    "H200 ceilings from shared/research/peers-h200.md")
-  n = 1024
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  mm = jax.jit(lambda a: a @ a)
-  t = _best_time(lambda: mm(a), repeats=10)
-  big = jnp.ones((1 << 24,), jnp.float32)
-  cp = jax.jit(lambda x: x + 1.0)
-  tc = _best_time(lambda: cp(big), repeats=10)
-  return Machine(platform, kind or platform, 2 * n ** 3 / t, 2 * big.nbytes / tc,
-                 f"measured here: f32 {n}^3 matmul, {big.nbytes >> 20} MiB x+1")
+  path, key = cache_path(), machine_key(platform_name, kind)
+  kind = f"{cpu_model()}, {_cores()} cores" if platform_name == "cpu" else kind or platform_name
+  remeasure = remeasure or os.environ.get(REMEASURE_ENV, "") not in ("", "0")
+  try:
+    cache = json.loads(path.read_text())
+  except (OSError, ValueError):
+    cache = {}
+  old = cache.get(key)
+  what = (f"best of {_REPEATS} runs: f32 matmul {'/'.join(map(str, _MATMUL_SIZES))}^2, "
+          f"read {'/'.join(map(str, _READ_MIB))} MiB")
+  if old is not None and not remeasure:
+    return Machine(platform_name, kind, old["peak_flops"], old["bandwidth"],
+                   f"measured {old['date']}, {what}; cached in {path}, --remeasure to redo")
+  flops, bw = _measure_ceilings()
+  if old is not None:
+    flops, bw = max(flops, old["peak_flops"]), max(bw, old["bandwidth"])
+  cache[key] = {"peak_flops": flops, "bandwidth": bw, "date": time.strftime("%Y-%m-%d")}
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # atomic: two runs at once cannot tear it
+    tmp.write_text(json.dumps(cache, indent=1))
+    os.replace(tmp, path)
+    where = f"cached in {path}"
+  except OSError as e:
+    where = f"not cached ({e})"
+  return Machine(platform_name, kind, flops, bw, f"measured now, {what}; {where}")
 
 
 def _best_time(fn: Callable[[], jax.Array], repeats: int) -> float:
@@ -66,17 +148,57 @@ def _best_time(fn: Callable[[], jax.Array], repeats: int) -> float:
   return best
 
 
-def scaled_for_cpu(cfg: MoEConfig, target_flops: float = 2e8) -> tuple[MoEConfig, str]:
-  """Shrink H and N (keeping E, k, ratios) so one block at 64 tokens costs ~target_flops."""
-  flops = 64 * cfg.top_k * 2 * cfg.hidden_size * (cfg.w13_out + cfg.intermediate_size)
+CPU_TARGET_FLOPS = 2e8  # one scaled block at 64 tokens: a few ms on a laptop core
+
+
+def scaled_for_cpu(cfg: MoEConfig, target_flops: float = CPU_TARGET_FLOPS
+                   ) -> tuple[MoEConfig, str]:
+  """Shrink H and N (keeping E, k, ratios) so one block at 64 tokens costs ~target_flops.
+
+  Returns (config, note); the note says what was scaled, from what to what, and why."""
+  flops = block_flops(64, cfg)
   f = math.sqrt(max(flops / target_flops, 1.0))
   if f <= 1.0:
-    return cfg, "full size"
+    return cfg, f"full size: {shape_str(cfg)}"
   h = max(16, int(round(cfg.hidden_size / f / 16)) * 16)
   n = max(16, int(round(cfg.intermediate_size / f / 16)) * 16)
   small = cfg.replace(hidden_size=h, intermediate_size=n, shared_intermediate_size=None)
-  return small, (f"scaled for CPU: hidden {cfg.hidden_size}->{h}, intermediate "
-                 f"{cfg.intermediate_size}->{n} (experts and top-k unchanged)")
+  return small, (f"scaled for CPU to keep the run short: hidden {cfg.hidden_size}→{h}, "
+                 f"intermediate {cfg.intermediate_size}→{n} (each ÷{f:.1f}, so 64 tokens cost "
+                 f"{block_flops(64, small) / 1e9:.2g} GFLOP instead of {flops / 1e9:.3g}); "
+                 f"{cfg.num_experts} experts, top-{cfg.top_k} unchanged")
+
+
+def bench_config(preset: str, scale: bool) -> tuple[MoEConfig, str]:
+  """The preset's config as benchmarked, and the note on its shapes."""
+  cfg = get_preset(preset)
+  return scaled_for_cpu(cfg) if scale else (cfg, f"full size: {shape_str(cfg)}")
+
+
+def shape_str(cfg: MoEConfig) -> str:
+  return (f"E={cfg.num_experts} top-{cfg.top_k} hidden={cfg.hidden_size} "
+          f"intermediate={cfg.intermediate_size}")
+
+
+def legend(has_device: bool, has_peers: bool = False) -> str:
+  """What the table's columns mean (printed under it)."""
+  rate_time = "device µs" if has_device else "wall µs"
+  return ("Timed: the routed expert block of one forward (permute, GEMM1, activation, GEMM2, "
+          "weighted sum) for fixed router outputs, router excluded; median over calls rotating "
+          "3 random problems. "
+          "wall µs = host wall clock per call" +
+          ("; device µs = sum of the call's GPU kernel durations (CUPTI)" if has_device else "") +
+          f"; TFLOP/s, GB/s = the block's FLOPs (2·T·k·H·(W13+N)) and bytes (touched expert "
+          f"weights + tokens in and out) per {rate_time}; roofline µs = max(FLOPs / peak, "
+          f"bytes / bandwidth) at the ceilings above; × roofline = {rate_time} / roofline µs, "
+          "so ≥ 1 (1 = at the ceiling); rel err = relative Frobenius error vs the first "
+          "backend (ref)" + ("; peer:* = another library's kernels" if has_peers else "") + ".")
+
+
+def plot_title(preset: str, dtype: str, machine: Machine, cfg: MoEConfig, scaled: bool) -> str:
+  return (f"jmoe bench: {preset} routed experts, forward, {dtype}\n"
+          f"{machine.device_kind} ({machine.platform}); {shape_str(cfg)}"
+          + (" (scaled for CPU)" if scaled else ""))
 
 
 def block_flops(tokens: int, cfg: MoEConfig) -> float:
@@ -144,10 +266,7 @@ def run_bench(preset: str, tokens: Sequence[int], backends: Sequence[str], dtype
               machine: Machine, *, scale: bool, repeats: int = 10, rotate: int = 3,
               progress=None, peers: Sequence[str] = ()) -> tuple[list[Row], str]:
   """Time each backend at each token count. Returns (rows, scaling note)."""
-  cfg = get_preset(preset)
-  note = "full size"
-  if scale:
-    cfg, note = scaled_for_cpu(cfg)
+  cfg, note = bench_config(preset, scale)
   jdtype = jnp.dtype(dtype)
   rows: list[Row] = []
   fns = {b: _backend_fn(b, cfg) for b in backends}
@@ -196,7 +315,7 @@ def rows_to_json(rows: list[Row], machine: Machine, note: str, dtype: str) -> st
                      "rows": [dataclasses.asdict(r) for r in rows]}, indent=1)
 
 
-def plot_rows(rows: list[Row], path: str) -> None:
+def plot_rows(rows: list[Row], path: str, title: Optional[str] = None) -> None:
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -211,8 +330,8 @@ def plot_rows(rows: list[Row], path: str) -> None:
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("tokens")
-  ax.set_ylabel("time per block (µs)")
-  ax.set_title(f"jmoe bench: {rows[0].preset}")
+  ax.set_ylabel("wall µs per block")
+  ax.set_title(title or f"jmoe bench: {rows[0].preset}", fontsize=10)
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)

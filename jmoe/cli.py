@@ -1,4 +1,5 @@
-"""`python -m jmoe {bench, check, profile, ...}`."""
+"""jmoe: Mixture-of-Experts layers for JAX. `python -m jmoe COMMAND --help` for a command's
+options."""
 from __future__ import annotations
 
 import argparse
@@ -12,11 +13,40 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console(width=None if sys.stdout.isatty() else 120)
+# rich gives a non-tty 80 columns; piped text gets 120 ($COLUMNS, when set, wins as in rich)
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
+
+
+def _print_table(table: Table) -> None:
+  """On a terminal (or with $COLUMNS): its width, cells wrapping where they do not fit. Piped:
+  the table's natural width, however wide, so no cell is wrapped or cut in a log or a file."""
+  if console.is_terminal or os.environ.get("COLUMNS"):
+    console.print(table)
+  else:
+    width = console.width  # print(width=...) can only narrow: widen the console for the table
+    console.width = max(width, console.measure(table, options=console.options.update_width(
+        1 << 14)).maximum)
+    try:
+      console.print(table)
+    finally:
+      console.width = width
+
+
+class UsageError(ValueError):
+  """Bad command-line input; `main` prints it as `python -m jmoe CMD: error: ...` (exit 2)."""
 
 
 def _ints(s: str) -> list[int]:
-  return [int(v) for v in s.split(",") if v]
+  vals = [int(v) for v in s.split(",") if v]
+  if any(v <= 0 for v in vals):
+    raise argparse.ArgumentTypeError(f"{s!r}: every value must be a positive integer")
+  return vals
+
+
+def _positive(s: str) -> int:
+  if int(s) <= 0:
+    raise argparse.ArgumentTypeError(f"{s!r}: must be a positive integer")
+  return int(s)
 
 
 def _names(s: str) -> list[str]:
@@ -29,7 +59,7 @@ def cmd_bench(args) -> int:
   from jmoe import bench  # noqa: PLC0415
   from jmoe.config import PRESET_TOKENS  # noqa: PLC0415
 
-  machine = bench.measure_machine()
+  machine = bench.measure_machine(remeasure=args.remeasure)
   on_gpu = machine.platform == "gpu"
   scale = not on_gpu if args.scale == "auto" else args.scale == "yes"
   tokens = args.tokens or (list(PRESET_TOKENS) if on_gpu else [1, 16, 64, 256])
@@ -42,6 +72,9 @@ def cmd_bench(args) -> int:
                 f"jax={jax.__version__} device={machine.device_kind} ({machine.platform})")
   console.print(f"ceilings: {machine.peak_flops / 1e12:.2f} TFLOP/s, "
                 f"{machine.bandwidth / 1e9:.1f} GB/s ({machine.how})")
+  cfg, note = bench.bench_config(args.preset, scale)
+  scaled = note.startswith("scaled")
+  console.print(f"shapes: {note}" + ("; --scale no for the preset's full size" if scaled else ""))
   total = len(tokens) * (len(backends) + len(peers))
   with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TimeElapsedColumn(), console=console, transient=True) as prog:
@@ -49,8 +82,7 @@ def cmd_bench(args) -> int:
     rows, note = bench.run_bench(args.preset, tokens, backends, args.dtype, machine, scale=scale,
                                  repeats=args.repeats, peers=peers,
                                  progress=lambda: prog.advance(task))
-  console.print(f"shapes: {note}")
-  table = Table(title=f"{args.preset} ({args.dtype})")
+  table = Table(title=f"{args.preset} ({args.dtype}, {machine.platform})")
   has_dev = any(r.device_us is not None for r in rows)
   cols = ["tokens", "backend", "wall µs"] + (["device µs"] if has_dev else []) + [
       "TFLOP/s", "GB/s", "roofline µs", "× roofline", "rel err"]
@@ -65,13 +97,21 @@ def cmd_bench(args) -> int:
     table.add_row(str(r.tokens), r.backend, f"{r.time_us:.1f}", *dev, f"{r.tflops:.3f}",
                   f"{r.gbps:.1f}", f"{r.roofline_us:.1f}", f"{r.ratio_to_roofline:.2f}",
                   "ref" if r.rel_err is None else f"{r.rel_err:.1e}")
-  console.print(table)
+  _print_table(table)
+  console.print(bench.legend(has_dev, bool(peers)), style="dim")
+  for r in rows:
+    if r.error:  # the cell holds 60 characters; the full message here
+      console.print(f"[red]failed[/] tokens={r.tokens} {r.backend}: {r.error}", soft_wrap=True)
+  if not on_gpu and any(r.ratio_to_roofline < 1 for r in rows if not r.error):
+    console.print("[yellow]× roofline < 1: the cached ceilings underestimate this machine; "
+                  "--remeasure to measure them again[/]")
   if args.json:
     with open(args.json, "w") as f:
       f.write(bench.rows_to_json(rows, machine, note, args.dtype))
     console.print(f"wrote {args.json}")
   if args.plot:
-    bench.plot_rows(rows, args.plot)
+    bench.plot_rows(rows, args.plot, bench.plot_title(args.preset, args.dtype, machine, cfg,
+                                                      scaled))
     console.print(f"wrote {args.plot}")
   return 1 if any(r.error for r in rows) else 0
 
@@ -110,14 +150,15 @@ def compatibility_matrix():
 
 def cmd_check(args) -> int:
   experts, cells = compatibility_matrix()
-  table = Table(title="jmoe: prepare/finalize × experts")
-  table.add_column("prepare/finalize \\ experts")
+  # fold, not rich's default ellipsis: a narrow console wraps a long name or reason, never cuts
+  table = Table(title="jmoe: prepare/finalize × experts", show_lines=True)
+  table.add_column("prepare/finalize \\ experts", overflow="fold")
   for cls in experts:
-    table.add_column(f"{cls.name}\n({cls.activation_formats[0].value})")
+    table.add_column(f"{cls.name}\n({cls.activation_formats[0].value})", overflow="fold")
   for label, row in cells:
     table.add_row(label, *[("[green]" if c.startswith("ok") else "[red]") + c + "[/]"
                            for c in row])
-  console.print(table)
+  _print_table(table)
   for cls in experts:
     ok, why = cls.is_available()
     console.print(f"  {cls.name}: {'available' if ok else 'unavailable'} — {why}")
@@ -216,8 +257,13 @@ def cmd_tune(args) -> int:
 
 
 def cmd_eplb(args) -> int:
+  from jmoe.config import get_preset  # noqa: PLC0415
   from jmoe.sharding import eplb  # noqa: PLC0415
 
+  num_experts = get_preset(args.preset).num_experts
+  if args.redundant is None:
+    args.redundant = args.ep  # one extra slot per device (DeepSeek: 32 on 32 prefill GPUs)
+  _check_eplb_slots(num_experts, args.redundant, args.ep)
   r = eplb.simulate(args.preset, args.ep, args.redundant, args.skew, plot=args.plot,
                     tokens=args.tokens, gpus_per_node=args.gpus_per_node, seed=args.seed)
   table = Table(title=f"EPLB simulation: {args.preset}, EP={args.ep}, skew={args.skew}")
@@ -239,11 +285,30 @@ def cmd_eplb(args) -> int:
   return 0
 
 
+def _check_eplb_slots(num_experts: int, redundant: int, ep: int) -> None:
+  """The placement gives every device the same number of physical slots (slot p on device
+  p // (P / ep)), so experts + redundant must divide by ep; say so rather than round."""
+  if ep <= 0:
+    raise UsageError(f"--ep={ep}: must be a positive number of devices")
+  if redundant < 0:
+    raise UsageError(f"--redundant={redundant}: must be >= 0")
+  off = (num_experts + redundant) % ep
+  if off:
+    lo, hi = redundant - off, redundant - off + ep
+    fix = f"{lo} or {hi}" if lo >= 0 else str(hi)
+    rule = (f"must be a multiple of --ep={ep}" if num_experts % ep == 0 else
+            f"must make {num_experts} experts + redundant a multiple of --ep={ep}")
+    raise UsageError(
+        f"--redundant={redundant}: {rule}, since every device holds the same number of "
+        f"expert slots ({num_experts} + {redundant} = {num_experts + redundant} slots do not "
+        f"divide over {ep} devices); try --redundant {fix}")
+
+
 def build_parser() -> argparse.ArgumentParser:
   from jmoe.config import PRESETS, RUNNER_BACKENDS  # noqa: PLC0415
 
   p = argparse.ArgumentParser(prog="python -m jmoe", description=__doc__)
-  sub = p.add_subparsers(dest="cmd", required=True)
+  sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
   b = sub.add_parser("bench", help="time the MoE expert block per backend vs the roofline")
   b.add_argument("--preset", default="mixtral-8x7b", choices=sorted(PRESETS))
   b.add_argument("--tokens", type=_ints, default=None,
@@ -255,7 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
   b.add_argument("--scale", choices=("auto", "yes", "no"), default="auto",
                  help="shrink hidden/intermediate sizes (auto: on CPU only)")
-  b.add_argument("--repeats", type=int, default=10)
+  b.add_argument("--repeats", type=_positive, default=10, help="timed calls per row")
+  b.add_argument("--remeasure", action="store_true",
+                 help="measure the CPU ceilings again (else cached once per machine in "
+                      "$XDG_CACHE_HOME/jmoe or ~/.cache/jmoe; also $JMOE_REMEASURE=1)")
   b.add_argument("--json", default=None, help="write the rows as JSON here")
   b.add_argument("--plot", default=None, help="write a time-vs-tokens plot (PNG) here")
   b.set_defaults(func=cmd_bench)
@@ -296,7 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
   ep = sub.add_parser("eplb", help="simulate expert-parallel load balancing on skewed routing")
   ep.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
   ep.add_argument("--ep", type=int, default=64, help="expert-parallel devices")
-  ep.add_argument("--redundant", type=int, default=32, help="redundant expert replicas")
+  ep.add_argument("--redundant", type=int, default=None,
+                  help="redundant expert replicas; experts + redundant must be a multiple of "
+                       "--ep (every device holds as many slots); default: --ep, one per device")
   ep.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of expert popularity")
   ep.add_argument("--tokens", type=int, default=8192)
   ep.add_argument("--gpus-per-node", type=int, default=8)
@@ -307,11 +377,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.cmd is None:  # a bare `python -m jmoe`: the commands, not an argparse error
+    parser.print_help()
+    return 0
   if getattr(args, "dtype", "x") is None:
     import jax  # noqa: PLC0415
     args.dtype = "bfloat16" if jax.devices()[0].platform == "gpu" else "float32"
-  return args.func(args)
+  try:
+    return args.func(args)
+  except UsageError as e:
+    parser.exit(2, f"{parser.prog} {args.cmd}: error: {e}\n")
 
 
 if __name__ == "__main__":

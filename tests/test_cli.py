@@ -1,13 +1,30 @@
 """`python -m jmoe ...` commands, run in-process on tiny settings."""
 from __future__ import annotations
 
+import io
 import json
+import re
 import subprocess
 import sys
 
 import pytest
+from rich.console import Console
 
-from jmoe import cli
+from jmoe import bench, cli
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ceiling_cache(tmp_path_factory):
+  """The CPU ceilings go to a cache of this module's own, measured once, not to ~/.cache."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+    mp.delenv(bench.REMEASURE_ENV, raising=False)
+    yield
+
+
+def _flat(text: str) -> str:
+  """Console output with its line wrapping undone."""
+  return " ".join(text.split())
 
 
 def test_check_prints_matrix_and_oracle(capsys):
@@ -16,6 +33,49 @@ def test_check_prints_matrix_and_oracle(capsys):
   for name in ("reference", "xla", "xla_batched", "pallas_mosaic", "none:standard",
                "none:batched", "oracle default here"):
     assert name in out
+  # piped (not a tty): the table at its natural width, every name whole, nothing cut
+  assert "…" not in out
+  for name in ("pallas_mosaic_batched", "ragged_dedup:standard", "ok (unavailable here)",
+               "✗ standard ≠ batched"):
+    assert name in out
+
+
+def _table_cells(text: str) -> list[list[str]]:
+  """The cells of a rendered rich table (header first), each cell's wrapped lines joined and
+  its spaces dropped."""
+  rows, lines = [], []
+  for line in text.splitlines() + [""]:
+    if line[:1] in ("┃", "│"):
+      lines.append(re.split("[┃│]", line)[1:-1])
+    elif lines:
+      rows.append(["".join(col).replace(" ", "") for col in zip(*lines)])
+      lines = []
+  return rows
+
+
+def test_check_cells_are_whole_on_a_narrow_terminal(monkeypatch):
+  buf = io.StringIO()
+  monkeypatch.setattr(cli, "console", Console(file=buf, width=60, force_terminal=True,
+                                              color_system=None))
+  assert cli.main(["check"]) == 0
+  out = buf.getvalue()
+  assert "…" not in out
+  experts, cells = cli.compatibility_matrix()
+  want = [["prepare/finalize \\ experts"]
+          + [f"{c.name}({c.activation_formats[0].value})" for c in experts]]
+  want += [[label, *row] for label, row in cells]
+  assert _table_cells(out) == [[c.replace(" ", "") for c in r] for r in want]
+  for cls in experts:  # the availability reasons below the table, in full
+    assert f"{cls.name}: " in out and _flat(cls.is_available()[1]) in _flat(out)
+
+
+def test_bare_command_lists_the_commands(capsys):
+  assert cli.main([]) == 0
+  out = capsys.readouterr().out
+  for cmd, what in (("bench", "time the MoE expert block"), ("check", "print the prepare"),
+                    ("profile", "write a jax.profiler trace"), ("tune", "autotune"),
+                    ("eplb", "simulate expert-parallel")):
+    assert re.search(rf"^\s+{cmd}\s+{what}", out, re.M), cmd
 
 
 def test_bench_writes_json_and_plot(tmp_path, capsys):
@@ -23,8 +83,11 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
   rc = cli.main(["bench", "--preset", "qwen3-30b-a3b", "--tokens", "1,8", "--backends",
                  "xla,xla_batched", "--repeats", "2", "--json", str(js), "--plot", str(png)])
   assert rc == 0
-  out = capsys.readouterr().out
+  out = _flat(capsys.readouterr().out)
   assert "scaled for CPU" in out and "roofline" in out
+  cfg, note = bench.bench_config("qwen3-30b-a3b", scale=True)
+  assert f"shapes: {note}; --scale no for the preset's full size" in out
+  assert bench.legend(has_device=False) in out  # under the table
   data = json.loads(js.read_text())
   rows = data["rows"]
   assert {(r["tokens"], r["backend"]) for r in rows} == {(1, "xla"), (1, "xla_batched"),
@@ -42,6 +105,84 @@ def test_bench_reports_a_failing_backend_without_hiding_others(capsys):
   assert rc == 1  # pallas_mosaic cannot run on CPU: reported as failed, xla still timed
   out = capsys.readouterr().out
   assert "failed" in out and "xla" in out
+
+
+def test_bench_scaling_note_says_what_from_what_and_why():
+  cfg, note = bench.bench_config("mixtral-8x7b", scale=True)
+  assert (cfg.hidden_size, cfg.intermediate_size) == (272, 960)
+  assert note.startswith("scaled for CPU to keep the run short: hidden 4096→272, "
+                         "intermediate 14336→960 (each ÷15.0, so 64 tokens cost 0.2 GFLOP "
+                         "instead of 45.1)")
+  assert note.endswith("8 experts, top-2 unchanged")
+  assert bench.bench_config("mixtral-8x7b", scale=False)[1] == (
+      "full size: E=8 top-2 hidden=4096 intermediate=14336")
+
+
+def test_bench_legend_explains_every_column():
+  cpu, gpu = bench.legend(has_device=False), bench.legend(has_device=True, has_peers=True)
+  for text in (cpu, gpu):
+    for what in ("routed expert block", "router excluded", "wall µs = host wall clock",
+                 "TFLOP/s, GB/s", "roofline µs = max(FLOPs / peak, bytes / bandwidth)",
+                 "so ≥ 1", "error vs the first backend"):
+      assert what in text, what
+  assert "× roofline = wall µs / roofline µs" in cpu and "device µs" not in cpu
+  assert "device µs = sum of the call's GPU kernel durations" in gpu
+  assert "× roofline = device µs / roofline µs" in gpu and "peer:*" in gpu
+
+
+def test_bench_plot_title_names_device_dtype_and_shapes():
+  cfg, _ = bench.bench_config("mixtral-8x7b", scale=True)
+  m = bench.Machine("cpu", "AMD EPYC, 2 cores", 1e11, 5e10, "")
+  title = bench.plot_title("mixtral-8x7b", "float32", m, cfg, scaled=True)
+  for what in ("mixtral-8x7b", "float32", "AMD EPYC, 2 cores (cpu)", "hidden=272",
+               "intermediate=960", "E=8 top-2", "scaled for CPU"):
+    assert what in title, what
+
+
+def test_cpu_ceilings_measured_once_per_machine_and_kept_at_their_best(tmp_path, monkeypatch):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  measured = iter([(1e11, 4e10), (5e10, 6e10), (2e11, 1e10)])
+  calls = []
+
+  def fake():
+    calls.append(1)
+    return next(measured)
+
+  monkeypatch.setattr(bench, "_measure_ceilings", fake)
+  first = bench.measure_machine()
+  again = bench.measure_machine()
+  assert len(calls) == 1 and (again.peak_flops, again.bandwidth) == (1e11, 4e10)
+  assert "cached in" in again.how and "--remeasure" in again.how
+  cache = json.loads((tmp_path / "jmoe" / "ceilings.json").read_text())
+  (key, entry), = cache.items()
+  import jax
+  for fact in (bench.cpu_model(), "cores=", f"jax={jax.__version__}", "cpu"):
+    assert fact in key
+  assert (entry["peak_flops"], entry["bandwidth"]) == (first.peak_flops, first.bandwidth)
+  m = bench.measure_machine(remeasure=True)  # a slower run cannot lower a ceiling
+  assert len(calls) == 2 and (m.peak_flops, m.bandwidth) == (1e11, 6e10)
+  monkeypatch.setenv(bench.REMEASURE_ENV, "1")
+  m = bench.measure_machine()
+  assert len(calls) == 3 and (m.peak_flops, m.bandwidth) == (2e11, 6e10)
+
+
+def test_eplb_redundant_not_fitting_the_devices_is_an_error(capsys):
+  with pytest.raises(SystemExit) as e:  # deepseek-v3: 256 experts over the default --ep 64
+    cli.main(["eplb", "--redundant", "32"])
+  assert e.value.code == 2
+  err = _flat(capsys.readouterr().err)
+  assert "eplb: error: --redundant=32: must be a multiple of --ep=64" in err
+  assert "try --redundant 0 or 64" in err
+  with pytest.raises(SystemExit):  # 128 experts over 12 devices: 4 more make 132
+    cli.main(["eplb", "--preset", "qwen3-30b-a3b", "--ep", "12", "--redundant", "3"])
+  err = _flat(capsys.readouterr().err)
+  assert "--redundant=3: must make 128 experts + redundant a multiple of --ep=12" in err
+  assert "try --redundant 4" in err
+
+
+def test_eplb_default_redundant_is_one_per_device(capsys):
+  assert cli.main(["eplb", "--preset", "qwen3-30b-a3b", "--ep", "8", "--tokens", "256"]) == 0
+  assert "physical experts 136 (8 redundant)" in capsys.readouterr().out
 
 
 def test_eplb_simulation(tmp_path, capsys):

@@ -12,6 +12,57 @@ from jmoe._validate import (check_distinct_ids, check_expert_map, check_floating
 from jmoe.config import ParallelConfig, QuantConfig
 from jmoe.modular import ActivationFormat, ExpertWeights, ModularKernel
 from jmoe.kernels.activations import Activation, as_activation
+from jmoe.quant.activations import check_act_groups
+from jmoe.quant.weights import (QuantizedWeights, check_quantized, from_qwix, is_qwix_qarray,
+                                scheme_of_qwix)
+
+
+def as_quantized(w13, w2, quant_config: Optional[QuantConfig]):
+  """qwix.QArray weights -> QuantizedWeights (no copy; the activation format from
+  quant_config, else weight-only); anything else unchanged."""
+  out = []
+  for name, w in (("w13", w13), ("w2", w2)):
+    if is_qwix_qarray(w):
+      w = from_qwix(w, scheme_of_qwix(w, quant_config), argname=name)
+    out.append(w)
+  return out
+
+
+def resolve_quant(w13, w2, quant_config: Optional[QuantConfig]) -> Optional[QuantConfig]:
+  """The call's scheme: that of the quantized w13 / w2 (both, one scheme), checked against
+  `quant_config` when given. Raises naming the argument that disagrees."""
+  q13, q2 = isinstance(w13, QuantizedWeights), isinstance(w2, QuantizedWeights)
+  if q13 != q2:
+    dense, quantized = ("w2", "w13") if q13 else ("w13", "w2")
+    raise TypeError(f"{quantized} is quantized ({(w13 if q13 else w2).scheme}) but {dense} is a "
+                    f"dense array: quantize both with jmoe.quant.quantize_weights, one scheme")
+  if not q13:
+    if quant_config is not None and quant_config.is_quantized:
+      raise ValueError(f"quant_config={quant_config} but w13 / w2 are dense arrays: pass "
+                       "jmoe.quant.quantize_weights(w, scheme) as w13 and w2")
+    return None
+  check_quantized(w13, argname="w13")
+  check_quantized(w2, argname="w2")
+  if w13.scheme != w2.scheme:
+    raise ValueError(f"w13 is {w13.scheme} but w2 is {w2.scheme}: both must share one scheme")
+  if quant_config is not None and quant_config != w13.scheme:
+    raise ValueError(f"quant_config={quant_config} differs from the weights' scheme "
+                     f"{w13.scheme}; leave quant_config out (the weights carry it)")
+  return w13.scheme
+
+
+@jax.custom_vjp
+def _forward_only(tree):
+  """Identity that refuses differentiation: quantized experts have no backward yet."""
+  return tree
+
+
+def _forward_only_fwd(tree):
+  raise ValueError("gradients through quantized experts are not supported yet: the quantized "
+                   "forward has no backward; train with dense (bf16) weights")
+
+
+_forward_only.defvjp(_forward_only_fwd, lambda _, g: (g,))
 
 
 def _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act: Activation,
@@ -23,8 +74,10 @@ def _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act: Activation,
     raise ValueError(f"w13 must be [E, H, 2N] (or [E, H, N] for *_no_mul), got {w13.shape}")
   if w2.ndim != 3:
     raise ValueError(f"w2 must be [E, N, H], got shape {w2.shape}")
-  check_floating("w13", w13)
-  check_floating("w2", w2)
+  if not isinstance(w13, QuantizedWeights):
+    check_floating("w13", w13)
+  if not isinstance(w2, QuantizedWeights):
+    check_floating("w2", w2)
   e, h, w = w13.shape
   if hidden_states.shape[1] != h:
     raise ValueError(f"hidden size mismatch: hidden_states has H={hidden_states.shape[1]} but "
@@ -70,8 +123,9 @@ def fused_moe(
   Args:
     hidden_states: [T, H] activations (bf16/f16/f32).
     w13: [E, H, 2N] gate (`[..., :N]`) and up (`[..., N:]`) projections; [E, H, N] for the
-      non-gated `*_no_mul` activations.
-    w2: [E, N, H] down projection.
+      non-gated `*_no_mul` activations. Or `jmoe.quant.QuantizedWeights` of that logical
+      shape (w13 and w2 both, one scheme): the call then runs that scheme.
+    w2: [E, N, H] down projection (dense or quantized, as w13).
     topk_weights: [T, k] router weights (from `select_experts`).
     topk_ids: [T, k] int expert ids in global numbering; -1 marks an empty slot.
     activation: "silu", "gelu", "gelu_tanh", "swigluoai", "silu_no_mul", "gelu_no_mul",
@@ -81,7 +135,7 @@ def fused_moe(
     global_num_experts: experts in the whole model (default: len(expert_map) or E).
     expert_map: [global_E] int, global id -> local id on this device, -1 = not local
       (those slots contribute nothing).
-    quant_config: weight/activation format (None: unquantized).
+    quant_config: the scheme; None takes it from quantized w13 / w2 (given, it must match).
     runner_backend: "auto" (the oracle), "reference", "xla", "xla_batched", "pallas_mosaic".
     a2a_backend, parallel: expert parallelism over a mesh (see `sharding`).
 
@@ -93,7 +147,15 @@ def fused_moe(
   see `jmoe.checkify_ids`), which turns them into a checkify error.
   """
   act = as_activation(activation, alpha=swiglu_alpha, limit=swiglu_limit)
+  if is_qwix_qarray(w13) or is_qwix_qarray(w2):
+    w13, w2 = as_quantized(w13, w2, quant_config)
+    quant_config = None  # the converted weights carry it (its activation format included)
   _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act)
+  quant_config = resolve_quant(w13, w2, quant_config)
+  if quant_config is not None:
+    check_act_groups(quant_config, w13.shape[1], argname="hidden_states (H)")
+    check_act_groups(quant_config, w2.shape[1], argname="w2 (the intermediate N)")
+    hidden_states, w13, w2 = _forward_only((hidden_states, w13, w2))
   t = hidden_states.shape[0]
   k = check_topk(topk_weights, topk_ids, t)
   e_local = w13.shape[0]

@@ -21,7 +21,6 @@ RUNNER_BACKENDS = ("auto", "reference", "xla", "xla_batched", "pallas_mosaic")
 A2A_BACKENDS = ("auto", "none", "allgather", "ragged_a2a", "ragged_dedup", "padded_a2a")
 EXPERT_PLACEMENTS = ("linear", "round_robin")
 DISPATCH_DTYPES = (None, "fp8")
-QUANT_FORMATS = (None, "fp8_tensor", "fp8_channel", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "int8")
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -36,24 +35,158 @@ def check_choice(name: str, value: Any, choices) -> None:
     raise ValueError(f"{name}={value!r} is not known; known: {known}")
 
 
+# Quantization schemes as data (DESIGN.md, "Quantized formats"). A scheme = how the expert
+# weights are stored (value dtype, the granularity of their scales, zero points) x how the
+# activations entering each GEMM are quantized (dtype and scale granularity, or not at all).
+WEIGHT_DTYPES = ("float8_e4m3fn", "int8", "int4", "float4_e2m1fn")
+# tensor: one scale per expert matrix; channel: one per output channel; block: one per
+# (bk x bn) tile of [K, N]; group: one per g consecutive K values of each output channel
+WEIGHT_SCALES = ("tensor", "channel", "block", "group")
+SCALE_DTYPES = ("float32", "float8_e8m0fnu", "float8_e4m3fn")
+ACT_DTYPES = (None, "float8_e4m3fn", "int8")
+# static_tensor: one calibrated scale (a checkpoint's input_scale); dynamic_tensor: max |x| over
+# the call; dynamic_token: one per row; dynamic_group: one per `act_group_size` channels per row
+ACT_SCALES = (None, "static_tensor", "dynamic_tensor", "dynamic_token", "dynamic_group")
+
+# name -> the scheme's fields (users name schemes by the words vLLM / checkpoints use)
+QUANT_SCHEMES: dict[str, dict[str, Any]] = {
+    "fp8_tensor": dict(weight_dtype="float8_e4m3fn", weight_scale="tensor",
+                       act_dtype="float8_e4m3fn", act_scale="dynamic_token"),
+    "fp8_channel": dict(weight_dtype="float8_e4m3fn", weight_scale="channel",
+                        act_dtype="float8_e4m3fn", act_scale="dynamic_token"),
+    "fp8_block": dict(weight_dtype="float8_e4m3fn", weight_scale="block", block_shape=(128, 128),
+                      act_dtype="float8_e4m3fn", act_scale="dynamic_group", act_group_size=128),
+    "int8": dict(weight_dtype="int8", weight_scale="channel", act_dtype="int8",
+                 act_scale="dynamic_token"),
+    "w8a16": dict(weight_dtype="int8", weight_scale="channel"),
+    "w4a16": dict(weight_dtype="int4", weight_scale="group", group_size=128),
+    "mxfp8": dict(weight_dtype="float8_e4m3fn", weight_scale="group", group_size=32,
+                  scale_dtype="float8_e8m0fnu", act_dtype="float8_e4m3fn",
+                  act_scale="dynamic_group", act_group_size=32),
+    "mxfp4": dict(weight_dtype="float4_e2m1fn", weight_scale="group", group_size=32,
+                  scale_dtype="float8_e8m0fnu"),
+    "nvfp4": dict(weight_dtype="float4_e2m1fn", weight_scale="group", group_size=16,
+                  scale_dtype="float8_e4m3fn"),
+}
+QUANT_FORMATS = (None, *QUANT_SCHEMES, "custom")
+_SCHEME_DEFAULTS = dict(weight_dtype=None, weight_scale=None, block_shape=None, group_size=None,
+                        zero_point=False, scale_dtype="float32", act_dtype=None, act_scale=None,
+                        act_group_size=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-  """Quantization of expert weights and activations. `format=None` means unquantized.
+  """A quantization scheme for the expert weights and the activations entering the GEMMs.
 
-  The formats are declared here so every part can state what it supports; the
-  quantization issue implements them. Until then only `None` runs.
+  `QuantConfig("fp8_block")` takes a named scheme (QUANT_SCHEMES); any field given as well
+  overrides the name's (`QuantConfig("fp8_block", block_shape=(128, 64))`);
+  `format="custom"` spells every field out. `format=None` is unquantized. Fields:
+
+    weight_dtype: stored value type (WEIGHT_DTYPES).
+    weight_scale: scale granularity over each expert's [K, N] matrix (WEIGHT_SCALES);
+      block_shape (bk, bn) for "block", group_size g along K for "group".
+    zero_point: asymmetric weights (w = (q - zero) * scale).
+    scale_dtype: "float32", or the microscaling types (e8m0 for mx, e4m3 for nvfp4).
+    act_dtype / act_scale / act_group_size: how GEMM1's input and GEMM2's input (the
+      activation's output) are quantized; act_dtype None = weight-only (a16).
+
+  Validated on creation: a bad value raises a ValueError naming the field.
   """
 
   format: Optional[str] = None
-  block_shape: Optional[tuple[int, int]] = None  # fp8_block: (128, 128)
-  per_act_token: bool = False
+  weight_dtype: Optional[str] = None
+  weight_scale: Optional[str] = None
+  block_shape: Optional[tuple[int, int]] = None
+  group_size: Optional[int] = None
+  zero_point: Optional[bool] = None
+  scale_dtype: Optional[str] = None
+  act_dtype: Optional[str] = None
+  act_scale: Optional[str] = None
+  act_group_size: Optional[int] = None
 
   def __post_init__(self):
     check_choice("QuantConfig.format", self.format, QUANT_FORMATS)
+    if self.format is None:
+      given = [f for f, d in _SCHEME_DEFAULTS.items() if getattr(self, f) not in (None, d)]
+      if given:
+        raise ValueError(f"QuantConfig.{given[0]}={getattr(self, given[0])!r} given without a "
+                         "format: name a scheme (format='fp8_block', ...) or format='custom'")
+      return
+    named = QUANT_SCHEMES.get(self.format, {})
+    for f, default in _SCHEME_DEFAULTS.items():  # fill what the caller left out
+      if getattr(self, f) is None:
+        object.__setattr__(self, f, named.get(f, default))
+    if self.block_shape is not None:
+      object.__setattr__(self, "block_shape", tuple(self.block_shape))
+    self._validate()
+
+  def _validate(self):
+    q = "QuantConfig."
+    check_choice(q + "weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+    check_choice(q + "weight_scale", self.weight_scale, WEIGHT_SCALES)
+    check_choice(q + "scale_dtype", self.scale_dtype, SCALE_DTYPES)
+    check_choice(q + "act_dtype", self.act_dtype, ACT_DTYPES)
+    check_choice(q + "act_scale", self.act_scale, ACT_SCALES)
+    if self.weight_scale == "block":
+      bs = self.block_shape
+      if not (isinstance(bs, tuple) and len(bs) == 2
+              and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bs)):
+        raise ValueError(f"{q}block_shape must be (bk, bn) positive ints for weight_scale="
+                         f"'block', got {self.block_shape!r}")
+    elif self.block_shape is not None:
+      raise ValueError(f"{q}block_shape={self.block_shape!r} needs weight_scale='block', got "
+                       f"weight_scale={self.weight_scale!r}")
+    if self.weight_scale == "group":
+      _positive_int(q + "group_size", self.group_size)
+    elif self.group_size is not None:
+      raise ValueError(f"{q}group_size={self.group_size!r} needs weight_scale='group', got "
+                       f"weight_scale={self.weight_scale!r}")
+    if not isinstance(self.zero_point, bool):
+      raise ValueError(f"{q}zero_point must be a bool, got {self.zero_point!r}")
+    if self.zero_point and self.weight_dtype not in ("int8", "int4"):
+      raise ValueError(f"{q}zero_point=True needs an integer weight_dtype, got "
+                       f"{self.weight_dtype!r}")
+    if (self.act_dtype is None) != (self.act_scale is None):
+      raise ValueError(f"{q}act_dtype={self.act_dtype!r} and act_scale={self.act_scale!r}: give "
+                       "both (quantized activations) or neither (weight-only)")
+    if self.act_scale == "dynamic_group":
+      _positive_int(q + "act_group_size", self.act_group_size)
+    elif self.act_group_size is not None:
+      raise ValueError(f"{q}act_group_size={self.act_group_size!r} needs act_scale="
+                       f"'dynamic_group', got act_scale={self.act_scale!r}")
+    if self.act_dtype == "int8" and self.weight_dtype != "int8":
+      raise ValueError(f"{q}act_dtype='int8' needs weight_dtype='int8' (an int8 x int8 GEMM), "
+                       f"got weight_dtype={self.weight_dtype!r}")
+    if self.act_dtype == "float8_e4m3fn" and self.weight_dtype not in ("float8_e4m3fn",
+                                                                       "float4_e2m1fn"):
+      raise ValueError(f"{q}act_dtype='float8_e4m3fn' needs fp8 or fp4 weights, got "
+                       f"weight_dtype={self.weight_dtype!r}")
 
   @property
   def is_quantized(self) -> bool:
     return self.format is not None
+
+  @property
+  def weight_only(self) -> bool:
+    """Activations stay in the model dtype (w8a16, w4a16, mxfp4 with bf16 activations)."""
+    return self.is_quantized and self.act_dtype is None
+
+  @property
+  def name(self) -> str:
+    """The scheme's name, or its fields when they differ from every named scheme."""
+    if self.format is None:
+      return "none"
+    fields = {f: getattr(self, f) for f in _SCHEME_DEFAULTS}
+    for name, scheme in QUANT_SCHEMES.items():
+      if fields == {**_SCHEME_DEFAULTS, **scheme}:
+        return name
+    return ", ".join(f"{f}={v!r}" for f, v in fields.items() if v != _SCHEME_DEFAULTS[f])
+
+  def __str__(self):
+    return f"QuantConfig({self.name})"
+
+  def replace(self, **kw) -> "QuantConfig":
+    return dataclasses.replace(self, **kw)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,15 +46,14 @@ def _pytree_dataclass(cls):
 @_pytree_dataclass
 class ExpertWeights:
   """Expert weights in jmoe's layout: w13 [E, H, 2N] (gate | up) or [E, H, N] (non-gated),
-  w2 [E, N, H]; optional biases w13_bias [E, 2N], w2_bias [E, H]; optional quantization
-  scales (their layout is the format's; see `jmoe.quant`)."""
+  w2 [E, N, H]; optional biases w13_bias [E, 2N], w2_bias [E, H]. w13 and w2 are dense
+  arrays or both `jmoe.quant.QuantizedWeights` of one scheme (whose `.shape` is the logical
+  shape above; their values, scales and zero points are in the scheme's layout)."""
 
-  w13: jax.Array
-  w2: jax.Array
+  w13: Any
+  w2: Any
   w13_bias: Optional[jax.Array] = None
   w2_bias: Optional[jax.Array] = None
-  w13_scale: Optional[jax.Array] = None
-  w2_scale: Optional[jax.Array] = None
 
   @property
   def num_experts(self) -> int:
@@ -194,9 +193,18 @@ class PrepareFinalize(abc.ABC):
     """How many ranks send tokens to each expert-owning rank."""
     return 1
 
+  def quant_support(self, quant: Optional[QuantConfig]) -> Optional[str]:
+    """None when prepare can quantize the input for `quant`, else the reason it cannot.
+    The local and EP prepares quantize dynamically (per token, token group, or tensor)."""
+    if quant is None or not quant.is_quantized or quant.act_dtype is None:
+      return None
+    if quant.act_scale == "static_tensor":
+      return ("static per-tensor activation scales (a checkpoint's input_scale) are not "
+              "supported by prepare yet; use act_scale='dynamic_tensor' or 'dynamic_token'")
+    return None
+
   def supports_quant(self, quant: Optional[QuantConfig]) -> bool:
-    """Whether prepare can quantize the input into this format."""
-    return quant is None or not quant.is_quantized
+    return self.quant_support(quant) is None
 
   @abc.abstractmethod
   def prepare(self, x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, *,
@@ -236,8 +244,14 @@ class Experts(abc.ABC):
   supports_expert_map: ClassVar[bool] = True
   differentiable: ClassVar[bool] = True
 
+  def quant_support(self, quant: Optional[QuantConfig]) -> Optional[str]:
+    """None when `apply` can run weights (and activations) quantized as `quant`, else why not."""
+    if quant is None or not quant.is_quantized:
+      return None
+    return f"{self!r} runs unquantized weights only"
+
   def supports_quant(self, quant: Optional[QuantConfig]) -> bool:
-    return quant is None or not quant.is_quantized
+    return self.quant_support(quant) is None
 
   def supports_activation(self, activation: Activation) -> bool:
     return True
@@ -315,10 +329,12 @@ def compatibility(pf: PrepareFinalize, experts: Experts,
   if pf.activation_format != experts.activation_formats[0]:
     return (f"{pf!r} produces the {pf.activation_format.value} format but {experts!r} takes "
             f"{experts.activation_formats[0].value}")
-  if not pf.supports_quant(quant):
-    return f"{pf!r} cannot quantize the input to {quant}"
-  if not experts.supports_quant(quant):
-    return f"{experts!r} does not support quantization {quant}"
+  why = pf.quant_support(quant)
+  if why is not None:
+    return f"{pf!r} cannot quantize the input for {quant}: {why}"
+  why = experts.quant_support(quant)
+  if why is not None:
+    return f"{experts!r} does not support {quant}: {why}"
   return None
 
 

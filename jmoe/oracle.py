@@ -48,24 +48,65 @@ def _resolve(name: str, arg: str, env: str, choices) -> tuple[str, str]:
   return "auto", ""
 
 
+# runner_backend="auto" walks these, best first, and takes the first that passes every
+# capability check (device, registration, availability, problem shape, quantization scheme);
+# adding a backend or a format adds a candidate or a capability, not a selection function
+AUTO_RUNNERS = ("pallas_mosaic", "xla")
+
+
+def _device_check(runner: str) -> Optional[str]:
+  """None when this machine's device can run `runner`, else why not."""
+  if runner != "pallas_mosaic":
+    return None
+  platform, cc, kind = platform_info()
+  if platform != "gpu":
+    return f"platform={platform}: no GPU kernels"
+  if cc is None or cc[0] != 9:
+    where = f"sm{cc[0]}{cc[1]}" if cc else "unknown compute capability"
+    return f"GPU {kind} ({where}) is not Hopper (sm90)"
+  return None
+
+
+def runner_support(runner: str, quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
+                   problem=None) -> Optional[str]:
+  """None when `runner`'s experts can run this call here, else the first reason they cannot."""
+  why = _device_check(runner)
+  if why:
+    return why
+  cls = registry.RUNNERS.get(runner, {}).get(fmt or ActivationFormat.Standard)
+  if cls is None:
+    return f"no {(fmt or ActivationFormat.Standard).value}-format experts registered"
+  ok, why = cls.is_available()
+  if not ok:
+    return f"unavailable ({why})"
+  experts = cls()
+  if problem:
+    why = experts.problem_support(*problem)
+    if why:
+      return f"cannot run this problem ({why})"
+  return experts.quant_support(quant)
+
+
+_RUNNER_WHAT = {"pallas_mosaic": "Pallas Mosaic GPU grouped GEMM", "xla": "XLA ragged_dot"}
+
+
 def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
                  problem=None) -> tuple[str, str]:
-  platform, cc, kind = platform_info()
-  fam = registry.RUNNERS.get("pallas_mosaic")
-  if platform == "gpu" and cc is not None and cc[0] == 9 and fam:
-    cls = fam.get(fmt or ActivationFormat.Standard)
-    if cls is not None:
-      ok, why = cls.is_available()
-      unsupported = cls().problem_support(*problem) if (ok and problem) else None
-      if unsupported:
-        return "xla", f"Pallas kernels cannot run this problem ({unsupported}): XLA ragged_dot"
-      if ok and cls().supports_quant(quant):
-        return "pallas_mosaic", f"sm{cc[0]}{cc[1]} GPU ({kind}): Pallas Mosaic GPU grouped GEMM"
-      return "xla", f"Pallas Mosaic GPU unavailable ({why}): XLA ragged_dot"
-  if platform == "gpu":
-    where = f"sm{cc[0]}{cc[1]}" if cc else "unknown compute capability"
-    return "xla", f"GPU {kind} ({where}) is not Hopper: XLA ragged_dot fallback"
-  return "xla", f"platform={platform}: no GPU kernels, XLA ragged_dot"
+  """(runner, reason): the first AUTO_RUNNERS candidate that passes, with why the better ones
+  were skipped."""
+  skipped = []
+  for runner in AUTO_RUNNERS:
+    why = runner_support(runner, quant, fmt, problem)
+    if why is None:
+      platform, cc, kind = platform_info()
+      where = f"sm{cc[0]}{cc[1]} GPU ({kind})" if cc else f"platform={platform}"
+      chose = f"{where}: {_RUNNER_WHAT.get(runner, runner)}"
+      if quant is not None and quant.is_quantized:
+        chose += f" for {quant}"
+      return runner, "; ".join(skipped + [chose])
+    skipped.append(f"{runner} skipped: {why}")
+  what = f"{quant}" if quant is not None and quant.is_quantized else "this call"
+  raise ValueError(f"no runner backend can run {what}: {'; '.join(skipped)}")
 
 
 # ragged_dedup's sort and packing cost about what all-gather saves at EP=2 (measured on 2 H200s,
@@ -134,9 +175,11 @@ def select_backend(runner_backend: str = "auto", a2a_backend: str = "auto", *,
   if not family:
     raise ValueError(f"runner_backend={runner!r} is not available here (registered: "
                      f"{', '.join(registry.RUNNERS)})")
+  reasons = []
   for fmt, pf_factory in backend.by_format.items():
     experts_cls = family.get(fmt)
     if experts_cls is None:
+      reasons.append(f"runner_backend={runner!r} has no {fmt.value}-format experts")
       continue
     ok, why = experts_cls.is_available()
     if not ok:
@@ -147,5 +190,7 @@ def select_backend(runner_backend: str = "auto", a2a_backend: str = "auto", *,
       why = "; ".join(w for w in (runner_why, a2a_why) if w)
       log.debug("jmoe oracle: %r + %r (%s)", pf, experts, why)
       return pf, experts, why
-  raise ValueError(f"runner_backend={runner!r} has no experts for a2a_backend={a2a!r} "
-                   f"(formats {[f.value for f in backend.by_format]}) with quant={quant}")
+    reasons.append(reason)
+  what = f"{quant}" if quant is not None and quant.is_quantized else "unquantized weights"
+  raise ValueError(f"{what} cannot run with runner_backend={runner!r} and a2a_backend={a2a!r}: "
+                   f"{reasons[0]}")

@@ -144,12 +144,16 @@ def activation(h, name: str, alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIG
 
 
 def expert_mlp(x, w13_e, w2_e, name: str, b13_e=None, b2_e=None, alpha=SWIGLUOAI_ALPHA,
-               limit=SWIGLUOAI_LIMIT):
-  """One expert on one token (or a batch of tokens): x [..., H] -> [..., H]."""
+               limit=SWIGLUOAI_LIMIT, requant=None):
+  """One expert on one token (or a batch of tokens): x [..., H] -> [..., H]. `requant`, if
+  given, maps the activation's output to what a quantized GEMM2 sees."""
   h = f64(x) @ f64(w13_e)
   if b13_e is not None:
     h = h + f64(b13_e)
-  y = activation(h, name, alpha, limit) @ f64(w2_e)
+  a = activation(h, name, alpha, limit)
+  if requant is not None:
+    a = requant(a)
+  y = a @ f64(w2_e)
   if b2_e is not None:
     y = y + f64(b2_e)
   return y
@@ -157,8 +161,8 @@ def expert_mlp(x, w13_e, w2_e, name: str, b13_e=None, b2_e=None, alpha=SWIGLUOAI
 
 def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, activation: str = "silu",
               alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT, w13_bias=None,
-              w2_bias=None, expert_map=None, apply_router_weight_on_input: bool = False
-              ) -> np.ndarray:
+              w2_bias=None, expert_map=None, apply_router_weight_on_input: bool = False,
+              requant=None) -> np.ndarray:
   """out[t] = sum over slots j with a local expert e of w[t, j] * mlp_e(x[t]).
 
   Slots with id -1, with an id outside [0, global_E), or whose expert_map entry is -1 add
@@ -183,10 +187,10 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, activation: str
       b2 = None if w2_bias is None else w2_bias[loc]
       if apply_router_weight_on_input:
         out[i] += expert_mlp(x[i] * tw[i, j], w13[loc], w2[loc], activation, b13, b2, alpha,
-                             limit)
+                             limit, requant)
       else:
         out[i] += tw[i, j] * expert_mlp(x[i], w13[loc], w2[loc], activation, b13, b2, alpha,
-                                        limit)
+                                        limit, requant)
   return out
 
 
@@ -219,6 +223,48 @@ def moe_block(x, params, *, top_k: int, activation: str = "silu", scoring_func="
     out = out + shared_experts(x, f64(params.shared_w13), f64(params.shared_w2), activation,
                                None if params.shared_gate is None else f64(params.shared_gate))
   return out
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization (scales computed in float32, as the implementations do, so values agree exactly)
+
+QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
+
+
+def _to_type(q, dtype_name: str):
+  import ml_dtypes  # noqa: PLC0415
+  if dtype_name == "int8":
+    return np.clip(np.round(q), -127, 127)
+  return np.clip(q, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def quantize_matrix(w, dtype_name: str, tile_k: int, tile_n: int, *, e8m0: bool = False):
+  """Symmetric quantization of w [..., K, N] with one scale per (tile_k x tile_n) tile ->
+  the dequantized values, float64 (what a quantized GEMM multiplies)."""
+  w = np.asarray(w, np.float32)
+  *lead, k, n = w.shape
+  tiles = w.reshape(*lead, k // tile_k, tile_k, n // tile_n, tile_n)
+  amax = np.abs(tiles).max(axis=(-3, -1), keepdims=True)
+  qmax = np.float32(QMAX[dtype_name])
+  if e8m0:
+    scale = np.exp2(np.ceil(np.log2(np.where(amax > 0, amax / qmax, 1.0)))).astype(np.float32)
+  else:
+    scale = np.where(amax > 0, amax / qmax, np.float32(1.0)).astype(np.float32)
+  q = _to_type(tiles / scale, dtype_name)
+  return (q * f64(scale)).reshape(w.shape)
+
+
+def quantize_rows(a, dtype_name: str, group: Optional[int]):
+  """Dynamic activation quantization of a [..., H]: one scale per `group` channels of a row
+  (None: per row) -> dequantized float64."""
+  a = np.asarray(a, np.float32)
+  h = a.shape[-1]
+  g = group or h
+  blocks = a.reshape(*a.shape[:-1], h // g, g)
+  amax = np.abs(blocks).max(axis=-1, keepdims=True)
+  scale = np.where(amax > 0, amax / np.float32(QMAX[dtype_name]), np.float32(1.0))
+  scale = scale.astype(np.float32)
+  return (_to_type(blocks / scale, dtype_name) * f64(scale)).reshape(a.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,14 +1,53 @@
 """Pieces the expert implementations share."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from jmoe.modular import ExpertWeights
-from jmoe.kernels.permute import inverse_permutation
+from jmoe.config import QuantConfig
 from jmoe.kernels.activations import Activation
+from jmoe.kernels.permute import inverse_permutation
+from jmoe.modular import ExpertWeights
+from jmoe.quant.activations import dequantize_activations, fake_quantize
+from jmoe.quant.weights import PACKED_4BIT, QuantizedWeights, dequantize
+
+
+def weights_quant(weights: ExpertWeights) -> Optional[QuantConfig]:
+  """The scheme of quantized weights (fused_moe checked w13 and w2 agree), else None."""
+  return weights.w13.scheme if isinstance(weights.w13, QuantizedWeights) else None
+
+
+def xla_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
+  """Why the XLA-family experts cannot run `quant` (None: they can). They compute the scheme's
+  exact values (dequantized operands, f32 accumulation): every 8-bit scheme."""
+  if quant is None or not quant.is_quantized:
+    return None
+  if quant.weight_dtype in PACKED_4BIT:
+    return f"packed 4-bit weights ({quant.name}) are not implemented yet"
+  return None
+
+
+def dense_operands(a: jax.Array, a_scale: Optional[jax.Array], weights: ExpertWeights,
+                   dtype) -> tuple[jax.Array, ExpertWeights]:
+  """(a, weights) with quantized activations and weights dequantized to `dtype`: the
+  reference semantics of every scheme (a dense copy of the weights: not a fast path)."""
+  if not isinstance(weights.w13, QuantizedWeights):
+    return a, weights
+  dense = dataclasses.replace(weights, w13=dequantize(weights.w13, dtype),
+                              w2=dequantize(weights.w2, dtype))
+  return dequantize_activations(a, a_scale, dtype), dense
+
+
+def requantize_intermediate(act: jax.Array, weights: ExpertWeights) -> jax.Array:
+  """GEMM2's input as a quantized GEMM2 sees it: the activation's output quantized to the
+  scheme's activation format and back (f32); unchanged for dense or weight-only weights."""
+  quant = weights_quant(weights)
+  if quant is None or quant.act_dtype is None:
+    return act
+  return fake_quantize(act, quant, static_scale=weights.w2.input_scale)
 
 
 def check_weights_for_activation(weights: ExpertWeights, activation: Activation) -> None:

@@ -1,0 +1,91 @@
+"""Activation quantization: the input of GEMM1 (in `prepare`) and of GEMM2 (the activation's
+output, between the GEMMs).
+
+Scales are float32, laid out as the GEMMs read them, row-major beside the rows:
+  dynamic_token   a [M, H] -> scale [M, 1]
+  dynamic_group   a [M, H] -> scale [M, H / g]   (g = act_group_size, 128 for fp8_block)
+  dynamic_tensor  a [M, H] -> scale [1, 1]       (max |a| over the whole call)
+  static_tensor   a [M, H] -> scale [1, 1]       (the checkpoint's calibrated input_scale)
+so `a ~= q * broadcast(scale)` and a row's scales travel with the row (gathers, dispatch).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.config import QuantConfig
+from jmoe.quant.weights import QMAX
+
+
+def act_scale_shape(quant: QuantConfig, rows_shape: tuple[int, ...], h: int) -> tuple[int, ...]:
+  """The scale's shape for rows [..., H] under `quant`."""
+  if quant.act_scale == "dynamic_token":
+    return (*rows_shape, 1)
+  if quant.act_scale == "dynamic_group":
+    return (*rows_shape, h // quant.act_group_size)
+  return (1,) * (len(rows_shape) + 1)
+
+
+def check_act_groups(quant: QuantConfig, h: int, *, argname: str) -> None:
+  if quant.act_scale == "dynamic_group" and h % quant.act_group_size:
+    raise ValueError(f"{argname}: {quant.name} quantizes activations in groups of "
+                     f"{quant.act_group_size} channels, which do not divide its width {h}")
+
+
+def quantize_activations(a: jax.Array, quant: Optional[QuantConfig], *,
+                         static_scale: Optional[jax.Array] = None
+                         ) -> tuple[jax.Array, Optional[jax.Array]]:
+  """a [..., H] -> (q [..., H] in quant.act_dtype, scale f32 (see the module docstring)).
+
+  The identity (scale None) when unquantized or weight-only. Values are clamped to the type's
+  range (|x| > 448 saturates in e4m3, never NaN); an all-zero row or group gets scale 1.
+  """
+  if quant is None or not quant.is_quantized or quant.act_dtype is None:
+    return a, None
+  h = a.shape[-1]
+  check_act_groups(quant, h, argname="activations")
+  qmax = QMAX[quant.act_dtype]
+  x = a.astype(jnp.float32)
+  if quant.act_scale == "static_tensor":
+    if static_scale is None:
+      raise ValueError(f"{quant.name} with act_scale='static_tensor' needs the calibrated "
+                       "input_scale (QuantizedWeights.input_scale)")
+    scale = jnp.reshape(static_scale.astype(jnp.float32), (1,) * a.ndim)
+  else:
+    if quant.act_scale == "dynamic_group":
+      g = quant.act_group_size
+      amax = jnp.max(jnp.abs(x.reshape(*x.shape[:-1], h // g, g)), axis=-1)
+    elif quant.act_scale == "dynamic_token":
+      amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    else:  # dynamic_tensor
+      amax = jnp.max(jnp.abs(x)).reshape((1,) * a.ndim)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+  q = x / broadcast_act_scale(scale, h)
+  if quant.act_dtype == "int8":
+    q = jnp.round(q)
+  q = jnp.clip(q, -qmax, qmax).astype(jnp.dtype(quant.act_dtype))
+  return q, scale
+
+
+def broadcast_act_scale(scale: jax.Array, h: int) -> jax.Array:
+  """scale [..., G] -> [..., H] (each group's scale over its channels)."""
+  g = scale.shape[-1]
+  return scale if g in (1, h) else jnp.repeat(scale, h // g, axis=-1)
+
+
+def dequantize_activations(q: jax.Array, scale: Optional[jax.Array], dtype=jnp.float32
+                           ) -> jax.Array:
+  """The inverse of `quantize_activations`: q [..., H] * scale -> [..., H] in `dtype`."""
+  if scale is None:
+    return q.astype(dtype)
+  return (q.astype(jnp.float32) * broadcast_act_scale(scale.astype(jnp.float32),
+                                                      q.shape[-1])).astype(dtype)
+
+
+def fake_quantize(a: jax.Array, quant: Optional[QuantConfig], *,
+                  static_scale: Optional[jax.Array] = None) -> jax.Array:
+  """quantize then dequantize (f32): the values a quantized GEMM sees, for the references."""
+  q, scale = quantize_activations(a, quant, static_scale=static_scale)
+  return dequantize_activations(q, scale, jnp.float32) if scale is not None else a

@@ -244,7 +244,8 @@ def test_grouped_gemm_edge_cases(rng, case):
   assert _rel(out[:tot], ref[:tot]) < TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("cfg", [CFG_XI, CFG_XI_2CTA, CFG_XI_WS, CFG_XI_WS_M],
+@pytest.mark.parametrize("cfg", [CFG_XI, CFG_XI_2CTA, CFG_XI_WS,
+                                 pytest.param(CFG_XI_WS_M, marks=pytest.mark.slow)],
                          ids=["one_cta", "two_ctas", "warp_specialized", "ws_split_m_bands"])
 def test_grouped_gemm_cross_item_pipeline(rng, cfg):
   # several items per CTA through one pipeline: zero-row experts, a tile straddling groups,
@@ -672,7 +673,8 @@ def test_per_slot_layout_property(t, k, seed):
     (1, 2, None, jnp.bfloat16),
     (3, 2, None, jnp.float16),  # an empty slot, an expert twice; swigluoai + both biases
     (9, 2, 2, jnp.bfloat16),  # the shallowest ring: every step waits for its own load
-    (20, 3, 3, jnp.bfloat16),  # 60 slots, tokens past the first 8 rows, EP-remote slots
+    # 60 slots, tokens past the first 8 rows, EP-remote slots (50 s in interpret mode)
+    pytest.param(20, 3, 3, jnp.bfloat16, marks=pytest.mark.slow),
 ])
 def test_fused_decode_kernel(rng, t, k, stages, dtype):
   """The one-kernel decode block against the f32 reference: the CTA walks every item in turn
@@ -838,11 +840,22 @@ TGMM_CFGS = {
 }
 
 
-@pytest.mark.parametrize("cfg", list(TGMM_CFGS), ids=list(TGMM_CFGS))
-@pytest.mark.parametrize("sizes", [[30, 0, 70, 5, 0], [30, 0, 70, 50, 0], [150, 0, 0, 0, 0],
-                                   [0, 0, 1, 0, 0]],
-                         ids=["rows_past_total", "total_is_m_not_block_multiple", "one_expert",
-                              "one_row"])
+TGMM_SIZES = {"rows_past_total": [30, 0, 70, 5, 0], "total_is_m_not_block_multiple":
+              [30, 0, 70, 50, 0], "one_expert": [150, 0, 0, 0, 0], "one_row": [0, 0, 1, 0, 0]}
+# every form on the case that crosses the most edges (empty experts, a last block past M); the
+# whole sizes x forms product for two forms; the rest of the product is the slow tier
+TGMM_FULL = ("total_is_m_not_block_multiple",)
+TGMM_ALL_SIZES = ("one_wg", "ws_cross_tile_2out")
+
+
+def _tgmm_cases():
+  for cfg in TGMM_CFGS:
+    for name, sizes in TGMM_SIZES.items():
+      lean = name in TGMM_FULL or cfg in TGMM_ALL_SIZES
+      yield pytest.param(sizes, cfg, id=f"{name}-{cfg}", marks=() if lean else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("sizes,cfg", list(_tgmm_cases()))
 def test_tgmm(rng, sizes, cfg):
   """Blocks start at each expert's first row; a last block reaching past M is loaded from
   M - block_r (so it overlaps rows already counted, which get masked); lhs rows past the total
@@ -1058,14 +1071,15 @@ def test_gmm_grad_matches_ragged_dot(rng):
   assert _rel(gw, rw) < 2e-2
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("empty_slot,route_impl,fused,activation", [
-    (False, "kernels", False, "silu"),
     (True, "kernels", False, "silu"),   # an empty slot: its row joins the zeroed tail
-    (True, "xla", False, "silu"),
-    (True, "kernels", True, "swigluoai"),  # GEMM1 writes a and h; act VJP in the d a GEMM
-    (False, "xla", True, "relu2_no_mul"),  # non-gated: the VJP fused, no preact
-], ids=["route_kernels", "empty_slot", "xla_route", "fused_epilogues", "non_gated_fused"])
+    pytest.param(False, "kernels", False, "silu", marks=pytest.mark.slow),
+    pytest.param(True, "xla", False, "silu", marks=pytest.mark.slow),
+    # GEMM1 writes a and h; act VJP in the d a GEMM
+    pytest.param(True, "kernels", True, "swigluoai", marks=pytest.mark.slow),
+    # non-gated: the VJP fused, no preact
+    pytest.param(False, "xla", True, "relu2_no_mul", marks=pytest.mark.slow),
+], ids=["empty_slot", "route_kernels", "xla_route", "fused_epilogues", "non_gated_fused"])
 def test_fused_experts_train_grad(rng, empty_slot, route_impl, fused, activation):
   # jax.grad of the Pallas training path (routed_rows -> expert_mlp -> gather_sum_diff) against
   # autodiff of the f32 per-slot reference, for every input including both biases

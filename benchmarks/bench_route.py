@@ -6,8 +6,8 @@ path (moe_align + tile_metadata + the token gather), CUPTI device time, outputs 
 Per (preset, T): µs and kernel count of each variant; route's one-kernel form is timed at
 one_kernel_blocks = number of blocks, the two-kernel form at 0.
 
-Inside the MoE block the one-kernel form at 4 blocks took about twice its time here (tenth
-round). Two differences can be tried apart: `--block-ms 128,64` builds two tile lists, as the
+Inside the MoE block the one-kernel form at 4 blocks took about twice its time here (see
+docs/kernels.md, routing). Two differences can be tried apart: `--block-ms 128,64` builds two tile lists, as the
 block does, and `--cold` streams a 256 MB buffer through L2 before every call, as the block's
 GEMMs do (timed inside the call; only the routing kernels' time is reported then).
 """
@@ -67,7 +67,7 @@ def main():
   ap.add_argument("--one-variants", default="",
                   help="comma list of HC:TASKS: the one-kernel form again with "
                        "route._DIRECT_MAX_HC / _DIRECT_TASKS set so (r13b/r13c ran an "
-                       "earlier four-field form: BENCHMARKS.md, thirteenth round)")
+                       "earlier four-field form, kept for old result files)")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   rows = []

@@ -3,9 +3,9 @@ device time on the GPU, outputs checked against the [T, k, H] axis sum.
 
     python benchmarks/check_gather_sum.py [--json OUT.json]
 
-At deepseek-v3 / 256 tokens XLA split the axis sum (permute.gather_sum before the thirteenth
-round) into two fusions, a compare fusion and the gather-reduce (the block was 6 kernels); this
-tries forms that keep one. per_j won (r13e) and is permute.gather_sum since.
+At deepseek-v3 / 256 tokens XLA split the axis sum (the earlier permute.gather_sum,
+a [T, k, H] gather summed over k) into two fusions, a compare fusion and the gather-reduce (the block was 6 kernels); this
+tries forms that keep one. per_j won and is permute.gather_sum now (docs/kernels.md, routing).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from jmoe.kernels import permute as perm  # noqa: E402
 
 
 def axis_sum(y, inv, w):
-  """permute.gather_sum before the thirteenth round: a [T, k, H] gather summed over axis 1."""
+  """The earlier permute.gather_sum: a [T, k, H] gather summed over axis 1."""
   g = jnp.take(y, jnp.maximum(inv, 0), axis=0, mode="clip").astype(jnp.float32)
   g = jnp.where((inv >= 0)[:, :, None], g * w.astype(jnp.float32)[:, :, None], 0.0)
   return jnp.sum(g, axis=1).astype(y.dtype)

@@ -24,6 +24,7 @@ from jmoe.api import fused_moe
 from jmoe import timing
 from jmoe.config import MoEConfig, get_preset
 from jmoe.oracle import platform_info
+from jmoe.quant.weights import quantize_weights, weight_bytes
 from jmoe.router import select_experts
 
 # Ceilings measured on an H200 (shared/research/peers-h200.md): dense bf16 matmul through XLA
@@ -151,17 +152,18 @@ def _best_time(fn: Callable[[], jax.Array], repeats: int) -> float:
 CPU_TARGET_FLOPS = 2e8  # one scaled block at 64 tokens: a few ms on a laptop core
 
 
-def scaled_for_cpu(cfg: MoEConfig, target_flops: float = CPU_TARGET_FLOPS
+def scaled_for_cpu(cfg: MoEConfig, target_flops: float = CPU_TARGET_FLOPS, multiple: int = 16
                    ) -> tuple[MoEConfig, str]:
-  """Shrink H and N (keeping E, k, ratios) so one block at 64 tokens costs ~target_flops.
+  """Shrink H and N (keeping E, k, ratios) so one block at 64 tokens costs ~target_flops;
+  both stay multiples of `multiple` (128 where quantized weights need 128-wide blocks).
 
   Returns (config, note); the note says what was scaled, from what to what, and why."""
   flops = block_flops(64, cfg)
   f = math.sqrt(max(flops / target_flops, 1.0))
   if f <= 1.0:
     return cfg, f"full size: {shape_str(cfg)}"
-  h = max(16, int(round(cfg.hidden_size / f / 16)) * 16)
-  n = max(16, int(round(cfg.intermediate_size / f / 16)) * 16)
+  h = max(multiple, int(round(cfg.hidden_size / f / multiple)) * multiple)
+  n = max(multiple, int(round(cfg.intermediate_size / f / multiple)) * multiple)
   small = cfg.replace(hidden_size=h, intermediate_size=n, shared_intermediate_size=None)
   return small, (f"scaled for CPU to keep the run short: hidden {cfg.hidden_size}→{h}, "
                  f"intermediate {cfg.intermediate_size}→{n} (each ÷{f:.1f}, so 64 tokens cost "
@@ -169,10 +171,13 @@ def scaled_for_cpu(cfg: MoEConfig, target_flops: float = CPU_TARGET_FLOPS
                  f"{cfg.num_experts} experts, top-{cfg.top_k} unchanged")
 
 
-def bench_config(preset: str, scale: bool) -> tuple[MoEConfig, str]:
+def bench_config(preset: str, scale: bool, quant: Sequence[str] = ()
+                 ) -> tuple[MoEConfig, str]:
   """The preset's config as benchmarked, and the note on its shapes."""
   cfg = get_preset(preset)
-  return scaled_for_cpu(cfg) if scale else (cfg, f"full size: {shape_str(cfg)}")
+  if not scale:
+    return cfg, f"full size: {shape_str(cfg)}"
+  return scaled_for_cpu(cfg, multiple=128 if quant else 16)
 
 
 def shape_str(cfg: MoEConfig) -> str:
@@ -180,7 +185,7 @@ def shape_str(cfg: MoEConfig) -> str:
           f"intermediate={cfg.intermediate_size}")
 
 
-def legend(has_device: bool, has_peers: bool = False) -> str:
+def legend(has_device: bool, has_peers: bool = False, has_quant: bool = False) -> str:
   """What the table's columns mean (printed under it)."""
   rate_time = "device µs" if has_device else "wall µs"
   return ("Timed: the routed expert block of one forward (permute, GEMM1, activation, GEMM2, "
@@ -192,7 +197,10 @@ def legend(has_device: bool, has_peers: bool = False) -> str:
           f"weights + tokens in and out) per {rate_time}; roofline µs = max(FLOPs / peak, "
           f"bytes / bandwidth) at the ceilings above; × roofline = {rate_time} / roofline µs, "
           "so ≥ 1 (1 = at the ceiling); rel err = relative Frobenius error vs the first "
-          "backend (ref)" + ("; peer:* = another library's kernels" if has_peers else "") + ".")
+          "backend (ref)" + ("; peer:* = another library's kernels" if has_peers else "") +
+          ("; 'backend scheme' rows run weights quantized to that scheme (bytes: the packed "
+           "weights and scales), their rel err against the dense ref is the scheme's accuracy"
+           if has_quant else "") + ".")
 
 
 def plot_title(preset: str, dtype: str, machine: Machine, cfg: MoEConfig, scaled: bool) -> str:
@@ -241,6 +249,15 @@ def make_problem(cfg: MoEConfig, tokens: int, dtype, seed: int):
   return (x, w13, w2, weights, ids), touched
 
 
+def quantized_problems(problems, scheme: str):
+  """The problems with w13 / w2 quantized to `scheme` (once, outside the timed calls)."""
+  out = []
+  for (x, w13, w2, tw, ti), touched in problems:
+    out.append(((x, quantize_weights(w13, scheme, argname="w13"),
+                 quantize_weights(w2, scheme, argname="w2"), tw, ti), touched))
+  return out
+
+
 def _backend_fn(backend: str, cfg: MoEConfig) -> Callable:
   act = cfg.act
   return jax.jit(lambda x, w13, w2, tw, ti: fused_moe(x, w13, w2, tw, ti, activation=act,
@@ -264,9 +281,12 @@ def default_backends(platform: str) -> list[str]:
 
 def run_bench(preset: str, tokens: Sequence[int], backends: Sequence[str], dtype: str,
               machine: Machine, *, scale: bool, repeats: int = 10, rotate: int = 3,
-              progress=None, peers: Sequence[str] = ()) -> tuple[list[Row], str]:
-  """Time each backend at each token count. Returns (rows, scaling note)."""
-  cfg, note = bench_config(preset, scale)
+              progress=None, peers: Sequence[str] = (), quant: Sequence[str] = ()
+              ) -> tuple[list[Row], str]:
+  """Time each backend at each token count, dense and then with the weights quantized to each
+  `quant` scheme (rows "backend scheme"; their rel err is against the dense reference, so it
+  is the scheme's accuracy). Returns (rows, scaling note)."""
+  cfg, note = bench_config(preset, scale, quant)
   jdtype = jnp.dtype(dtype)
   rows: list[Row] = []
   fns = {b: _backend_fn(b, cfg) for b in backends}
@@ -277,11 +297,25 @@ def run_bench(preset: str, tokens: Sequence[int], backends: Sequence[str], dtype
     nbytes = block_bytes(t, cfg, touched, jdtype.itemsize)
     roof = max(flops / machine.peak_flops, nbytes / machine.bandwidth)
     ref_out = None
-    for b in list(backends) + list(peers):
-      label = b if b in backends else f"peer:{b}"
+    runs = [(b, None) for b in list(backends) + list(peers)]
+    runs += [(b, q) for q in quant for b in backends]
+    quantized = {q: quantized_problems(problems, q) for q in quant}
+    for b, q in runs:
+      label = (b if b in backends else f"peer:{b}") + (f" {q}" if q else "")
       try:
         dev = None
-        if b in backends:
+        if q is not None:
+          fn = fns[b]
+          qproblems = quantized[q]
+          outs = [fn(*p[0]) for p in qproblems]
+          arg_sets = [p[0] for p in qproblems]
+          iters = max(1, repeats // rotate)
+          dt = timing.wall_time(fn, arg_sets, iters=iters) / 1e6
+          if machine.platform == "gpu":
+            dev = timing.device_time(fn, arg_sets, iters=iters)[0] / 1e6
+          qbytes = touched * (weight_bytes(arg_sets[0][1]) + weight_bytes(arg_sets[0][2])) \
+              / cfg.num_experts + 2 * t * cfg.hidden_size * jdtype.itemsize
+        elif b in backends:
           fn = fns[b]
           outs = [fn(*p[0]) for p in problems]  # compile + correctness on fresh data
           arg_sets = [p[0] for p in problems]
@@ -298,8 +332,11 @@ def run_bench(preset: str, tokens: Sequence[int], backends: Sequence[str], dtype
           err = max(_rel_err(o, r) for o, r in zip(outs, ref_out))
         # rates and the roofline ratio from the kernels-only time where there is one
         d = dev if dev is not None and dev == dev else dt
-        rows.append(Row(preset, t, label, dt * 1e6, flops / d / 1e12, nbytes / d / 1e9,
-                        roof * 1e6, d / roof, err,
+        row_bytes = qbytes if q is not None else nbytes
+        # 8-bit weights: their own floor (half the bytes); the FLOP ceiling stays the dense one
+        row_roof = max(flops / machine.peak_flops, row_bytes / machine.bandwidth)
+        rows.append(Row(preset, t, label, dt * 1e6, flops / d / 1e12, row_bytes / d / 1e9,
+                        row_roof * 1e6, d / row_roof, err,
                         device_us=None if dev is None else dev * 1e6))
       except Exception as e:  # one failing backend must not hide the others
         rows.append(Row(preset, t, label, float("nan"), float("nan"), float("nan"), roof * 1e6,

@@ -49,6 +49,16 @@ def _positive(s: str) -> int:
   return int(s)
 
 
+def _schemes(s: str) -> list[str]:
+  from jmoe.config import QUANT_SCHEMES  # noqa: PLC0415 (keep `--help` fast)
+  names = _names(s)
+  bad = [n for n in names if n not in QUANT_SCHEMES]
+  if bad:
+    raise argparse.ArgumentTypeError(f"{bad[0]!r} is not a quantization scheme; known: "
+                                     f"{', '.join(QUANT_SCHEMES)}")
+  return names
+
+
 def _names(s: str) -> list[str]:
   return [v for v in s.split(",") if v]
 
@@ -72,15 +82,15 @@ def cmd_bench(args) -> int:
                 f"jax={jax.__version__} device={machine.device_kind} ({machine.platform})")
   console.print(f"ceilings: {machine.peak_flops / 1e12:.2f} TFLOP/s, "
                 f"{machine.bandwidth / 1e9:.1f} GB/s ({machine.how})")
-  cfg, note = bench.bench_config(args.preset, scale)
+  cfg, note = bench.bench_config(args.preset, scale, args.quant)
   scaled = note.startswith("scaled")
   console.print(f"shapes: {note}" + ("; --scale no for the preset's full size" if scaled else ""))
-  total = len(tokens) * (len(backends) + len(peers))
+  total = len(tokens) * (len(backends) * (1 + len(args.quant)) + len(peers))
   with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TimeElapsedColumn(), console=console, transient=True) as prog:
     task = prog.add_task("benchmarking", total=total)
     rows, note = bench.run_bench(args.preset, tokens, backends, args.dtype, machine, scale=scale,
-                                 repeats=args.repeats, peers=peers,
+                                 repeats=args.repeats, peers=peers, quant=args.quant,
                                  progress=lambda: prog.advance(task))
   table = Table(title=f"{args.preset} ({args.dtype}, {machine.platform})")
   has_dev = any(r.device_us is not None for r in rows)
@@ -98,7 +108,7 @@ def cmd_bench(args) -> int:
                   f"{r.gbps:.1f}", f"{r.roofline_us:.1f}", f"{r.ratio_to_roofline:.2f}",
                   "ref" if r.rel_err is None else f"{r.rel_err:.1e}")
   _print_table(table)
-  console.print(bench.legend(has_dev, bool(peers)), style="dim")
+  console.print(bench.legend(has_dev, bool(peers), bool(args.quant)), style="dim")
   for r in rows:
     if r.error:  # the cell holds 60 characters; the full message here
       console.print(f"[red]failed[/] tokens={r.tokens} {r.backend}: {r.error}", soft_wrap=True)
@@ -116,8 +126,9 @@ def cmd_bench(args) -> int:
   return 1 if any(r.error for r in rows) else 0
 
 
-def compatibility_matrix():
-  """(pf labels, experts classes, cells) with cell = 'ok' / reason / 'unavailable: ...'."""
+def compatibility_matrix(quant=None):
+  """(pf labels, experts classes, cells) with cell = 'ok' / reason / 'unavailable: ...', for
+  the scheme `quant` (None: unquantized)."""
   from jmoe import registry  # noqa: PLC0415
   from jmoe.modular import compatibility  # noqa: PLC0415
 
@@ -130,7 +141,7 @@ def compatibility_matrix():
     row = []
     for cls in experts:
       ok, why = cls.is_available()
-      reason = compatibility(pf, cls())
+      reason = compatibility(pf, cls(), quant)
       if reason is None:
         row.append("ok" if ok else "ok (unavailable here)")
       elif pf.activation_format != cls.activation_formats[0]:
@@ -149,9 +160,12 @@ def compatibility_matrix():
 
 
 def cmd_check(args) -> int:
-  experts, cells = compatibility_matrix()
+  from jmoe.config import QuantConfig  # noqa: PLC0415
+  quant = QuantConfig(args.quant) if args.quant else None
+  experts, cells = compatibility_matrix(quant)
   # fold, not rich's default ellipsis: a narrow console wraps a long name or reason, never cuts
-  table = Table(title="jmoe: prepare/finalize × experts", show_lines=True)
+  title = "jmoe: prepare/finalize × experts" + (f", {quant}" if quant else "")
+  table = Table(title=title, show_lines=True)
   table.add_column("prepare/finalize \\ experts", overflow="fold")
   for cls in experts:
     table.add_column(f"{cls.name}\n({cls.activation_formats[0].value})", overflow="fold")
@@ -163,8 +177,14 @@ def cmd_check(args) -> int:
     ok, why = cls.is_available()
     console.print(f"  {cls.name}: {'available' if ok else 'unavailable'} — {why}")
   from jmoe.oracle import select_backend  # noqa: PLC0415
-  pf, ex, why = select_backend()
-  console.print(f"oracle default here: {pf!r} + {ex!r} — {why}")
+  try:
+    pf, ex, why = select_backend(quant=quant)
+  except ValueError as e:  # no backend runs this scheme here: say why, as the oracle does
+    console.print(f"oracle here{' for ' + str(quant) if quant else ''}: none — {e}",
+                  soft_wrap=True)
+    return 1
+  console.print(f"oracle here{' for ' + str(quant) if quant else ''}: {pf!r} + {ex!r} — {why}",
+                soft_wrap=True)
   return 0
 
 
@@ -305,7 +325,7 @@ def _check_eplb_slots(num_experts: int, redundant: int, ep: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jmoe.config import PRESETS, RUNNER_BACKENDS  # noqa: PLC0415
+  from jmoe.config import PRESETS, QUANT_SCHEMES, RUNNER_BACKENDS  # noqa: PLC0415
 
   p = argparse.ArgumentParser(prog="python -m jmoe", description=__doc__)
   sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
@@ -324,10 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--remeasure", action="store_true",
                  help="measure the CPU ceilings again (else cached once per machine in "
                       "$XDG_CACHE_HOME/jmoe or ~/.cache/jmoe; also $JMOE_REMEASURE=1)")
+  b.add_argument("--quant", type=_schemes, default=[],
+                 help="also time the backends with the weights quantized to these schemes "
+                      f"(comma-separated: {', '.join(QUANT_SCHEMES)}); their rel err vs the "
+                      "dense block is the scheme's accuracy")
   b.add_argument("--json", default=None, help="write the rows as JSON here")
   b.add_argument("--plot", default=None, help="write a time-vs-tokens plot (PNG) here")
   b.set_defaults(func=cmd_bench)
   c = sub.add_parser("check", help="print the prepare/finalize × experts compatibility matrix")
+  c.add_argument("--quant", default=None, choices=sorted(QUANT_SCHEMES),
+                 help="the matrix and the oracle's choice for this quantization scheme")
   c.set_defaults(func=cmd_check)
   pr = sub.add_parser("profile", help="write a jax.profiler trace of one forward")
   pr.add_argument("--preset", default="mixtral-8x7b", choices=sorted(PRESETS))

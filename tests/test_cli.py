@@ -31,7 +31,7 @@ def test_check_prints_matrix_and_oracle(capsys):
   assert cli.main(["check"]) == 0
   out = capsys.readouterr().out
   for name in ("reference", "xla", "xla_batched", "pallas_mosaic", "none:standard",
-               "none:batched", "oracle default here"):
+               "none:batched", "oracle here: "):
     assert name in out
   # piped (not a tty): the table at its natural width, every name whole, nothing cut
   assert "…" not in out
@@ -97,6 +97,34 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     if r["backend"] == "xla_batched":
       assert r["rel_err"] < 1e-5  # checked against the first backend in the same run
   assert png.stat().st_size > 1000
+
+
+def test_bench_quant_shows_speed_and_accuracy(tmp_path, capsys):
+  js = tmp_path / "q.json"
+  rc = cli.main(["bench", "--preset", "mixtral-8x7b", "--tokens", "4", "--backends", "xla",
+                 "--quant", "fp8_block,int8", "--repeats", "1", "--json", str(js)])
+  assert rc == 0
+  out = _flat(capsys.readouterr().out)
+  assert bench.legend(False, False, True) in out
+  cfg, _ = bench.bench_config("mixtral-8x7b", True, ["fp8_block"])
+  assert cfg.hidden_size % 128 == 0 and cfg.intermediate_size % 128 == 0  # 128-wide blocks
+  rows = {r["backend"]: r for r in json.loads(js.read_text())["rows"]}
+  assert set(rows) == {"xla", "xla fp8_block", "xla int8"}
+  assert 0.005 < rows["xla int8"]["rel_err"] < rows["xla fp8_block"]["rel_err"] < 0.1
+  with pytest.raises(SystemExit):
+    cli.main(["bench", "--quant", "fp7"])
+  assert "'fp7' is not a quantization scheme" in capsys.readouterr().err
+
+
+def test_check_quant_prints_the_choice_and_why(capsys):
+  assert cli.main(["check", "--quant", "fp8_block"]) == 0
+  out = _flat(capsys.readouterr().out)
+  assert "QuantConfig(fp8_block)" in out and "XlaExperts()" in out
+  assert "pallas_mosaic skipped" in out
+  assert cli.main(["check", "--quant", "mxfp4"]) == 1
+  out = _flat(capsys.readouterr().out)
+  assert "none — no runner backend can run QuantConfig(mxfp4)" in out
+  assert "packed 4-bit weights (mxfp4) are not implemented yet" in out
 
 
 def test_bench_reports_a_failing_backend_without_hiding_others(capsys):

@@ -469,6 +469,7 @@ def kernel_activation_vjp(act: Activation, dy, gate, up=None):
 
 
 _BARS_PER_WG = 5  # epilogue barriers per warpgroup: bias gate / up, row scale, h gate / up
+_QBARS = 3  # 8-bit mode: the accumulator's row scale, its column scales gate / up
 
 
 def epilogue_tiles(act_grad: Activation | None, store_preact: bool) -> int:
@@ -512,7 +513,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
                   gated: bool, act: Activation | None, has_scale: bool, has_bias: bool,
                   t_max: int, num_sms: int, interpret, rhs_t: bool = False,
                   slot_tasks: int = 0, act_grad: Activation | None = None,
-                  store_preact: bool = False):
+                  store_preact: bool = False, has_qscale: bool = False):
   """rhs_t: rhs is stored [E, N, K] and read through transposed SMEM views (wgmma takes a
   transposed B operand for 16-bit types), so the backward's d lhs = dout @ rhs^T needs no
   transposed copy of the weights. slot_tasks (decode): meta is [slot_tasks] expert ids, one
@@ -522,13 +523,19 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
   input (gate and up blocks when gated, n_h = 2), and writes the activation's VJP at the product
   d a instead of d a: [m_pad, n_h * n_out]. Each item's h tiles load by TMA while its K loop
   runs. store_preact (training forward, gated): a second output [m_pad, 2 * n_out] holds the
-  activation's input (gate | up, bias added) next to the activated [m_pad, n_out]."""
+  activation's input (gate | up, bias added) next to the activated [m_pad, n_out].
+  has_qscale (8-bit mode, fp8 / int8 operands, rhs_t): two more inputs after bias, the
+  accumulator's row scale a_scale [m_pad] f32 and column scale w_scale [E, n_total] f32,
+  applied to the f32 (int8: s32) accumulator before bias and activation."""
   nwg, tile_m, tile_n = cfg.wg_tile()
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   k_iters = pl.cdiv(k, bk)
   n_tiles = pl.cdiv(n_out, bn)
   itemsize = jnp.dtype(dtype).itemsize
   transforms = _compat.smem_transforms(bk, itemsize)
+  # a [bk, bn] B tile's swizzle spans bn: 8-bit types meet that layout only in interpret mode
+  # (rhs_t is swapped there), where 128 elements of swizzle would not tile bn = 64
+  b_transforms = transforms if itemsize > 1 else _compat.smem_transforms(min(bk, bn), itemsize)
   ladder = []
   r = min(tile_m, m_pad)
   while r > 0:
@@ -537,6 +544,9 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
   n_rhs = 2 if gated else 1
   n_h = 0 if act_grad is None else (2 if act_grad.is_gated else 1)
   n_epi = epilogue_tiles(act_grad, store_preact)
+  # int8 x int8 accumulates exactly in s32 (wgmma's only integer accumulator)
+  acc_dtype = jnp.int32 if jnp.issubdtype(dtype, jnp.integer) else jnp.float32
+  bars_per_wg = _BARS_PER_WG + (_QBARS if has_qscale else 0)
   num_ctas = num_sms * cfg.ctas_per_sm
   cross_item = cfg.cross_item and not slot_tasks  # a skipped slot must not load weights
   stages = cfg.num_stages
@@ -550,7 +560,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
   def rhs_spec(**kw):
     if rhs_t:
       return plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=transforms, **kw)
-    return plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms, **kw)
+    return plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=b_transforms, **kw)
 
   def rhs_views(rhs_e, ni):
     cols = [ni * bn] + ([n_out + ni * bn] if gated else [])
@@ -580,6 +590,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
     rest = list(rest)
     scale_ref = rest.pop(0) if has_scale else None
     bias_ref = rest.pop(0) if has_bias else None
+    ascale_ref = rest.pop(0) if has_qscale else None
+    wscale_ref = rest.pop(0) if has_qscale else None
     h_ref = rest.pop(0) if act_grad is not None else None
     out_ref = rest.pop(0)
     pre_ref = rest.pop(0) if store_preact else None
@@ -597,8 +609,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
         return row, ni * bn + wg * tile_n
       return row, ni * bn
 
-    def bar(wg, j):  # per warpgroup: bias gate/up, row scale, then the h tiles of act_grad
-      return bars.at[wg * _BARS_PER_WG + j]
+    def bar(wg, j):  # per warpgroup: bias gate/up, row scale, the h tiles of act_grad, qscales
+      return bars.at[wg * bars_per_wg + j]
 
     def prefetch(wg, row, ni):
       """act_grad: start the TMA of the item's h tiles (the epilogue waits for them)."""
@@ -623,9 +635,24 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       if has_scale:
         plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r0, tile_m)], vec_smem.at[wg, 2, :tile_m],
                                 bar(wg, 2))
+      if has_qscale:
+        q0 = _BARS_PER_WG
+        plgpu.copy_gmem_to_smem(ascale_ref.at[pl.ds(r0, tile_m)], vec_smem.at[wg, 3, :tile_m],
+                                bar(wg, q0))
+        for j in range(n_rhs):
+          plgpu.copy_gmem_to_smem(wscale_ref.at[e, pl.ds(j * n_out + c0, tile_n)],
+                                  vec_smem.at[wg, 4 + j, :tile_n], bar(wg, q0 + 1 + j))
       shape = (tile_m, tile_n)
       vals = []
+      if has_qscale:
+        plgpu.barrier_wait(bar(wg, q0))
+        sa = _cast(vec_smem.at[wg, 3, :tile_m][...], plgpu.Layout.WGMMA.reduce(1))
+        sa = lax.broadcast_in_dim(sa, shape, [0])
       for j, a in enumerate(accs):
+        if has_qscale:  # dequantize: acc * a_scale[r] * w_scale[e, n] (s32 -> f32 first)
+          plgpu.barrier_wait(bar(wg, q0 + 1 + j))
+          sw = _cast(vec_smem.at[wg, 4 + j, :tile_n][...], plgpu.Layout.WGMMA.reduce(0))
+          a = a.astype(jnp.float32) * sa * lax.broadcast_in_dim(sw, shape, [1])
         if has_bias:
           plgpu.barrier_wait(bar(wg, j))
           b = _cast(vec_smem.at[wg, j, :tile_n][...], plgpu.Layout.WGMMA.reduce(0))
@@ -714,7 +741,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       rhs_block = (None, bn, bk) if rhs_t else (None, bk, bn)
       specs = [plgpu.BlockSpec((pl.Element(bm), bk), lhs_index, transforms=transforms,
                                delay_release=1)]
-      specs += [plgpu.BlockSpec(rhs_block, rhs_index(j), transforms=transforms,
+      specs += [plgpu.BlockSpec(rhs_block, rhs_index(j),
+                                transforms=transforms if rhs_t else b_transforms,
                                 delay_release=1) for j in range(n_rhs)]
 
       # GPU interpret mode cannot store into a wgmma accumulator (no wgmma_accumulator_store
@@ -733,7 +761,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
               if emulate_reset:
                 bases[j][...] = acc[...]
               else:
-                acc[...] = jnp.zeros((tile_m, tile_n), jnp.float32)
+                acc[...] = jnp.zeros((tile_m, tile_n), acc_dtype)
 
           for acc, b in zip(acc_refs, b_smems):
             plgpu.wgmma(acc, a_smem, b_operand(b))
@@ -752,10 +780,10 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
         def _run():
           plgpu.emit_pipeline(step, grid=(mine, k_iters), in_specs=specs,
                               max_concurrent_steps=stages)(lhs_ref, *[rhs_ref] * n_rhs)
-      accs = [plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)]
+      accs = [plgpu.ACC((tile_m, tile_n), acc_dtype) for _ in range(n_rhs)]
       if emulate_reset:  # REGS and SMEM allocations need their own scopes
         pl.run_scoped(lambda *bases: pl.run_scoped(functools.partial(scope, bases=bases), *accs),
-                      *[plgpu.SMEM((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
+                      *[plgpu.SMEM((tile_m, tile_n), acc_dtype) for _ in range(n_rhs)])
       else:
         pl.run_scoped(scope, *accs)
 
@@ -789,7 +817,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
             prefetch(wg, row, ni)
             accs = eval_pipeline(tuple(acc_refs))
             epilogue([a[...] for a in accs], wg, e, row, lo, hi, ni)
-          pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32)
+          pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), acc_dtype)
                                  for _ in range(n_rhs)])
 
         b_views = rhs_views(rhs_ref.at[e], ni)
@@ -827,7 +855,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
                                   lhs_ref.at[pl.ds(row, bm), :], *b_views)
           plgpu.wgmma_wait(0)
           epilogue([a[...] for a in acc_refs], 0, e, row, lo, hi, ni)
-        pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_rhs)])
+        pl.run_scoped(scope, *[plgpu.ACC((tile_m, tile_n), acc_dtype) for _ in range(n_rhs)])
 
     if cross_item:
       run_chained() if cfg.warp_specialized else run_cross_item()
@@ -845,8 +873,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
 
   scratch = [
       plgpu.SMEM((nwg, n_epi, tile_m, tile_n), out_dtype),
-      plgpu.SMEM((nwg, 3, max(tile_m, tile_n)), jnp.float32),
-      plgpu.Barrier(num_arrivals=1, num_barriers=_BARS_PER_WG * nwg),
+      plgpu.SMEM((nwg, 6 if has_qscale else 3, max(tile_m, tile_n)), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=bars_per_wg * nwg),
   ]
   if cfg.warp_specialized:
     ignore = lambda *_, **__: None
@@ -876,7 +904,8 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       name=(("jmoe_gg_gated" if gated else "jmoe_gg") + ("_ws" if cfg.warp_specialized else "")
             + ("_2cta" if cfg.ctas_per_sm == 2 else "") + ("_xi" if cross_item else "")
             + ("_rt" if rhs_t else "") + ("_actgrad" if act_grad is not None else "")
-            + ("_preact" if store_preact else "")),
+            + ("_preact" if store_preact else "")
+            + (f"_{jnp.dtype(dtype).name.split('_')[0]}" if has_qscale else "")),
       **extra,
   )
 
@@ -952,13 +981,15 @@ def row_alloc(m: int, *block_ms: int) -> int:
 
 def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, gated, act,
          kernel_name, meta=None, keep_rows=False, rhs_t=False, slot_experts=None,
-         act_grad=None, h=None, store_preact=False):
+         act_grad=None, h=None, store_preact=False, a_scale=None, w_scale=None):
   """meta: precomputed tile_metadata(group_sizes, M, block_m) (shared by GEMM1 and GEMM2).
   keep_rows: return all kernel rows (see row_alloc) instead of slicing back to M.
   rhs_t: rhs is [E, N, K] (used transposed). slot_experts [S] int32 (decode, instead of meta):
   row s < S is one task of expert slot_experts[s]; outside [0, E): skipped, row unwritten.
   act_grad + h [M, n_h * N]: return the activation's VJP at the product (see _build_kernel).
-  store_preact (gated): return (activated, gate | up pre-activation)."""
+  store_preact (gated): return (activated, gate | up pre-activation).
+  a_scale [M] + w_scale [E, n_total] (8-bit mode, both or neither): the accumulator's row and
+  column scales (see _build_kernel's has_qscale)."""
   m, k = lhs.shape
   e = rhs.shape[0]
   n_total = rhs.shape[1] if rhs_t else rhs.shape[2]
@@ -981,6 +1012,12 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
       row_scale = jnp.pad(row_scale, (0, m_pad - m))
   if bias is not None:
     bias = bias.astype(jnp.float32)
+  has_qscale = a_scale is not None
+  if has_qscale:
+    a_scale = a_scale.astype(jnp.float32)
+    if m_pad != m:
+      a_scale = jnp.pad(a_scale, (0, m_pad - m))
+    w_scale = w_scale.astype(jnp.float32)
   if slot_experts is not None:  # the task count is static: ntasks is not read
     meta, ntasks = slot_experts.astype(jnp.int32), jnp.zeros((1,), jnp.int32)
   else:
@@ -992,12 +1029,14 @@ def _run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, g
                        has_scale=row_scale is not None, has_bias=bias is not None, t_max=t_max,
                        num_sms=nsm, interpret=interp, rhs_t=rhs_t,
                        slot_tasks=0 if slot_experts is None else slot_experts.shape[0],
-                       act_grad=act_grad, store_preact=store_preact)
+                       act_grad=act_grad, store_preact=store_preact, has_qscale=has_qscale)
   args = [meta, ntasks, lhs, rhs]
   if row_scale is not None:
     args.append(row_scale)
   if bias is not None:
     args.append(bias)
+  if has_qscale:
+    args += [a_scale, w_scale]
   if act_grad is not None:
     args.append(h)
   out = kern(*args)

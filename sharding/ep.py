@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jmoe._validate import check_distinct_ids
 from jmoe.config import ParallelConfig, QuantConfig
 from jmoe.modular import ActivationFormat, ExpertWeights, ModularKernel
+from jmoe.quant.weights import QuantizedWeights
 from jmoe.shared import shared_expert_mlp
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.sharding.mesh import (ExpertPlacement, token_axes, validate, weight_specs)
@@ -143,9 +144,20 @@ def ep_fused_moe(
   gated = act.is_gated
   tp = sizes.tp
   ws = weight_specs(parallel, gated)
+  quantized = isinstance(w13, QuantizedWeights)
+  if quantized:
+    # values, scales and zero points all shard over the expert axis (dim 0) like bf16 weights
+    if tp > 1:
+      raise ValueError(f"quantized w13 / w2 ({w13.scheme}) with a tensor axis of size {tp}: "
+                       "tensor-parallel quantized experts are not supported yet; shard the "
+                       "experts over the expert axis only")
+    if w13.input_scale is not None or w2.input_scale is not None:
+      raise ValueError("w13 / w2 carry a static input_scale: expert-parallel quantized experts "
+                       "quantize their activations dynamically; drop input_scale")
+    ws = dict(ws, w13=P(parallel.expert_axis), w2=P(parallel.expert_axis))
   # gate | up side by side would shard badly over N: view w13 as [E, H, 2, N] so each tensor
   # rank gets matching gate and up columns
-  w13v = w13.reshape(e, h, 2, n) if gated else w13
+  w13v = w13.reshape(e, h, 2, n) if gated and not quantized else w13
   b13v = None
   if w13_bias is not None:
     b13v = w13_bias.reshape(e, 2, n) if gated else w13_bias
@@ -162,7 +174,7 @@ def ep_fused_moe(
   def body(*vals):
     v = dict(zip(names, vals))
     el = v["w13"].shape[0]
-    w13l = v["w13"].reshape(el, h, -1) if gated else v["w13"]
+    w13l = v["w13"].reshape(el, h, -1) if gated and not quantized else v["w13"]
     b13l = None
     if "b13" in v:
       b13l = v["b13"].reshape(el, -1) if gated else v["b13"]

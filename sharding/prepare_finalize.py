@@ -96,6 +96,14 @@ class EPPrepareFinalize(PrepareFinalize):
   def prepare(self, *args, **kwargs) -> ExpertsInput:
     return self.prepare_async(*args, **kwargs)()
 
+  def quant_support(self, quant):
+    """Quantized rows travel with their own scales, so the scale must belong to the row."""
+    why = super().quant_support(quant)
+    if why is None and quant is not None and quant.act_scale == "dynamic_tensor":
+      return ("a per-tensor dynamic activation scale spans every rank's tokens; the dispatch "
+              "carries per-row scales (act_scale='dynamic_token' or 'dynamic_group')")
+    return why
+
   def _fp8_wire(self, quant) -> bool:
     """fp8 dispatch applies: asked for, rows actually leave the rank, and the experts do not
     take quantized activations of their own format."""

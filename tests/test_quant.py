@@ -230,6 +230,28 @@ def test_moe_block_runs_quantized_weights(rng):
   assert onp.rel_err(np.asarray(yq), np.asarray(y)) < 0.1
 
 
+@pytest.mark.parametrize("scheme,a2a", [("fp8_block", "allgather"), ("fp8_block", "ragged_dedup"),
+                                        ("int8", "ragged_a2a"), ("fp8_channel", "padded_a2a")])
+def test_quantized_weights_shard_over_the_expert_axis(scheme, a2a, rng):
+  """EP on 8 simulated devices (data 2 x expert 4): quantized rows and their scales ride the
+  dispatch and the experts take them as they arrive; equal to the one-device quantized block."""
+  from jmoe import sharding
+  t, h, n, e, k = 16, 128, 128, 8, 2
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  q13 = quantize_weights(jnp.asarray(_weights(rng, e, h, 2 * n)), scheme)
+  q2 = quantize_weights(jnp.asarray(_weights(rng, e, n, h)), scheme)
+  tw, ids = (jnp.asarray(a) for a in onp.random_topk(rng, t, e, k))
+  ref = jmoe.fused_moe(x, q13, q2, tw, ids)
+  par = sharding.make_parallel(data=2, expert=4)
+  f = jax.jit(lambda *a: jmoe.fused_moe(*a, parallel=par, a2a_backend=a2a))
+  out = f(sharding.shard_tokens(x, par), sharding.shard_expert_weights(q13, par),
+          sharding.shard_expert_weights(q2, par), tw, ids)
+  onp.assert_rel_close(np.asarray(out), np.asarray(ref), 1e-5, f"{scheme} over {a2a}")
+  tp = sharding.make_parallel(expert=4, tensor=2)
+  with pytest.raises(ValueError, match=r"tensor-parallel quantized experts are not supported"):
+    jmoe.fused_moe(x, q13, q2, tw, ids, parallel=tp, a2a_backend="allgather")
+
+
 # ---------------------------------------------------------------------------------------------
 # qwix
 

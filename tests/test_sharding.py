@@ -543,7 +543,7 @@ def test_oracle_defaults_and_forcing(monkeypatch):
   assert isinstance(pf, sharding.RaggedA2A) and "JMOE_A2A_BACKEND" in why
   pf, _, _ = sharding.select_parts(parallel("e8", a2a_backend="padded_a2a"))
   assert isinstance(pf, sharding.RaggedA2A)  # the environment beats the config
-  with pytest.raises(ValueError, match="no experts"):
+  with pytest.raises(ValueError, match=r"runner_backend=.reference. has no batched-format experts"):
     sharding.select_parts(par, a2a_backend="padded_a2a", runner_backend="reference")
   with pytest.raises(ValueError, match="needs parallel"):
     jmoe.select_backend("xla", "ragged_a2a")

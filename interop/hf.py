@@ -38,7 +38,10 @@ uses:
 * per-expert linears `experts.{i}.gate_proj|up_proj|down_proj.weight` (Qwen, DeepSeek
   checkpoints, transformers < 5) or `experts.{i}.w1|w3|w2.weight` (Mixtral checkpoints, gate
   w1, up w3, down w2).
-* DeepSeek-style FP8 block-quantized linears (`weight` + `weight_scale_inv`) are dequantized.
+* FP8 per-expert linears — DeepSeek's `weight` + `weight_scale_inv` (128x128 blocks), or
+  `weight` + `weight_scale` per tensor / channel — stay quantized (`quantized="keep"`, the
+  default: `jmoe.quant.QuantizedWeights`, no dequantized copy) or are dequantized
+  (`quantized="dequantize"`); FP8 shared experts are dequantized (they run as a dense MLP).
 
 jmoe's layout: w13 [E, H, 2N] (gate = w13[..., :N], up = w13[..., N:]), w2 [E, N, H], router_w
 [H, E]; shared experts as one dense MLP shared_w13 [H, 2Ns], shared_w2 [Ns, H], shared_gate [H].
@@ -285,12 +288,16 @@ class _Reader:
                     f"keys under prefix {self.prefix!r}: {near}")
 
   def linear(self, key: str) -> np.ndarray:
-    """`key` names a torch Linear weight [out, in]; FP8 block-quantized ones are dequantized."""
+    """`key` names a torch Linear weight [out, in]; FP8 ones (block, tensor or channel
+    scales) are dequantized."""
     w = self.raw(key)
-    scale_key = key + "_scale_inv"
-    if self.has(scale_key):
-      w = _dequant_fp8_block(w, self.raw(scale_key), _block_size(self.hf_config))
-    return w
+    if not _is_fp8(w):
+      return w
+    block = _block_size(self.hf_config)
+    w, scale, kind = _fp8_linear(self, key, block)
+    if kind == "block":
+      return _dequant_fp8_block(w, scale, block)
+    return w.astype(np.float32) * scale
 
 
 def _block_size(hf_config: Any) -> tuple[int, int]:
@@ -337,6 +344,11 @@ def _orient(w: np.ndarray, xw_shape: tuple, linear_shape: tuple, prefer_xw: bool
     return np.swapaxes(w, 1, 2)
   raise ValueError(f"{what} has shape {w.shape}; expected {xw_shape} (x @ W order) or "
                    f"{linear_shape} (torch Linear order)")
+
+
+def _fused_gate_up_key(r: _Reader) -> Optional[str]:
+  key = "experts.gate_up_proj"
+  return r.first(key + "_blocks", key, key + ".weight")
 
 
 def _fused_gate_up(r: _Reader, mt: str, e: int, h: int, n: int) -> Optional[np.ndarray]:
@@ -403,6 +415,86 @@ def _per_expert(r: _Reader, e: int, h: int, n: int) -> tuple[np.ndarray, np.ndar
                   [f"experts.0.{g}.weight" for g, _, _ in _PER_EXPERT_NAMES])
 
 
+def _is_fp8(a: np.ndarray) -> bool:
+  import ml_dtypes  # noqa: PLC0415
+  return a.dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _fp8_linear(r: _Reader, key: str, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, str]:
+  """An FP8 torch Linear `key` [out, in] as (values [out, in] e4m3, scale, granularity):
+  `weight_scale_inv` per (block[0] x block[1]) tile (DeepSeek) -> scale [out/b0, in/b1],
+  "block"; `weight_scale` per tensor or per output channel (llm-compressor / vLLM fp8
+  exports) -> scale [out, 1], "channel" (a per-tensor scale repeated over its channels: exact,
+  and gate and up keep their own)."""
+  w = r.raw(key)
+  base = key[:-len(".weight")] if key.endswith(".weight") else key
+  if r.has(key + "_scale_inv"):
+    s = r.raw(key + "_scale_inv").astype(np.float32)
+    want = (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
+    if s.shape != want:
+      raise ValueError(f"{r.prefix}{key}_scale_inv has shape {s.shape}, expected {want} for "
+                       f"{r.prefix}{key} {w.shape} in {block[0]}x{block[1]} blocks")
+    return w, s, "block"
+  if r.has(base + ".weight_scale"):
+    s = r.raw(base + ".weight_scale").astype(np.float32)
+    if s.size == 1:
+      return w, np.full((w.shape[0], 1), s.reshape(()), np.float32), "channel"
+    if s.size == w.shape[0]:
+      return w, s.reshape(w.shape[0], 1), "channel"
+    raise ValueError(f"{r.prefix}{base}.weight_scale has shape {s.shape}: neither one scale nor "
+                     f"one per output channel of {r.prefix}{key} {w.shape}")
+  raise r.missing(f"the scale of FP8 weight {key}", [key + "_scale_inv", base + ".weight_scale"])
+
+
+def _per_expert_fp8(r: _Reader, e: int, h: int, n: int):
+  """Per-expert FP8 linears kept quantized: (w13, w2) QuantizedWeights in jmoe's K-major
+  layout (values [E, 2N, H] = gate | up as stored, [E, H, N]); None when the checkpoint's
+  experts are not FP8."""
+  from jmoe.config import QuantConfig  # noqa: PLC0415
+  from jmoe.quant.weights import QuantizedWeights, check_quantized  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  names = next(((g, u, d) for g, u, d in _PER_EXPERT_NAMES if r.has(f"experts.0.{g}.weight")),
+               None)
+  if names is None or not _is_fp8(r.raw(f"experts.0.{names[0]}.weight")):
+    return None
+  block = _block_size(r.hf_config)
+  w13v, w13s, w2v, w2s, kinds = [], [], [], [], set()
+  for i in range(e):
+    parts = []
+    for nm, want in zip(names, [(n, h), (n, h), (h, n)]):
+      key = f"experts.{i}.{nm}.weight"
+      if not r.has(key):
+        raise r.missing(f"expert {i}", [key])
+      w, sc, kind = _fp8_linear(r, key, block)
+      if w.shape != want:
+        raise ValueError(f"{r.prefix}{key} has shape {w.shape}, expected {want} (out, in) for "
+                         f"H={h}, N={n}")
+      parts.append((w, sc))
+      kinds.add(kind)
+    (g, gs), (u, us), (d, ds) = parts
+    w13v.append(np.concatenate([g, u]))
+    w13s.append(np.concatenate([gs, us]))
+    w2v.append(d)
+    w2s.append(ds)
+  if len(kinds) != 1:
+    raise ValueError(f"{r.prefix}experts mix FP8 scale kinds {sorted(kinds)}")
+  kind = kinds.pop()
+  if kind == "block":
+    if n % block[0] or h % block[0] or h % block[1] or n % block[1]:
+      raise ValueError(f"{r.prefix}experts: FP8 {block[0]}x{block[1]} blocks do not divide "
+                       f"H={h} / N={n}, so the weights cannot stay quantized; pass "
+                       "quantized='dequantize'")
+    scheme = QuantConfig("fp8_block", block_shape=(block[1], block[0]))
+  else:
+    scheme = QuantConfig("fp8_channel")
+  q = [QuantizedWeights(values=jnp.asarray(np.stack(v)), scale=jnp.asarray(np.stack(sc)),
+                        scheme=scheme) for v, sc in ((w13v, w13s), (w2v, w2s))]
+  check_quantized(q[0], argname=f"{r.prefix}experts (w13)")
+  check_quantized(q[1], argname=f"{r.prefix}experts (w2)")
+  return q[0], q[1]
+
+
 def _mlp(r: _Reader, names: tuple[str, ...]) -> Optional[tuple[np.ndarray, np.ndarray]]:
   """A dense gated MLP (gate_proj/up_proj/down_proj) under one of `names` -> w13 [H,2Ns], w2."""
   for name in names:
@@ -415,8 +507,8 @@ def _mlp(r: _Reader, names: tuple[str, ...]) -> Optional[tuple[np.ndarray, np.nd
 
 
 def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Mapping,
-                       prefix: str = "", *, dtype=None, config_overrides: Optional[dict] = None
-                       ) -> tuple["MoEConfig", "MoEParams"]:
+                       prefix: str = "", *, dtype=None, config_overrides: Optional[dict] = None,
+                       quantized: str = "keep") -> tuple["MoEConfig", "MoEParams"]:
   """Convert one HF MoE block's tensors to jmoe.
 
   Args:
@@ -429,6 +521,12 @@ def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Ma
     dtype: dtype of the returned parameters; None keeps the checkpoint's expert dtype
       (dequantized FP8 / MXFP4 weights become bfloat16).
     config_overrides: MoEConfig fields to set (e.g. runner_backend, fuse_shared_experts).
+    quantized: "keep" (default): FP8 expert weights load as `jmoe.quant.QuantizedWeights`,
+      their values and scales as stored — DeepSeek's `weight_scale_inv` 128x128 blocks as
+      fp8_block, per-tensor / per-channel `weight_scale` exports as fp8_channel (a tensor's
+      scale repeated over its channels) — and run W8A8 with dynamic activation scales (a
+      checkpoint's static `input_scale` is not used). "dequantize": bfloat16 weights (or
+      `dtype`). MXFP4 (gpt-oss) is dequantized either way for now.
 
   Returns:
     (MoEConfig, MoEParams) for `jmoe.moe_block`.
@@ -445,8 +543,15 @@ def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Ma
   e, h, n = probe.num_experts, probe.hidden_size, probe.intermediate_size
 
   # experts
-  w13 = _fused_gate_up(r, mt, e, h, n)
-  if w13 is not None:
+  if quantized not in ("keep", "dequantize"):
+    raise ValueError(f"quantized={quantized!r}: 'keep' or 'dequantize'")
+  kept = _per_expert_fp8(r, e, h, n) if quantized == "keep" and _fused_gate_up_key(r) is None \
+      else None
+  w13 = None if kept is not None else _fused_gate_up(r, mt, e, h, n)
+  if kept is not None:
+    w13, w2 = (np.zeros((e, h, 2 * n), np.float32), np.zeros((e, n, h), np.float32))  # shapes
+    src_key = None
+  elif w13 is not None:
     w2 = _fused_down(r, mt, e, h, n)
     src_key = r.first("experts.down_proj", "experts.down_proj.weight")
   else:
@@ -471,7 +576,8 @@ def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Ma
   router_w = r.raw(rk)
   if router_w.shape != (e, h):
     raise ValueError(f"{prefix}{rk} has shape {router_w.shape}, expected {(e, h)}")
-  p: dict[str, Any] = dict(router_w=arr(router_w.T, np.float32), w13=arr(w13), w2=arr(w2))
+  p: dict[str, Any] = dict(router_w=arr(router_w.T, np.float32))
+  p["w13"], p["w2"] = kept if kept is not None else (arr(w13), arr(w2))
   if probe.router_bias:
     bk = r.first("router.bias", "gate.bias")
     if bk is None:

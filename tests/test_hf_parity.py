@@ -505,9 +505,106 @@ def test_deepseek_fp8_block_checkpoint():
   sd[prefix + "gate.weight"] = block.gate.weight.detach()
   sd[prefix + "gate.e_score_correction_bias"] = block.gate.e_score_correction_bias.detach()
   want = hf_forward(block, x)
-  config, params = hf.from_hf_state_dict("deepseek_v3", hf_config, sd, prefix, dtype="float32")
+  config, params = hf.from_hf_state_dict("deepseek_v3", hf_config, sd, prefix, dtype="float32",
+                                         quantized="dequantize")  # partial 128-blocks
   got = _block_jit(jnp.asarray(x.reshape(-1, 160).numpy()), params, config=config)
   assert rel_err(got, want) <= RTOL
+
+
+def _fp8_experts(block, e, names, shapes, scale_kind, g):
+  """Random e4m3 expert linears with their scales as a checkpoint stores them (per-expert
+  keys), the block loaded with the dequantized weights; -> (state dict part, dequantized)."""
+  sd, deq = {}, {}
+  for i in range(e):
+    for nm, (out, inn) in zip(names, shapes):
+      w8 = (torch.randn(out, inn, generator=g) * 2).to(torch.float8_e4m3fn)
+      key = f"experts.{i}.{nm}"
+      if scale_kind == "block":
+        s = torch.rand(out // 128, inn // 128, generator=g) * 0.05 + 0.01
+        sd[key + ".weight_scale_inv"] = s
+        full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+      elif scale_kind == "tensor":
+        s = torch.rand((), generator=g) * 0.05 + 0.01
+        sd[key + ".weight_scale"] = s
+        full = s
+      else:  # channel
+        s = torch.rand(out, 1, generator=g) * 0.05 + 0.01
+        sd[key + ".weight_scale"] = s
+        full = s
+      sd[key + ".weight"] = w8
+      deq[key] = w8.float() * full
+  return sd, deq
+
+
+def _load_dequantized_into(block, deq, e, names):
+  with torch.no_grad():
+    if hasattr(block.experts, "gate_up_proj"):  # transformers >= 5: fused [E, 2N, H], [E, H, N]
+      block.experts.gate_up_proj.copy_(torch.stack(
+          [torch.cat([deq[f"experts.{i}.{names[0]}"], deq[f"experts.{i}.{names[1]}"]])
+           for i in range(e)]))
+      block.experts.down_proj.copy_(torch.stack([deq[f"experts.{i}.{names[2]}"]
+                                                 for i in range(e)]))
+    else:
+      for i in range(e):
+        for nm, attr in zip(names, ("gate_proj", "up_proj", "down_proj")):
+          getattr(block.experts[i], attr).weight.copy_(deq[f"experts.{i}.{nm}"])
+
+
+@pytest.mark.parametrize("case,scale_kind", [("deepseek_v3", "block"), ("mixtral", "tensor"),
+                                             ("mixtral", "channel")])
+def test_fp8_checkpoint_stays_quantized(case, scale_kind):
+  """FP8 checkpoints load as QuantizedWeights (the stored e4m3 bytes and scales, no
+  dequantized copy) and run W8A8: within fp8 activation rounding of the transformers block
+  holding the dequantized weights; equal to jmoe's dequantized load up to that rounding."""
+  from jmoe.quant import QuantizedWeights
+  h, n, e = 256, 128, 4
+  if case == "deepseek_v3":
+    hf_config, block, x = build(case, hidden_size=h, moe_intermediate_size=n, n_routed_experts=e,
+                                n_group=2, topk_group=1, num_experts_per_tok=2,
+                                n_shared_experts=1)
+    names = ("gate_proj", "up_proj", "down_proj")
+    extra = {"gate.weight": block.gate.weight.detach(),
+             "gate.e_score_correction_bias": block.gate.e_score_correction_bias.detach()}
+    for p in ("gate_proj", "up_proj", "down_proj"):
+      extra[f"shared_experts.{p}.weight"] = getattr(block.shared_experts, p).weight.detach()
+  else:
+    hf_config, block, x = build(case, hidden_size=h, intermediate_size=n, num_local_experts=e)
+    names = ("w1", "w3", "w2")
+    extra = {"gate.weight": block.gate.weight.detach()}
+  g = torch.Generator().manual_seed(5)
+  sd, deq = _fp8_experts(block, e, names, [(n, h), (n, h), (h, n)], scale_kind, g)
+  _load_dequantized_into(block, deq, e, names)
+  prefix = "model.layers.1.mlp."
+  sd = {prefix + k: v for k, v in {**sd, **extra}.items()}
+  want = hf_forward(block, x)
+  config, params = hf.from_hf_state_dict(case, hf_config, sd, prefix, dtype="float32")
+  assert isinstance(params.w13, QuantizedWeights) and isinstance(params.w2, QuantizedWeights)
+  assert params.w13.scheme.name == ("fp8_block" if scale_kind == "block" else "fp8_channel")
+  stored = sd[prefix + f"experts.2.{names[1]}.weight"].view(torch.uint8).numpy()
+  np.testing.assert_array_equal(np.asarray(params.w13.values[2, n:]).view(np.uint8), stored)
+  x2 = jnp.asarray(x.reshape(-1, h).numpy())
+  got = _block_jit(x2, params, config=config)
+  assert rel_err(got, want) <= 6e-2, "fp8 activation rounding (W8A8) vs the dequantized block"
+  _, dense = hf.from_hf_state_dict(case, hf_config, sd, prefix, dtype="float32",
+                                   quantized="dequantize")
+  assert rel_err(_block_jit(x2, dense, config=config), want) <= RTOL
+
+
+def test_fp8_checkpoint_bad_scales_name_the_tensor():
+  hf_config, block, x = build("mixtral", hidden_size=256, intermediate_size=128,
+                              num_local_experts=2)
+  g = torch.Generator().manual_seed(6)
+  sd, _ = _fp8_experts(block, 2, ("w1", "w3", "w2"), [(128, 256), (128, 256), (256, 128)],
+                       "block", g)
+  sd["gate.weight"] = block.gate.weight.detach()
+  bad = dict(sd)
+  bad["experts.1.w3.weight_scale_inv"] = torch.ones(2, 2)
+  with pytest.raises(ValueError, match=r"experts.1.w3.weight_scale_inv has shape \(2, 2\), "
+                                       r"expected \(1, 2\) for experts.1.w3.weight \(128, 256\)"):
+    hf.from_hf_state_dict("mixtral", hf_config, bad, "")
+  del bad["experts.1.w3.weight_scale_inv"]
+  with pytest.raises(KeyError, match=r"the scale of FP8 weight experts.1.w3.weight"):
+    hf.from_hf_state_dict("mixtral", hf_config, bad, "")
 
 
 def test_whole_model_safetensors(tmp_path):

@@ -319,7 +319,8 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms),
                plgpu.BlockSpec((1, bm), lambda kk: (kk, 0))]
       if interpret:  # the interpreter has no transposed SMEM views: rhs arrives [E, K, N]
-        specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms)] * n_rhs
+        specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0),
+                                  transforms=_compat.smem_transforms(bn, 1))] * n_rhs
         b_views = [rhs_ref.at[e, :, pl.ds(c, bn)] for c in cols]
       else:
         specs += [plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=transforms)] * n_rhs

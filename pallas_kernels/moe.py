@@ -332,3 +332,90 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
   # the router weights are applied in the gather-sum (its VJP writes d y once, in y's dtype)
   return _perm.gather_sum_diff(y, topk_weights, inv, order, k, x.dtype,
                                _auto_gather_impl(m, hdim), interpret)
+
+
+# ============================================================================ quantized (W8A8)
+
+
+def _gather_act_scale(a_scale: jax.Array, tok: jax.Array, t: int) -> jax.Array:
+  """The token rows' activation scales in sorted order: per-token [T, 1] / per-group [T, G]
+  rows follow their rows; a per-tensor [1, 1] scale is broadcast. -> [len(tok), G] f32."""
+  s = a_scale.astype(jnp.float32)
+  if s.shape[0] == 1 and t != 1:
+    return jnp.broadcast_to(s, (tok.shape[0], s.shape[1]))
+  return jnp.take(s, tok, axis=0)
+
+
+def _requant_rows(h: jax.Array, live: jax.Array, quant):
+  """GEMM1's bf16 output quantized per the scheme's (per-token / per-tensor) activation
+  format, in XLA: a row's scale spans all N column tiles, which no one epilogue tile sees.
+  Rows past sum(group_sizes) (unwritten) are zeroed first so a per-tensor amax ignores them."""
+  from jmoe.quant.activations import quantize_activations  # noqa: PLC0415
+  h = jnp.where(live[:, None], h.astype(jnp.float32), 0.0)
+  return quantize_activations(h, quant)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "interpret"))
+def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
+                            topk_weights: jax.Array, topk_ids: jax.Array, *,
+                            activation: Activation | str = "silu",
+                            w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
+                            out_dtype=jnp.bfloat16, interpret: Any = False) -> jax.Array:
+  """fused_experts for 8-bit W8A8 weights (jmoe.quant.QuantizedWeights, K-major): the scheme's
+  semantics of jmoe.experts.xla.quantized_expert_mlp_sorted on the 8-bit kernels.
+
+  a_q [T, H] 8-bit (prepare's quantized tokens), a_scale per-token [T, 1], per-tensor [1, 1]
+  or per-group [T, H/128] (fp8_block); w13 values [E, 2N, H] (gated) / [E, N, H], w2 values
+  [E, H, N]. Schemes: fp8_tensor / fp8_channel / int8 (grouped_gemm_q8 for both GEMMs, GEMM1's
+  bf16 output re-quantized per token in XLA) and fp8_block (grouped_gemm_q8's block kernel;
+  GEMM1's epilogue writes GEMM2's fp8 input and its per-128-column scales: no bf16
+  intermediate). Routing: moe_align + an XLA row gather of the 8-bit rows and their scales;
+  the router weights are applied in the final gather-sum (f32), as in fused_experts.
+  Returns [T, H] out_dtype.
+  """
+  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  act = as_activation(activation)
+  quant = w13.scheme
+  t, k = topk_ids.shape
+  e, n13, hdim = w13.values.shape
+  n = n13 // 2 if act.is_gated else n13
+  m = t * k
+  block = quant.weight_scale == "block"
+  if block:
+    cfg1 = q8.block_config(m, n, hdim, e, gated=act.is_gated, quantize_output=True)
+    cfg1 = q8._block_smem_ok(cfg1, 2 if act.is_gated else 1)
+    # GEMM2 reads GEMM1's per-task scales: the same task list, so the same block_m
+    cfg2 = q8._block_smem_ok(q8.BlockQ8Config(block_m=cfg1.block_m,
+                                              block_n=128 if hdim % 128 == 0 else 64,
+                                              num_stages=cfg1.num_stages), 1)
+  else:
+    cfg1 = q8.q8_config(m, n, hdim, e, gated=act.is_gated)
+    cfg2 = q8.q8_config(m, hdim, n, e, gated=False)
+  bms = sorted({cfg1.block_m, cfg2.block_m})
+  m_alloc = gg.row_alloc(m, *bms)
+  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
+  order = jnp.pad(sort_order, (0, m_alloc - m)) if m_alloc != m else sort_order
+  tok = order // k
+  xs = jnp.take(a_q, tok, axis=0)
+  xs_scale = _gather_act_scale(a_scale, tok, t)  # [m_alloc, G]
+  metas = {bm: gg.tile_metadata(group_sizes, m_alloc, bm) for bm in bms}
+  if block:
+    meta = metas[cfg1.block_m]
+    hq, h_tiles = q8.block_run(xs, w13.values, w13.scale, xs_scale.T, a_layout="rows",
+                               meta=meta, act=act, gated=act.is_gated, bias=w13_bias,
+                               quantize_output=True, config=cfg1, interpret=interpret)
+    y = q8.block_run(hq, w2.values, w2.scale, h_tiles, a_layout="tasks", meta=meta, act=None,
+                     gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,
+                     interpret=interpret)
+  else:
+    h = q8.q8_run(xs, w13.values, group_sizes, xs_scale[:, 0],
+                  q8.column_scale_matrix(w13.scale, e, n13, argname="w13.scale"), act=act,
+                  gated=act.is_gated, bias=w13_bias, out_dtype=jnp.bfloat16, config=cfg1,
+                  interpret=interpret, meta=metas[cfg1.block_m], keep_rows=True)
+    live = jnp.arange(m_alloc) < jnp.sum(group_sizes)
+    hq, hs = _requant_rows(h, live, quant)
+    y = q8.q8_run(hq, w2.values, group_sizes, q8.row_scale_vector(hs, m_alloc),
+                  q8.column_scale_matrix(w2.scale, e, hdim, argname="w2.scale"), act=None,
+                  gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,
+                  interpret=interpret, meta=metas[cfg2.block_m], keep_rows=True)
+  return _perm.gather_sum(y, inv, topk_weights, out_dtype=out_dtype)

@@ -19,12 +19,61 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jmoe.experts._common import check_weights_for_activation
+from jmoe.config import QuantConfig
+from jmoe.experts._common import check_weights_for_activation, weights_quant
 from jmoe.modular import (ActivationFormat, BatchedExperts, Experts, ExpertsInput, ExpertWeights,
                           NoOp, local_expert_ids)
 from jmoe.registry import register_runner
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_Q8 = ("float8_e4m3fn", "int8")
+
+
+def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
+  """Why the Pallas 8-bit kernels cannot run `quant` (None: they can): W8A8 with scales that
+  factor out of K (fp8_tensor / fp8_channel / int8, per-token or per-tensor dynamic activation
+  scales) and fp8_block (128 x 128 weight blocks, 1 x 128 activation groups)."""
+  if quant is None or not quant.is_quantized:
+    return None
+  name = quant.name
+  if quant.weight_dtype not in _Q8:
+    return f"{name}: {quant.weight_dtype} weights (the Pallas kernels take fp8 e4m3 / int8)"
+  if quant.act_dtype is None:
+    return f"{name}: weight-only (bf16 activations) is not implemented in the Pallas kernels"
+  if quant.zero_point:
+    return f"{name}: zero points (asymmetric weights) are not implemented in the Pallas kernels"
+  if quant.scale_dtype != "float32":
+    return f"{name}: {quant.scale_dtype} scales (the Pallas kernels take float32 scales)"
+  if quant.weight_scale in ("tensor", "channel"):
+    if quant.act_scale not in ("dynamic_token", "dynamic_tensor"):
+      return (f"{name}: act_scale={quant.act_scale!r} with {quant.weight_scale} weight scales "
+              "(the Pallas kernels take per-token or per-tensor dynamic activation scales)")
+    return None
+  if quant.weight_scale == "block":
+    if (quant.weight_dtype != "float8_e4m3fn" or tuple(quant.block_shape) != (128, 128)
+        or quant.act_scale != "dynamic_group" or quant.act_group_size != 128):
+      return (f"{name}: the Pallas block kernel takes fp8 128 x 128 weight blocks with 1 x 128 "
+              "activation groups (fp8_block)")
+    return None
+  return f"{name}: {quant.weight_scale} weight scales are not implemented in the Pallas kernels"
+
+
+def _check_quantized_problem(inp, weights, activation) -> None:
+  """Trace-time checks of a quantized call the kernels take (pallas_quant_support passed)."""
+  check_weights_for_activation(weights, activation)
+  for name, w in (("w13", weights.w13), ("w2", weights.w2)):
+    if not w.k_major:
+      raise ValueError(f"runner_backend='pallas_mosaic': {name} values must be K-major "
+                       f"([E, N, K], the 8-bit wgmma's B layout); convert once with "
+                       f"{name}.with_k_major(True)")
+  h, n = weights.hidden_size, weights.intermediate_size
+  if h % 128 or n % 128:
+    raise ValueError(f"runner_backend='pallas_mosaic' with {weights_quant(weights)}: hidden "
+                     f"{h} / intermediate {n} must be multiples of 128 (the 8-bit K step); "
+                     "pad the weights once, or use runner_backend='xla'")
+  if inp.a_scale is None:
+    raise ValueError("runner_backend='pallas_mosaic' with quantized weights needs the quantized "
+                     "input's a_scale (prepare quantizes hidden_states)")
 
 
 def _interpret_from_env() -> bool:
@@ -110,6 +159,9 @@ class PallasExperts(Experts):
   def finalize_weight_and_reduce_impl(self):
     return NoOp()
 
+  def quant_support(self, quant):
+    return pallas_quant_support(quant)
+
   def _check(self, inp, weights, activation) -> None:
     check_weights_for_activation(weights, activation)
     for name, arr in (("hidden_states", inp.a), ("w13", weights.w13), ("w2", weights.w2)):
@@ -124,11 +176,30 @@ class PallasExperts(Experts):
       raise ValueError(f"runner_backend='pallas_mosaic' cannot run this problem: {why}")
 
   def apply(self, inp, weights, *, activation, expert_map, out_dtype):
+    quant = weights_quant(weights)
+    if quant is not None:
+      return self._apply_quantized(inp, weights, quant, activation, expert_map, out_dtype)
     self._check(inp, weights, activation)
     e = weights.num_experts
     local = local_expert_ids(inp.topk_ids, e, expert_map)  # non-local / empty -> e (skipped)
     out = _block(self.backward, activation, self.interpret, inp.a, weights.w13, weights.w2,
                  inp.topk_weights, local, weights.w13_bias, weights.w2_bias)
+    return out.astype(out_dtype)
+
+  def _apply_quantized(self, inp, weights, quant, activation, expert_map, out_dtype):
+    """Forward only (the API refuses gradients through quantized experts)."""
+    why = pallas_quant_support(quant)
+    if why is not None:
+      raise ValueError(f"runner_backend='pallas_mosaic' cannot run {why}")
+    _check_quantized_problem(inp, weights, activation)
+    from jmoe.kernels.moe import fused_experts_quantized  # noqa: PLC0415
+    local = local_expert_ids(inp.topk_ids, weights.num_experts, expert_map)
+    dt = jnp.dtype(out_dtype)
+    kernel_out = dt if dt in _DTYPES else jnp.dtype(jnp.bfloat16)
+    out = fused_experts_quantized(inp.a, inp.a_scale, weights.w13, weights.w2, inp.topk_weights,
+                                  local, activation=activation, w13_bias=weights.w13_bias,
+                                  w2_bias=weights.w2_bias, out_dtype=kernel_out,
+                                  interpret=self.interpret)
     return out.astype(out_dtype)
 
 
@@ -176,6 +247,12 @@ class PallasBatchedExperts(BatchedExperts, PallasExperts):
   (NaiveBatched). Backward: XLA's batched einsums."""
 
   name = "pallas_mosaic_batched"
+
+  def quant_support(self, quant):
+    if quant is None or not quant.is_quantized:
+      return None
+    return (f"{quant.name}: the batched format has no quantized Pallas kernels yet (the "
+            "standard format has)")
 
   def apply(self, inp, weights, *, activation, expert_map, out_dtype):
     self._check(inp, weights, activation)

@@ -1,0 +1,339 @@
+"""GPU benchmark + correctness check of jmoe's quantized (W8A8) Pallas MoE expert block.
+
+Run on the H200 (device tool):
+  PYTHONPATH=$PWD python3 benchmarks/bench_quant.py --presets qwen3-30b-a3b,deepseek-v3 \
+      --tokens 1,256,4096,16384 --schemes fp8_tensor,fp8_channel,fp8_block,int8 --out $OUT
+
+Per preset x tokens x scheme: the quantized block (activation quantization of the tokens,
+routing, GEMM1 + activation (+ re-quantization), GEMM2, weighted gather-sum) as
+PallasExperts runs it, timed by the CUPTI kernel sum (jmoe.timing.device_time: warm-up, median,
+--rotate random inputs); beside it jmoe's bf16 block (fused_experts) and torch's fp8 row-wise
+block on torch._scaled_grouped_mm (if torch sees a GPU; CUDA-graph replay). Checked in the same
+run: error vs a per-slot dequantized f32 reference of the scheme (the first --check-tokens
+tokens) and vs the bf16 block. Printed: µs, TFLOP/s, x floor (touched experts' 8-bit weights +
+scales / BW, or the FLOPs at --peak-tflops), x bf16, x torch. Writes <out>/bench_quant.json.
+
+--interpret runs the "tiny" preset through the kernels' CPU interpreter (a smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jmoe  # noqa: E402
+from jmoe import timing  # noqa: E402
+from jmoe.kernels import moe as pmoe  # noqa: E402
+from jmoe.kernels.activations import as_activation  # noqa: E402
+from jmoe.quant import quantize_activations, quantize_weights  # noqa: E402
+from jmoe.quant.weights import _broadcast  # noqa: E402
+
+PRESETS = {
+    "mixtral-8x7b": dict(E=8, k=2, H=4096, N=14336),
+    "qwen3-30b-a3b": dict(E=128, k=8, H=2048, N=768),
+    "deepseek-v3": dict(E=256, k=8, H=7168, N=2048),
+    "tiny": dict(E=4, k=2, H=256, N=128),  # CPU smoke test (--interpret)
+}
+SCHEMES = ("fp8_tensor", "fp8_channel", "fp8_block", "int8")
+BW = 4.30e12  # H200 copy bandwidth measured here (read + write), as bench_grouped_gemm.py
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+def make_weights(p, key, chunk: int = 32):
+  """bf16 w13 [E, H, 2N], w2 [E, N, H], generated in expert chunks (deepseek-v3's w13 in f32
+  would be 30 GB at once)."""
+  e, h, n = p["E"], p["H"], p["N"]
+  parts13, parts2 = [], []
+  for i, c0 in enumerate(range(0, e, chunk)):
+    c = min(chunk, e - c0)
+    k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+    parts13.append((jax.random.normal(k1, (c, h, 2 * n), jnp.float32) * h ** -0.5)
+                   .astype(jnp.bfloat16))
+    parts2.append((jax.random.normal(k2, (c, n, h), jnp.float32) * n ** -0.5)
+                  .astype(jnp.bfloat16))
+  return jnp.concatenate(parts13), jnp.concatenate(parts2)
+
+
+def quantize_chunked(w, scheme: str, chunk: int = 32):
+  """quantize_weights over expert chunks (its f32 temporaries stay a chunk's size)."""
+  q = jax.jit(quantize_weights, static_argnums=1)
+  parts = [q(w[c0:c0 + chunk], scheme) for c0 in range(0, w.shape[0], chunk)]
+  return dataclasses.replace(parts[0], values=jnp.concatenate([p_.values for p_ in parts]),
+                             scale=jnp.concatenate([p_.scale for p_ in parts]))
+
+
+def make_inputs(p, t, key):
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (t, p["H"]), jnp.float32).astype(jnp.bfloat16)
+  logits = jax.random.normal(k2, (t, p["E"]), jnp.float32)
+  w, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), p["k"])
+  return x, (w / jnp.sum(w, -1, keepdims=True)).astype(jnp.float32), ids.astype(jnp.int32)
+
+
+def weight_bytes_per_expert(q13, q2) -> int:
+  """8-bit values + f32 scales of one expert (what a touched expert streams)."""
+  e = q13.values.shape[0]
+  return sum((w.values.size * w.values.dtype.itemsize + w.scale.size * 4) // e
+             for w in (q13, q2))
+
+
+def floors(p, t, touched, per_expert_bytes, peak_tflops):
+  flops = 2 * t * p["k"] * 3 * p["H"] * p["N"]
+  bw_us = touched * per_expert_bytes / BW * 1e6
+  return flops, max(bw_us, flops / (peak_tflops * 1e12) * 1e6)
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def quantized_block_fn(interpret):
+  """The quantized block as PallasExperts.apply runs it (prepare's token quantization first)."""
+  def block(x, tw, ti, q13, q2):
+    xq, xs = quantize_activations(x, q13.scheme)
+    return pmoe.fused_experts_quantized(xq, xs, q13, q2, tw, ti, out_dtype=jnp.bfloat16,
+                                        interpret=interpret)
+  return jax.jit(block)
+
+
+def bf16_block_fn(interpret):
+  return jax.jit(lambda x, tw, ti, w13, w2: pmoe.fused_experts(x, w13, w2, tw, ti,
+                                                               interpret=interpret))
+
+
+def _deq(w, e):
+  """One expert's dequantized K-major values [N, K] f32."""
+  v = w.values[e].astype(jnp.float32)
+  return v * _broadcast(w.scale[e][None].astype(jnp.float32), v[None].shape)[0]
+
+
+@jax.jit
+def quantized_reference(x, tw, ti, q13, q2):
+  """Per-slot f32 reference of the scheme: the dequantized 8-bit tokens and weights, the
+  activation's output re-quantized as the scheme says (reads one expert per slot)."""
+  quant = q13.scheme
+  act = as_activation("silu")
+  xq, xs = quantize_activations(x, quant)
+  g = xs.shape[1]
+  xd = xq.astype(jnp.float32) * jnp.repeat(xs, x.shape[1] // g, axis=1)
+  t, k = ti.shape
+
+  def one(args):
+    tok, e = args
+    h = _deq(q13, e) @ xd[tok]
+    a = act(h[None])
+    aq, as_ = quantize_activations(a, quant)
+    ad = aq.astype(jnp.float32) * jnp.repeat(as_, a.shape[1] // as_.shape[1], axis=1)
+    return _deq(q2, e) @ ad[0]
+
+  ys = jax.lax.map(one, (jnp.repeat(jnp.arange(t), k), ti.reshape(-1)))
+  return jnp.sum(ys.reshape(t, k, -1) * tw[..., None], axis=1)
+
+
+def torch_fp8_block_fn(p):
+  """torch's fp8 row-wise grouped MoE block: tokens and the activation quantized per row
+  (amax / 448), torch._scaled_grouped_mm for both GEMMs with per-channel weight scales."""
+  import torch  # noqa: PLC0415
+  import torch.nn.functional as F  # noqa: PLC0415
+  e, n = p["E"], p["N"]
+  f8 = torch.float8_e4m3fn
+
+  def rowwise(a):
+    amax = a.abs().amax(dim=1, keepdim=True).float()
+    s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (a.float() / s).clamp(-448, 448).to(f8), s.reshape(-1)
+
+  def block(x, w13t, s13, w2t, s2, tw, ti):
+    t, k = ti.shape
+    flat = ti.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(e, dtype=torch.int32, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tok = order // k
+    xq, xs = rowwise(x[tok])
+    h = torch._scaled_grouped_mm(xq, w13t, xs, s13, offs=offs, out_dtype=torch.bfloat16)
+    aq, as_ = rowwise(F.silu(h[:, :n].float()) * h[:, n:].float())
+    y = torch._scaled_grouped_mm(aq, w2t, as_, s2, offs=offs, out_dtype=torch.bfloat16)
+    y = y.float() * tw.reshape(-1)[order].unsqueeze(1)
+    out = torch.zeros(t, y.shape[1], device=x.device, dtype=torch.float32)
+    out.index_add_(0, tok, y)
+    return out.to(x.dtype)
+  return block
+
+
+def torch_weights(q13, q2):
+  """fp8_channel QuantizedWeights -> torch (w13 [E, H, 2N] column-major view, scale [E, 2N],
+  w2 [E, N, H] column-major view, scale [E, H]): the K-major values are that layout."""
+  import torch  # noqa: PLC0415
+
+  def one(w):
+    v = torch.from_dlpack(w.values.view(jnp.uint8)).view(torch.float8_e4m3fn)
+    return v.transpose(1, 2), torch.from_dlpack(w.scale[:, :, 0])
+  return (*one(q13), *one(q2))
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if not np.isfinite(a).all():
+    return float("inf")
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def time_fn(f, sets, args):
+  if args.interpret:
+    return timing.wall_time(f, sets, iters=1), [], {}
+  return timing.device_time(f, sets, iters=args.iters)
+
+
+def run_one(args, p, t, sets, w13, w2, qw, rec, torch_ok):
+  """Times and checks the quantized block of every scheme (and bf16, torch) at t tokens."""
+  nchk = min(t, args.check_tokens)
+  interp = True if args.interpret else False
+  bf = bf16_block_fn(interp)
+  bsets = [s + (w13, w2) for s in sets]
+  rec["bf16_us"] = time_fn(bf, bsets, args)[0] if not args.no_bf16 else None
+  out_bf16 = np.asarray(bf(*bsets[0])[:nchk], np.float32)
+  touched = len(np.unique(np.asarray(sets[0][2])))
+  rec["touched"] = touched
+  for scheme, (q13, q2) in qw.items():
+    r = dict(scheme=scheme)
+    rec["schemes"].append(r)
+    try:
+      f = quantized_block_fn(interp)
+      qsets = [s + (q13, q2) for s in sets]
+      t0 = time.time()
+      out = jax.block_until_ready(f(*qsets[0]))
+      r["compile_s"] = time.time() - t0
+      x, tw, ti = sets[0]
+      ref = quantized_reference(x[:nchk], tw[:nchk], ti[:nchk], q13, q2)
+      r["err_vs_dequant_ref"] = rel_err(out[:nchk].astype(jnp.float32), ref)
+      r["err_vs_bf16"] = rel_err(out[:nchk].astype(jnp.float32), out_bf16)
+      us, samples, pk = time_fn(f, qsets, args)
+      flops, floor_us = floors(p, t, touched, weight_bytes_per_expert(q13, q2),
+                               args.peak_tflops)
+      r.update(us=us, samples=samples, kernels=pk, tflops=flops / us / 1e6, floor_us=floor_us,
+               x_floor=us / floor_us,
+               x_bf16=us / rec["bf16_us"] if rec.get("bf16_us") else None)
+      if scheme == "fp8_channel" and torch_ok:
+        try:
+          import torch  # noqa: PLC0415
+          tb = torch_fp8_block_fn(p)
+          tw_ = torch_weights(q13, q2)
+          tsets = [(torch.from_dlpack(x_), *tw_, torch.from_dlpack(w_),
+                    torch.from_dlpack(i_).long()) for x_, w_, i_ in sets]
+          from jmoe.bench_peers import cuda_graph_replay  # noqa: PLC0415
+          ts, touts = cuda_graph_replay(tb, tsets, args.iters * len(tsets))
+          rec["torch_fp8_us"] = ts * 1e6
+          rec["torch_fp8_err_vs_dequant_ref"] = rel_err(
+              touts[0][:nchk].float().cpu().numpy(), ref)
+        except Exception as e:  # noqa: BLE001
+          rec["torch_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+          log(f"[torch] {p['name']} T={t}: {rec['torch_error']}")
+      if rec.get("torch_fp8_us"):
+        r["x_torch"] = us / rec["torch_fp8_us"]
+      log(f"[quant] {p['name']:14s} T={t:6d} {scheme:11s} {us:9.1f} us {r['tflops']:7.1f} TF/s "
+          f"x_floor={r['x_floor']:.2f} x_bf16={r['x_bf16'] or float('nan'):.2f} "
+          f"x_torch={r.get('x_torch', float('nan')):.2f} err_ref={r['err_vs_dequant_ref']:.2e} "
+          f"err_bf16={r['err_vs_bf16']:.2e} compile={r['compile_s']:.0f}s")
+      log("        kernels: " + ", ".join(f"{k_[:40]}={v:.1f}" for k_, v in sorted(
+          pk.items(), key=lambda kv: -kv[1])[:5]))
+    except Exception as e:  # noqa: BLE001
+      r["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+      log(f"[ERR] {p['name']} T={t} {scheme}: {r['error']}")
+      traceback.print_exc()
+      if args.interpret:
+        from jmoe.kernels import _compat  # noqa: PLC0415
+        _compat.reset_interpret_state()
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
+  ap.add_argument("--tokens", default="1,256,4096,16384")
+  ap.add_argument("--schemes", default=",".join(SCHEMES))
+  ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--rotate", type=int, default=3, help="random input sets timed in rotation")
+  ap.add_argument("--check-tokens", type=int, default=16)
+  ap.add_argument("--peak-tflops", type=float, default=1500.0,
+                  help="8-bit dense matrix rate for the FLOP floor (a lead, not measured)")
+  ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cases after")
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_quant"))
+  ap.add_argument("--no-torch", action="store_true")
+  ap.add_argument("--no-bf16", action="store_true", help="skip timing the bf16 block")
+  ap.add_argument("--interpret", action="store_true", help="CPU interpreter, tiny preset")
+  args = ap.parse_args(argv)
+  for s in args.schemes.split(","):
+    if s not in SCHEMES:
+      ap.error(f"--schemes: {s!r} is not one of {SCHEMES}")
+  for pn in args.presets.split(","):
+    if pn not in PRESETS:
+      ap.error(f"--presets: {pn!r} is not one of {tuple(PRESETS)}")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  t_start = time.time()
+  torch_ok = False
+  if not args.no_torch and not args.interpret:
+    try:
+      import torch  # noqa: PLC0415
+      torch_ok = torch.cuda.is_available() and hasattr(torch, "_scaled_grouped_mm")
+    except Exception:  # noqa: BLE001
+      pass
+  results = dict(meta=dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
+                           argv=sys.argv, torch=torch_ok), rows=[])
+  path = os.path.join(args.out, "bench_quant.json")
+  for pname in args.presets.split(","):
+    p = dict(PRESETS[pname], name=pname)
+    w13, w2 = make_weights(p, jax.random.key(1))
+    qw = {}
+    for s in args.schemes.split(","):
+      qw[s] = (quantize_chunked(w13, s), quantize_chunked(w2, s))
+    jax.block_until_ready(qw)
+    for t in [int(v) for v in args.tokens.split(",")]:
+      if time.time() - t_start > args.budget_s:
+        log(f"budget reached: skipping {pname} T={t}")
+        continue
+      rec = dict(preset=pname, T=t, **PRESETS[pname], schemes=[])
+      sets = [make_inputs(p, t, jax.random.key(100 + i)) for i in range(args.rotate)]
+      try:
+        run_one(args, p, t, sets, w13, w2, qw, rec, torch_ok)
+      except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        log(f"[ERR] {pname} T={t}: {rec['error']}")
+        traceback.print_exc()
+      log(f"[bf16 ] {pname:14s} T={t:6d} {rec.get('bf16_us') or float('nan'):9.1f} us"
+          f"   torch fp8 {rec.get('torch_fp8_us', float('nan')):9.1f} us")
+      results["rows"].append(rec)
+      with open(path, "w") as fh:
+        json.dump(results, fh, indent=1, default=str)
+    del w13, w2, qw
+  bad = [(r["preset"], r["T"], s["scheme"]) for r in results["rows"] for s in r["schemes"]
+         if "error" in s or not s.get("err_vs_dequant_ref", 1.0) < 2e-2]
+  log(f"wrote {path}; {len(bad)} failed or inexact: {bad}")
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,288 @@
+"""The 8-bit (fp8 e4m3 / int8) Pallas grouped GEMMs and the quantized Pallas experts, in Mosaic
+GPU interpret mode with race detection (as tests/test_pallas_grouped_gemm.py), against the XLA
+quantized path (jmoe.experts.xla.quantized_gemm) and a float64 NumPy oracle on the dequantized
+operands; and their GPU lowering on CPU (as tests/test_gpu_lowering.py).
+
+Interpreted output buffers start as NaN: rows < sum(group_sizes) must be finite and match,
+rows past it must still be NaN (the kernels leave them unwritten). Shapes are tiny.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmoe
+import oracle_np as onp
+from jmoe.experts.pallas import PallasExperts, pallas_quant_support
+from jmoe.experts.xla import quantized_gemm
+from jmoe.kernels import _compat
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels import grouped_gemm_q8 as q8
+from jmoe.kernels.activations import as_activation
+from jmoe.quant import quantize_activations, quantize_weights
+
+pytestmark = pytest.mark.skipif(
+    not _compat.interpret_available(),
+    reason="Mosaic GPU interpret mode (private jax API) unavailable in this jax version")
+
+TOL = 2e-2
+FACTORED = ("fp8_tensor", "fp8_channel", "int8")
+
+
+def _call(fn, *args, **kw):
+  """Run an interpreted kernel; reset the interpreter on failure; fail on any race."""
+  try:
+    out = jax.block_until_ready(fn(*args, interpret=_compat.interpret_params(detect_races=True),
+                                   **kw))
+  except Exception:
+    _compat.reset_interpret_state()
+    raise
+  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
+  return out
+
+
+def _problem(rng, scheme, m, k, n_total, gs):
+  """Quantized rows (sorted by group), quantized K-major weights and the expert of each row."""
+  quant = jmoe.QuantConfig(scheme)
+  x = jnp.asarray(2 * rng.standard_normal((m, k)), jnp.float32)
+  w = rng.standard_normal((len(gs), k, n_total)) / np.sqrt(k)
+  w.reshape(-1)[rng.choice(w.size, 3, replace=False)] *= 30  # outliers the scales must follow
+  qw = quantize_weights(jnp.asarray(w, jnp.float32), quant)
+  xq, xs = quantize_activations(x, quant)
+  gs = jnp.asarray(gs, jnp.int32)
+  eor = jnp.repeat(jnp.arange(len(gs)), gs, total_repeat_length=m)
+  return quant, xq, xs, qw, gs, eor
+
+
+def _oracle(xq, xs, qw, eor, tot, act=None, bias=None, row_scale=None):
+  """float64: act(dequant(x) @ dequant(w)[g] + bias[g]) * row_scale on rows < tot."""
+  xd = np.asarray(xq, np.float64) * np.repeat(np.asarray(xs, np.float64),
+                                              xq.shape[1] // xs.shape[1], axis=1)
+  wd = np.asarray(qw.dequantize(jnp.float32), np.float64)  # [E, K, N]
+  g = np.asarray(eor)[:tot]
+  h = np.einsum("mk,mkn->mn", xd[:tot], wd[g])
+  if bias is not None:
+    h = h + np.asarray(bias, np.float64)[g]
+  if act is not None:
+    h = onp.activation(h, act.name)
+  if row_scale is not None:
+    h = h * np.asarray(row_scale, np.float64)[:tot, None]
+  return h
+
+
+def _check_rows(out, ref, tot, what):
+  out = np.asarray(out, np.float32)
+  assert np.isfinite(out[:tot]).all(), f"{what}: written rows hold NaN / inf"
+  assert np.isnan(out[tot:]).all(), f"{what}: rows past sum(group_sizes) were written"
+  onp.assert_rel_close(out[:tot], ref, TOL, what)
+
+
+# M=37 (no row tile divides it), an empty expert, one over two row tiles
+RAGGED = [(37, (13, 0, 20)), (1, (0, 1, 0)), (70, (0, 66, 0))]
+
+
+@pytest.mark.parametrize("scheme", FACTORED)
+@pytest.mark.parametrize("case", range(len(RAGGED)))
+def test_q8_gemm_matches_xla_and_oracle(scheme, case, rng):
+  m, gs = RAGGED[case]
+  k, n = 256, 192  # N: no 128-column tile divides it (the kernel takes 64)
+  quant, xq, xs, qw, gs, eor = _problem(rng, scheme, m, k, n, gs)
+  tot = int(gs.sum())
+  bias = jnp.asarray(0.1 * rng.standard_normal((3, n)), jnp.float32)
+  rs = jnp.asarray(rng.uniform(0.5, 1.0, m), jnp.float32)
+  out = _call(q8.grouped_gemm_q8, xq, qw.values, gs, xs, qw.scale, bias=bias, row_scale=rs)
+  _check_rows(out, _oracle(xq, xs, qw, eor, tot, bias=bias, row_scale=rs), tot,
+              f"{scheme} vs oracle")
+  xla = (quantized_gemm(xq, xs, qw, gs, eor, jnp.float32) + bias[eor]) * rs[:, None]
+  onp.assert_rel_close(np.asarray(out, np.float32)[:tot], np.asarray(xla)[:tot], TOL,
+                       f"{scheme} vs XLA")
+
+
+@pytest.mark.parametrize("scheme,act", [("fp8_channel", "silu"), ("int8", "swigluoai"),
+                                        ("fp8_tensor", "gelu_no_mul")])
+def test_q8_gemm_fused_activation(scheme, act, rng):
+  act = as_activation(act)
+  m, gs, k, n = 40, (25, 0, 15), 128, 128
+  n_total = 2 * n if act.is_gated else n
+  quant, xq, xs, qw, gs, eor = _problem(rng, scheme, m, k, n_total, gs)
+  bias = jnp.asarray(0.1 * rng.standard_normal((3, n_total)), jnp.float32)
+  out = _call(q8.grouped_gemm_q8, xq, qw.values, gs, xs, qw.scale, activation=act, bias=bias)
+  _check_rows(out, _oracle(xq, xs, qw, eor, 40, act=act, bias=bias), 40, f"{scheme}/{act.name}")
+
+
+def test_q8_gemm_warp_specialized_tiles(rng):
+  """The warp-specialized schedule (split n) of the 8-bit mode, gated."""
+  m, gs, k, n = 64, (30, 34), 256, 128
+  quant, xq, xs, qw, gs, eor = _problem(rng, "fp8_channel", m, k, 2 * n, gs)
+  cfg = gg.GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_stages=2, wg_split="n")
+  out = _call(q8.grouped_gemm_q8, xq, qw.values, gs, xs, qw.scale, activation="silu", config=cfg)
+  _check_rows(out, _oracle(xq, xs, qw, eor, 64, act=as_activation("silu")), 64, "ws")
+
+
+@pytest.mark.parametrize("case", range(len(RAGGED)))
+def test_fp8_block_gemm_matches_xla_and_oracle(case, rng):
+  m, gs = RAGGED[case]
+  k, n = 384, 256
+  quant, xq, xs, qw, gs, eor = _problem(rng, "fp8_block", m, k, n, gs)
+  tot = int(gs.sum())
+  bias = jnp.asarray(0.1 * rng.standard_normal((3, n)), jnp.float32)
+  rs = jnp.asarray(rng.uniform(0.5, 1.0, m), jnp.float32)
+  out = _call(q8.grouped_gemm_fp8_block, xq, qw.values, gs, xs, qw.scale, bias=bias,
+              row_scale=rs)
+  _check_rows(out, _oracle(xq, xs, qw, eor, tot, bias=bias, row_scale=rs), tot, "fp8_block")
+  xla = (quantized_gemm(xq, xs, qw, gs, eor, jnp.float32) + bias[eor]) * rs[:, None]
+  onp.assert_rel_close(np.asarray(out, np.float32)[:tot], np.asarray(xla)[:tot], TOL,
+                       "fp8_block vs XLA")
+
+
+@pytest.mark.parametrize("cfg", [None, q8.BlockQ8Config(block_m=128, block_n=64, num_stages=2)])
+def test_fp8_block_gated_quantized_output(cfg, rng):
+  """GEMM1's epilogue writes GEMM2's input: fp8 values + per-row-per-128 scales, as
+  quantize_activations would make them from the f32 activation output."""
+  m, gs, k, n = 45, (20, 0, 25), 256, 128
+  quant, xq, xs, qw, gs, eor = _problem(rng, "fp8_block", m, k, 2 * n, gs)
+  act = as_activation("silu")
+  ref = _oracle(xq, xs, qw, eor, 45, act=act)
+  if cfg is not None:  # plain (bf16) output, 128-row tiles of 64 columns
+    out = _call(q8.grouped_gemm_fp8_block, xq, qw.values, gs, xs, qw.scale, activation=act,
+                config=cfg)
+    _check_rows(out, ref, 45, "fp8_block gated 128x64")
+    return
+  q, s = _call(q8.grouped_gemm_fp8_block, xq, qw.values, gs, xs, qw.scale, activation=act,
+               quantize_output=True)
+  assert q.dtype == jnp.float8_e4m3fn and s.shape == (m, n // 128)
+  deq = np.asarray(q, np.float32) * np.repeat(np.asarray(s), 128, axis=1)
+  ref_q = onp.quantize_rows(ref, "float8_e4m3fn", 128)
+  onp.assert_rel_close(deq, ref_q, TOL, "quantized output vs quantize_rows(oracle)")
+  _, ref_s = quantize_activations(jnp.asarray(ref, jnp.float32), quant)
+  np.testing.assert_allclose(np.asarray(s), np.asarray(ref_s), rtol=1e-2)
+
+
+def test_task_scales_to_rows_is_the_row_layout():
+  """Per-task scale slots -> rows: every covered row reads its own task's slot."""
+  gs = jnp.asarray([5, 0, 11], jnp.int32)
+  m, bm = 16, 8
+  meta = gg.tile_metadata(gs, m, bm)
+  t_max = meta[0].shape[1]
+  rows_of = np.asarray(jnp.minimum(meta[0][1], m - bm))
+  tiles = np.zeros((t_max, 2, bm), np.float32)
+  for t in range(t_max):
+    tiles[t, :, :] = rows_of[t] + np.arange(bm) + 100 * np.arange(2)[:, None]
+  out = np.asarray(q8.task_scales_to_rows(jnp.asarray(tiles), meta, m, m, bm))
+  np.testing.assert_array_equal(out[:, 0], np.arange(m))
+  np.testing.assert_array_equal(out[:, 1], np.arange(m) + 100)
+
+
+# ---------------------------------------------------------------------------------------------
+# the quantized Pallas experts
+
+
+def _block_oracle(x, q13, q2, tw, ids, quant, activation="silu"):
+  w13, w2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (q13, q2))
+  group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
+  requant = lambda a: onp.quantize_rows(a, quant.act_dtype, group)  # noqa: E731
+  xq = onp.quantize_rows(np.asarray(x, np.float32), quant.act_dtype, group)
+  return onp.fused_moe(xq, w13, w2, tw, ids, activation=activation, requant=requant)
+
+
+@pytest.mark.parametrize("scheme", ("fp8_channel", "fp8_block", "int8"))
+def test_pallas_experts_match_oracle(scheme, rng):
+  quant = jmoe.QuantConfig(scheme)
+  t, h, n, e, k = 9, 256, 128, 4, 2
+  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
+  w13 = rng.standard_normal((e, h, 2 * n)) / np.sqrt(h)
+  w2 = rng.standard_normal((e, n, h)) / np.sqrt(n)
+  q13 = quantize_weights(jnp.asarray(w13, jnp.float32), quant)
+  q2 = quantize_weights(jnp.asarray(w2, jnp.float32), quant)
+  tw, ids = onp.random_topk(rng, t, e, k)
+  ids[::3, 1] = -1  # empty slots
+  ids[:, 0] = np.where(ids[:, 0] == 3, 2, ids[:, 0])  # expert 3: at most the second slots
+  ids[:, 1] = np.where(ids[:, 1] == 3, -1, ids[:, 1])  # and none: an empty expert
+  assert PallasExperts().quant_support(quant) is None
+  out = jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                       runner_backend="pallas_mosaic")
+  assert not _compat.races_found()
+  out = np.asarray(out, np.float32)
+  assert out.shape == (t, h) and np.isfinite(out).all()
+  onp.assert_rel_close(out, _block_oracle(x, q13, q2, tw, ids, quant), TOL,
+                       f"{scheme} pallas vs oracle")
+  xla = jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids), runner_backend="xla")
+  onp.assert_rel_close(out, np.asarray(xla, np.float32), TOL, f"{scheme} pallas vs xla")
+
+
+@pytest.fixture(autouse=True)
+def _interpret_env(monkeypatch):
+  monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
+
+
+def test_quant_support_names_what_is_missing():
+  ok = [jmoe.QuantConfig(s) for s in ("fp8_tensor", "fp8_channel", "fp8_block", "int8")]
+  assert all(pallas_quant_support(q) is None for q in ok)
+  assert pallas_quant_support(None) is None
+  cases = {"w8a16": "weight-only", "mxfp8": "float8_e8m0fnu scales", "w4a16": "int4 weights"}
+  for name, why in cases.items():
+    assert why in pallas_quant_support(jmoe.QuantConfig(name)), name
+  assert "zero points" in pallas_quant_support(jmoe.QuantConfig("int8", zero_point=True))
+  assert "128 x 128" in pallas_quant_support(jmoe.QuantConfig("fp8_block", block_shape=(128, 64)))
+  from jmoe.experts.pallas import PallasBatchedExperts
+  assert "batched" in PallasBatchedExperts().quant_support(jmoe.QuantConfig("fp8_block"))
+
+
+def test_bad_input_names_the_argument(rng):
+  quant, xq, xs, qw, gs, _ = _problem(rng, "fp8_channel", 8, 128, 128, (8,))
+  with pytest.raises(ValueError, match="K-major"):
+    q8.grouped_gemm_q8(xq, qw.values[:, :, :64], gs, xs, qw.scale)
+  with pytest.raises(ValueError, match="8-bit"):
+    q8.grouped_gemm_q8(xq.astype(jnp.bfloat16), qw.values, gs, xs, qw.scale)
+  with pytest.raises(ValueError, match="a_scale"):
+    q8.grouped_gemm_q8(xq, qw.values, gs, xs[:4], qw.scale)
+  with pytest.raises(ValueError, match="w_scale"):
+    q8.grouped_gemm_q8(xq, qw.values, gs, xs, qw.scale[:, :, :1].repeat(2, axis=2))
+  with pytest.raises(ValueError, match="multiple of 128"):
+    q8.grouped_gemm_q8(xq[:, :64], qw.values[:, :, :64], gs, xs, qw.scale)
+  with pytest.raises(ValueError, match="a_scale must be per-group"):
+    q8.grouped_gemm_fp8_block(xq, qw.values, gs, jnp.ones((8, 3)), jnp.ones((1, 1, 1)))
+  with pytest.raises(ValueError, match="w_scale must be 128 x 128"):
+    q8.grouped_gemm_fp8_block(xq, qw.values, gs, xs, qw.scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU lowering (nothing executed)
+
+S = jax.ShapeDtypeStruct
+
+
+def _kernels(fn, *shapes) -> set:
+  text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  return set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
+
+
+@pytest.mark.parametrize("scheme,m", [("fp8_channel", 4096), ("int8", 4096), ("fp8_block", 4096),
+                                      ("fp8_block", 8)])
+def test_quantized_block_lowers_for_gpu(scheme, m, monkeypatch):
+  """The whole quantized block (qwen3-30b-a3b's shapes) at a prefill and a decode size."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET")
+  from jmoe.kernels import moe as pmoe
+  quant = jmoe.QuantConfig(scheme)
+  e, k, h, n = 128, 8, 2048, 768
+  dt = jnp.dtype(quant.weight_dtype)
+
+  def qw(n_out, n_in):
+    ts = {"tensor": (1, 1), "channel": (n_out, 1), "block": (n_out // 128, n_in // 128)}
+    return jmoe.quant.QuantizedWeights(
+        values=S((e, n_out, n_in), dt), scale=S((e, *ts[quant.weight_scale]), jnp.float32),
+        scheme=quant)
+
+  g = h // 128 if quant.weight_scale == "block" else 1
+  found = _kernels(lambda x, s, w13, w2, tw, ti: pmoe.fused_experts_quantized(
+      x, s, w13, w2, tw, ti), S((m, h), dt), S((m, g), jnp.float32), qw(2 * n, h), qw(h, n),
+      S((m, k), jnp.float32), S((m, k), jnp.int32))
+  if quant.weight_scale == "block":
+    assert found == {"jmoe_gg_fp8blk_gated_qout", "jmoe_gg_fp8blk"}, found
+  else:
+    tag = dt.name.split("_")[0]
+    assert {f"jmoe_gg_gated_ws_rt_{tag}", f"jmoe_gg_ws_rt_{tag}"} <= found, found

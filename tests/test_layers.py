@@ -34,3 +34,181 @@ def test_layer_matches_block_and_trains(cfg):
   assert float(jnp.abs(g["router_w"][...]).sum()) > 0
   if cfg.use_correction_bias:  # not a Param: the optimizer must not see it
     assert "correction_bias" not in g
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 27: routing options, dtypes, initializers, quantized experts, sharding metadata, EP
+
+import oracle_np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jmoe.layers import QuantizedWeight, losses  # noqa: E402
+from jmoe.sharding.mesh import make_parallel  # noqa: E402
+
+def _spec(v):
+  """A PartitionSpec out of get_partition_spec's Variable (flax 0.12: get_value)."""
+  return v.get_value() if hasattr(v, "get_value") else v.value
+
+
+ROUTING = {
+    "softmax-norenorm": dict(num_experts=8, top_k=2, renormalize=False),
+    "sigmoid-grouped-bias": dict(num_experts=8, top_k=2, scoring_func="sigmoid",
+                                 num_expert_group=4, topk_group=2, use_correction_bias=True,
+                                 routed_scaling_factor=2.5),
+    "gpt-oss-biases": dict(num_experts=4, top_k=2, activation="swigluoai", expert_bias=True,
+                           router_bias=True),
+    "qwen2-shared-gate": dict(num_experts=4, top_k=2, num_shared_experts=1,
+                              shared_intermediate_size=12, shared_expert_gate=True),
+    "fused-shared": dict(num_experts=4, top_k=2, num_shared_experts=2, fuse_shared_experts=True),
+    "not-gated": dict(num_experts=4, top_k=1, activation="relu2_no_mul"),
+}
+
+
+def _np_block(layer, x):
+  c = layer.config
+  p = layer.params()
+  return oracle_np.moe_block(
+      np.asarray(x, np.float64).reshape(-1, c.hidden_size), p, top_k=c.top_k,
+      activation=c.activation, scoring_func=c.scoring_func, renormalize=c.renormalize,
+      num_expert_group=c.num_expert_group, topk_group=c.topk_group,
+      routed_scaling_factor=c.routed_scaling_factor)
+
+
+@pytest.mark.parametrize("name", list(ROUTING))
+def test_routing_options_match_float64_oracle(name):
+  cfg = jmoe.MoEConfig(hidden_size=16, intermediate_size=8, **ROUTING[name])
+  layer = MoE(cfg, rngs=nnx.Rngs(1), runner_backend="xla",
+              bias_init=jax.nn.initializers.normal(0.1))
+  if cfg.use_correction_bias:
+    layer.correction_bias[...] = jnp.linspace(0.0, 0.1, cfg.num_experts)
+  x = jax.random.normal(jax.random.key(2), (3, 4, 16))
+  np.testing.assert_allclose(layer(x).reshape(-1, 16), _np_block(layer, x), rtol=2e-5,
+                             atol=2e-5)
+
+
+def test_custom_routing_fn_dtype_and_initializers():
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=1, hidden_size=8, intermediate_size=8)
+  first = lambda x, logits, k, renorm: (jnp.ones((x.shape[0], 1)),  # noqa: E731
+                                        jnp.zeros((x.shape[0], 1), jnp.int32))
+  layer = MoE(cfg, rngs=nnx.Rngs(0), routing_fn=first, dtype=jnp.bfloat16,
+              param_dtype=jnp.bfloat16, kernel_init=jax.nn.initializers.constant(0.01))
+  assert layer.w13[...].dtype == jnp.bfloat16 and layer.router_w[...].dtype == jnp.bfloat16
+  assert float(layer.w2[...][0, 0, 0]) == pytest.approx(0.01, rel=1e-2)
+  x = jax.random.normal(jax.random.key(0), (5, 8))
+  y = layer(x)
+  assert y.dtype == jnp.bfloat16
+  p = layer.params()
+  ref = oracle_np.fused_moe(np.asarray(x, np.float64), np.asarray(p.w13, np.float64),
+                            np.asarray(p.w2, np.float64), np.ones((5, 1)), np.zeros((5, 1), int))
+  np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=3e-2, atol=1e-4)
+
+
+def test_bad_arguments_name_themselves():
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+  with pytest.raises(ValueError, match="router_jitter"):
+    MoE(cfg, rngs=nnx.Rngs(0), router_jitter=1.5)
+  with pytest.raises(ValueError, match="capacity_factor"):
+    MoE(cfg, rngs=nnx.Rngs(0), capacity_factor=0)
+  with pytest.raises(TypeError, match="config"):
+    MoE({"num_experts": 4}, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="H=8"):
+    MoE(cfg, rngs=nnx.Rngs(0))(jnp.ones((2, 6)))
+  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="params.w2"):
+    layer.load_params(layer.params().__class__(**{**vars(layer.params()),
+                                                  "w2": jnp.ones((4, 8, 9))}))
+
+
+def test_load_params_round_trip():
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=6,
+                       expert_bias=True)
+  src = jmoe.init_params(cfg, jax.random.key(5))
+  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  layer.load_params(src)
+  for a, b in zip(jax.tree.leaves(layer.params()), jax.tree.leaves(src)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("scheme", ["fp8_channel", "int8"])
+def test_quantized_layer_forward(scheme):
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=16)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), quant=scheme, runner_backend="xla")
+  assert not nnx.state(layer, nnx.Param).get("w13_values")
+  q = nnx.state(layer, QuantizedWeight)
+  assert "w13_values" in q and "w2_scale" in q
+  x = jax.random.normal(jax.random.key(1), (6, 16))
+  p = layer.params()
+  dense = jmoe.MoEParams(router_w=p.router_w, w13=p.w13.dequantize(), w2=p.w2.dequantize())
+  ref = jmoe.moe_block(x, dense, cfg, runner_backend="reference")
+  rel = float(jnp.linalg.norm(layer(x) - ref) / jnp.linalg.norm(ref))
+  assert rel < 0.08, rel  # activation quantization error only
+  specs = nnx.get_partition_spec(q)
+  assert _spec(specs["w13_values"]) == P("expert", None, None)
+
+
+def test_partition_specs_without_mesh():
+  cfg = jmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8,
+                       expert_bias=True, num_shared_experts=1)
+  specs = nnx.get_partition_spec(nnx.state(MoE(cfg, rngs=nnx.Rngs(0))))
+  assert _spec(specs["w13"]) == P("expert", None, None, "tensor")
+  assert _spec(specs["w2"]) == P("expert", "tensor", None)
+  assert _spec(specs["w13_bias"]) == P("expert", None, "tensor")
+  assert _spec(specs["w2_bias"]) == P("expert", None)
+  assert _spec(specs["router_w"]) == P(None, None)
+  assert _spec(specs["shared_w13"]) == P(None, None)
+
+
+def _mesh_cfg():
+  return jmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8,
+                        num_shared_experts=1)
+
+
+def test_jit_out_shardings_place_the_layer():
+  cfg = _mesh_cfg()
+  par = make_parallel(data=2, expert=2, tensor=2)
+  abstract = nnx.eval_shape(lambda: MoE(cfg, rngs=nnx.Rngs(0)))
+  specs = nnx.get_partition_spec(nnx.state(abstract))
+  shardings = jax.tree.map(lambda s: NamedSharding(par.mesh, s), specs)
+  state = jax.jit(lambda: nnx.state(MoE(cfg, rngs=nnx.Rngs(0))), out_shardings=shardings)()
+  assert state["w13"][...].sharding.spec == P("expert", None, None, "tensor")
+  assert state["w2"][...].sharding.spec == P("expert", "tensor", None)
+  layer = nnx.merge(nnx.graphdef(abstract), state)
+  x = jax.random.normal(jax.random.key(1), (32, 16))
+  np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(layer, x), _np_block(layer, x),
+                             rtol=2e-5, atol=2e-5)
+
+
+def test_set_mesh_places_eagerly_and_drops_missing_axes():
+  cfg = _mesh_cfg()
+  par = make_parallel(data=4, expert=2, tensor=1)
+  mesh2 = jax.make_mesh((4, 2), ("data", "expert"),
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh2):
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    assert layer.w13[...].sharding.spec == P("expert", None, None, None)
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    y = nnx.jit(lambda m, x: m(x))(layer, x)
+  np.testing.assert_allclose(y, _np_block(layer, x), rtol=2e-5, atol=2e-5)
+  del par
+
+
+@pytest.mark.parametrize("mesh_kw,a2a,runner", [
+    (dict(expert=8), "ragged_a2a", "xla"),
+    (dict(data=2, expert=2, tensor=2), "allgather", "xla"),
+    (dict(data=2, expert=4), "padded_a2a", "xla_batched"),
+])
+def test_expert_parallel_layer_matches_one_device(mesh_kw, a2a, runner):
+  cfg = _mesh_cfg()
+  par = make_parallel(**mesh_kw)
+  one = MoE(cfg, rngs=nnx.Rngs(0))
+  ep = MoE(cfg, rngs=nnx.Rngs(0), parallel=par, a2a_backend=a2a, runner_backend=runner)
+  assert ep.w13[...].sharding.spec[0] == "expert"
+  x = jax.random.normal(jax.random.key(1), (32, 16))
+
+  @nnx.jit
+  def loss_grad(m, x):
+    return nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
+
+  (l1, g1), (l2, g2) = loss_grad(one, x), loss_grad(ep, x)
+  np.testing.assert_allclose(l1, l2, rtol=1e-5)
+  np.testing.assert_allclose(g1["w13"][...], g2["w13"][...], rtol=1e-4, atol=1e-6)

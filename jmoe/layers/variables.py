@@ -1,0 +1,44 @@
+"""The layer's variable kinds and how quantized expert weights are held as nnx variables."""
+from __future__ import annotations
+
+from typing import Optional
+
+from flax import nnx
+
+from jmoe.quant import QuantizedWeights
+
+
+class QuantizedWeight(nnx.Variable):
+  """Values / scales / zero points of quantized expert weights: not trained (the quantized
+  forward has no backward), so not an `nnx.Param`; `nnx.state(model, QuantizedWeight)`
+  selects them."""
+
+
+def variable(kind, value, names: tuple, mesh) -> nnx.Variable:
+  """A variable with `out_sharding` names; placed eagerly only when a mesh exists."""
+  return kind(value, out_sharding=names, eager_sharding=mesh is not None)
+
+
+class QuantizedSlot:
+  """One quantized weight (w13 or w2) spread over plain variables of `module`:
+  `<name>_values`, `<name>_scale`, `<name>_zero` (or None); the scheme and orientation are
+  static Python attributes."""
+
+  @staticmethod
+  def store(module: nnx.Module, name: str, w: QuantizedWeights, expert_axis: Optional[str],
+            mesh) -> None:
+    names = (expert_axis, None, None)  # quantized experts shard over the expert axis only
+    setattr(module, f"{name}_values", variable(QuantizedWeight, w.values, names, mesh))
+    setattr(module, f"{name}_scale", variable(QuantizedWeight, w.scale, names, mesh))
+    zero = None if w.zero is None else variable(QuantizedWeight, w.zero, names, mesh)
+    setattr(module, f"{name}_zero", zero)
+    setattr(module, f"{name}_scheme", (w.scheme, w.k_major))
+
+  @staticmethod
+  def load(module: nnx.Module, name: str) -> QuantizedWeights:
+    scheme, k_major = getattr(module, f"{name}_scheme")
+    zero = getattr(module, f"{name}_zero")
+    return QuantizedWeights(values=getattr(module, f"{name}_values")[...],
+                            scale=getattr(module, f"{name}_scale")[...],
+                            zero=None if zero is None else zero[...], scheme=scheme,
+                            k_major=k_major)

@@ -34,9 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import jmoe  # noqa: E402
 from jmoe import timing  # noqa: E402
 from jmoe.kernels import moe as pmoe  # noqa: E402
-from jmoe.kernels.activations import as_activation  # noqa: E402
 from jmoe.quant import quantize_activations, quantize_weights  # noqa: E402
-from jmoe.quant.weights import _broadcast  # noqa: E402
 
 PRESETS = {
     "mixtral-8x7b": dict(E=8, k=2, H=4096, N=14336),
@@ -102,13 +100,35 @@ def floors(p, t, touched, per_expert_bytes, peak_tflops):
 # ----------------------------------------------------------------------------- blocks
 
 
-def quantized_block_fn(interpret):
+def quantized_block_fn(interpret, config1=None):
   """The quantized block as PallasExperts.apply runs it (prepare's token quantization first)."""
   def block(x, tw, ti, q13, q2):
     xq, xs = quantize_activations(x, q13.scheme)
     return pmoe.fused_experts_quantized(xq, xs, q13, q2, tw, ti, out_dtype=jnp.bfloat16,
-                                        interpret=interpret)
+                                        interpret=interpret, config1=config1)
   return jax.jit(block)
+
+
+def variants(schemes: dict, block_ctas: list[int]):
+  """(label, scheme, GEMM1 config) to time: each scheme with the defaults, fp8_block once per
+  --block-ctas value (GEMM2 follows GEMM1's CTAs per SM)."""
+  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  for scheme in schemes:
+    if scheme != "fp8_block":
+      yield scheme, scheme, None
+      continue
+    for c in block_ctas:
+      yield (scheme if c == 1 else f"{scheme}/{c}cta"), scheme, (
+          None if c == 1 else ("ctas", c))
+
+
+def resolve_config(cfg, p, t, gated=True):
+  """A ("ctas", c) marker -> the default fp8_block GEMM1 config with c CTAs per SM."""
+  if cfg is None:
+    return None
+  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  base = q8.block_config(t * p["k"], p["N"], p["H"], p["E"], gated=gated, quantize_output=True)
+  return dataclasses.replace(base, ctas_per_sm=cfg[1])
 
 
 def bf16_block_fn(interpret):
@@ -116,33 +136,57 @@ def bf16_block_fn(interpret):
                                                                interpret=interpret))
 
 
-def _deq(w, e):
-  """One expert's dequantized K-major values [N, K] f32."""
-  v = w.values[e].astype(jnp.float32)
-  return v * _broadcast(w.scale[e][None].astype(jnp.float32), v[None].shape)[0]
+QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
+
+
+def _np_quantize_rows(a: np.ndarray, dtype_name: str, group: int | None) -> np.ndarray:
+  """Dynamic per-row (per-`group`-channel) quantization of a [M, H] float64 -> dequantized
+  float64, converting with ml_dtypes on the host (round to nearest even, as the oracle)."""
+  m, h = a.shape
+  g = group or h
+  blocks = a.reshape(m, h // g, g).astype(np.float32)
+  amax = np.abs(blocks).max(axis=-1, keepdims=True)
+  scale = np.where(amax > 0, amax / np.float32(QMAX[dtype_name]), np.float32(1.0))
+  q = blocks / scale
+  if dtype_name == "int8":
+    q = np.round(q)
+  q = np.clip(q, -QMAX[dtype_name], QMAX[dtype_name]).astype(jnp.dtype(dtype_name))
+  return (q.astype(np.float64) * scale.astype(np.float64)).reshape(m, h)
 
 
 @jax.jit
-def quantized_reference(x, tw, ti, q13, q2):
-  """Per-slot f32 reference of the scheme: the dequantized 8-bit tokens and weights, the
-  activation's output re-quantized as the scheme says (reads one expert per slot)."""
+def _dequantized_expert(values, scale):
+  """values [N, K] 8-bit * scale tiles [N / tn, K / tk] -> f32 [N, K] (fp8 / int8 -> f32 is
+  exact; the conversions under test are the f32 -> 8-bit ones, done on the host)."""
+  v = values.astype(jnp.float32)
+  s = jnp.repeat(jnp.repeat(scale, v.shape[0] // scale.shape[0], 0), v.shape[1] // scale.shape[1],
+                 1)
+  return v * s
+
+
+def _np_expert(w, e: int) -> np.ndarray:
+  """One expert's dequantized K-major values [N, K] float64, on the host."""
+  return np.asarray(jax.device_get(_dequantized_expert(w.values[e], w.scale[e])), np.float64)
+
+
+def quantized_reference(x, tw, ti, q13, q2) -> np.ndarray:
+  """float64 host reference of the scheme on these tokens: the tokens quantized per the
+  scheme, the dequantized 8-bit weights of each slot's expert, the activation's output
+  re-quantized, the router-weighted sum. Independent of the device's conversions."""
   quant = q13.scheme
-  act = as_activation("silu")
-  xq, xs = quantize_activations(x, quant)
-  g = xs.shape[1]
-  xd = xq.astype(jnp.float32) * jnp.repeat(xs, x.shape[1] // g, axis=1)
-  t, k = ti.shape
-
-  def one(args):
-    tok, e = args
-    h = _deq(q13, e) @ xd[tok]
-    a = act(h[None])
-    aq, as_ = quantize_activations(a, quant)
-    ad = aq.astype(jnp.float32) * jnp.repeat(as_, a.shape[1] // as_.shape[1], axis=1)
-    return _deq(q2, e) @ ad[0]
-
-  ys = jax.lax.map(one, (jnp.repeat(jnp.arange(t), k), ti.reshape(-1)))
-  return jnp.sum(ys.reshape(t, k, -1) * tw[..., None], axis=1)
+  group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
+  xd = _np_quantize_rows(np.asarray(x, np.float64), quant.act_dtype, group)
+  tw, ti = np.asarray(tw, np.float64), np.asarray(ti)
+  out = np.zeros_like(xd)
+  for t_ in range(ti.shape[0]):
+    for j in range(ti.shape[1]):
+      e = int(ti[t_, j])
+      h = _np_expert(q13, e) @ xd[t_]
+      n = h.shape[0] // 2
+      a = (h[:n] / (1 + np.exp(-h[:n])) * h[n:])[None]
+      out[t_] += tw[t_, j] * (_np_expert(q2, e) @ _np_quantize_rows(a, quant.act_dtype,
+                                                                  group)[0])
+  return out
 
 
 def torch_fp8_block_fn(p):
@@ -214,11 +258,12 @@ def run_one(args, p, t, sets, w13, w2, qw, rec, torch_ok):
   out_bf16 = np.asarray(bf(*bsets[0])[:nchk], np.float32)
   touched = len(np.unique(np.asarray(sets[0][2])))
   rec["touched"] = touched
-  for scheme, (q13, q2) in qw.items():
-    r = dict(scheme=scheme)
+  for label, scheme, cfg in variants(qw, args.block_ctas):
+    q13, q2 = qw[scheme]
+    r = dict(scheme=label)
     rec["schemes"].append(r)
     try:
-      f = quantized_block_fn(interp)
+      f = quantized_block_fn(interp, resolve_config(cfg, p, t))
       qsets = [s + (q13, q2) for s in sets]
       t0 = time.time()
       out = jax.block_until_ready(f(*qsets[0]))
@@ -250,7 +295,7 @@ def run_one(args, p, t, sets, w13, w2, qw, rec, torch_ok):
           log(f"[torch] {p['name']} T={t}: {rec['torch_error']}")
       if rec.get("torch_fp8_us"):
         r["x_torch"] = us / rec["torch_fp8_us"]
-      log(f"[quant] {p['name']:14s} T={t:6d} {scheme:11s} {us:9.1f} us {r['tflops']:7.1f} TF/s "
+      log(f"[quant] {p['name']:14s} T={t:6d} {label:14s} {us:9.1f} us {r['tflops']:7.1f} TF/s "
           f"x_floor={r['x_floor']:.2f} x_bf16={r['x_bf16'] or float('nan'):.2f} "
           f"x_torch={r.get('x_torch', float('nan')):.2f} err_ref={r['err_vs_dequant_ref']:.2e} "
           f"err_bf16={r['err_vs_bf16']:.2e} compile={r['compile_s']:.0f}s")
@@ -258,7 +303,7 @@ def run_one(args, p, t, sets, w13, w2, qw, rec, torch_ok):
           pk.items(), key=lambda kv: -kv[1])[:5]))
     except Exception as e:  # noqa: BLE001
       r["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-      log(f"[ERR] {p['name']} T={t} {scheme}: {r['error']}")
+      log(f"[ERR] {p['name']} T={t} {label}: {r['error']}")
       traceback.print_exc()
       if args.interpret:
         from jmoe.kernels import _compat  # noqa: PLC0415
@@ -272,11 +317,13 @@ def parse_args(argv=None):
   ap.add_argument("--schemes", default=",".join(SCHEMES))
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--rotate", type=int, default=3, help="random input sets timed in rotation")
-  ap.add_argument("--check-tokens", type=int, default=16)
+  ap.add_argument("--check-tokens", type=int, default=4,
+                  help="tokens checked against the host float64 reference")
   ap.add_argument("--peak-tflops", type=float, default=1500.0,
                   help="8-bit dense matrix rate for the FLOP floor (a lead, not measured)")
   ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cases after")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_quant"))
+  ap.add_argument("--block-ctas", default="1", help="fp8_block: CTAs per SM to time (1,2)")
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--no-bf16", action="store_true", help="skip timing the bf16 block")
   ap.add_argument("--interpret", action="store_true", help="CPU interpreter, tiny preset")
@@ -284,6 +331,7 @@ def parse_args(argv=None):
   for s in args.schemes.split(","):
     if s not in SCHEMES:
       ap.error(f"--schemes: {s!r} is not one of {SCHEMES}")
+  args.block_ctas = [int(c) for c in args.block_ctas.split(",")]
   for pn in args.presets.split(","):
     if pn not in PRESETS:
       ap.error(f"--presets: {pn!r} is not one of {tuple(PRESETS)}")

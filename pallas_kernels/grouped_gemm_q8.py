@@ -186,11 +186,14 @@ class BlockQ8Config:
   """fp8_block kernel tiles: block_m rows x block_n output columns (gated: its gate and its up
   columns), K steps of 128 (the scale group), num_stages TMA stages in flight. One warpgroup:
   the f32 total plus one step's accumulator must fit its registers (64 x 128 gated, up to
-  128 x 128 plain)."""
+  128 x 128 plain). ctas_per_sm=2: two CTAs share each SM (half the shared memory each, stages
+  refitted), so one CTA's wgmma runs while the other waits on its promotion or epilogue (each
+  K step ends in a wgmma wait: one warpgroup alone leaves the tensor cores idle there)."""
 
   block_m: int = 64
   block_n: int = 128
   num_stages: int = 4
+  ctas_per_sm: int = 1
 
   def __post_init__(self):
     if self.block_m not in (64, 128):
@@ -200,6 +203,8 @@ class BlockQ8Config:
                        "weight block)")
     if self.num_stages < 2:
       raise ValueError(f"num_stages={self.num_stages} must be >= 2")
+    if self.ctas_per_sm not in (1, 2):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
 
 
 def block_config(m: int, n_out: int, k: int, num_groups: int, *, gated: bool,
@@ -212,13 +217,23 @@ def block_config(m: int, n_out: int, k: int, num_groups: int, *, gated: bool,
   return BlockQ8Config(block_m=bm, block_n=bn, num_stages=6 if k >= 6 * BLOCK_K else 4)
 
 
-def _block_smem_ok(cfg: BlockQ8Config, n_rhs: int) -> BlockQ8Config:
+def _block_smem_ok(cfg: BlockQ8Config, n_rhs: int, k: int = 0) -> BlockQ8Config:
+  """cfg with its stages lowered until one CTA's shared memory fits (its SM share)."""
+  limit = gg._SMEM_BYTES if cfg.ctas_per_sm == 1 else gg._SMEM_PER_SM // 2 - 1024
   while True:
     stage = cfg.block_m * BLOCK_K + n_rhs * cfg.block_n * BLOCK_K + cfg.block_m * 4
-    total = cfg.num_stages * stage + cfg.block_m * cfg.block_n * 2 + 4 * 128 * 4 + 1024
-    if total <= gg._SMEM_BYTES or cfg.num_stages == 2:
+    fixed = (cfg.block_m * cfg.block_n * 2 + 4 * 128 * 4 + n_rhs * _padded_k_blocks(k) * 4
+             + 2048)
+    if cfg.num_stages * stage + fixed <= limit or cfg.num_stages == 2:
       return cfg
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+
+
+def _padded_k_blocks(k: int) -> int:
+  """K/128 rounded up to 32: each weight-scale row is a whole number of 128 bytes, so every
+  row's TMA lands on a 128-byte aligned SMEM address (H200: a 64-byte row offset faulted with
+  a misaligned address)."""
+  return -(-(k // BLOCK_K) // 32) * 32
 
 
 def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg: BlockQ8Config,
@@ -226,7 +241,8 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
                         a_layout: str, quant_out: bool, w_block_n: int):
   """The fp8_block kernel. Inputs: meta [4, T], ntasks [1], lhs [m_pad, K] fp8, rhs
   [E, n_total, K] fp8, a_scale ("rows": [K/128, m_pad], the transpose of [M, K/128]; "tasks":
-  [T, K/128, block_m], GEMM1's quantized output scales), w_scale [E, n_total/w_block_n, K/128],
+  [T, K/128, block_m], GEMM1's quantized output scales), w_scale [E, n_total/w_block_n, KBp]
+  (K/128 padded to _padded_k_blocks),
   then row_scale [m_pad] and bias [E, n_total] when present. Outputs: [m_pad, n_out] out_dtype,
   or (fp8 [m_pad, n_out], scales [T, n_out/128, block_m]) with quant_out."""
   bm, bn, bk = cfg.block_m, cfg.block_n, BLOCK_K
@@ -249,7 +265,7 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
     bias_ref = rest.pop(0) if has_bias else None
     out_ref = rest.pop(0)
     qs_ref = rest.pop(0) if quant_out else None
-    epi_smem, vec_smem, bars = rest
+    epi_smem, vec_smem, ws_smem, bars = rest
     num_items = ntask_ref[0] * n_tiles
 
     def epilogue(totals, e, task, row, lo, hi, ni):
@@ -298,6 +314,12 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       b_views = [rhs_ref.at[e, pl.ds(c, bn), :] for c in cols]
       wblk = [c // w_block_n for c in cols]
       a_view = as_ref.at[task] if a_layout == "tasks" else as_ref.at[:, pl.ds(row, bm)]
+      # the item's weight scales, one per K step, into SMEM once (a global load per step
+      # would put its latency on every step's critical path)
+      for j in range(n_rhs):
+        plgpu.copy_gmem_to_smem(ws_ref.at[e, wblk[j]], ws_smem.at[j], bars.at[3 + j])
+      for j in range(n_rhs):
+        plgpu.barrier_wait(bars.at[3 + j])
 
       def step(idx, a_smem, s_smem, *rest_):
         *b_smems, totals = rest_
@@ -312,7 +334,7 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
             plgpu.wgmma_wait(0)
             return acc_ref[...]
           part = pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
-          s = sa * ws_ref[e, wblk[j], kk]  # promote: a_scale[r, kb] * w_scale[e, n_blk, kb]
+          s = sa * ws_smem[j, kk]  # promote: a_scale[r, kb] * w_scale[e, n_blk, kb]
           new.append(tot + part * lax.broadcast_in_dim(s, shape, [0]))
         return tuple(new)
 
@@ -342,14 +364,17 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   scratch = [plgpu.SMEM((bm, bn), epi_dtype), plgpu.SMEM((4, 128), jnp.float32),
-             plgpu.Barrier(num_arrivals=1, num_barriers=3)]
+             plgpu.SMEM((n_rhs, _padded_k_blocks(k)), jnp.float32),
+             plgpu.Barrier(num_arrivals=1, num_barriers=5)]
   out_type = jax.ShapeDtypeStruct((m_pad, n_out), epi_dtype)
   if quant_out:
     out_type = (out_type, jax.ShapeDtypeStruct((t_max, n_out // 128, bm), jnp.float32))
   return _compat.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",),
+      body, out_type=out_type, scratch_types=scratch, grid=(num_sms * cfg.ctas_per_sm,),
+      grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True), interpret=interpret,
-      name="jmoe_gg_fp8blk" + ("_gated" if gated else "") + ("_qout" if quant_out else ""))
+      name="jmoe_gg_fp8blk" + ("_gated" if gated else "") + ("_qout" if quant_out else "")
+      + ("_2cta" if cfg.ctas_per_sm == 2 else ""))
 
 
 def block_run(lhs, rhs, w_scale, a_scale, *, a_layout, meta, act, gated, bias=None,
@@ -371,7 +396,9 @@ def block_run(lhs, rhs, w_scale, a_scale, *, a_layout, meta, act, gated, bias=No
                              has_scale=row_scale is not None, has_bias=bias is not None,
                              t_max=meta_arr.shape[-1], num_sms=nsm, interpret=interp,
                              a_layout=a_layout, quant_out=quantize_output, w_block_n=w_block_n)
-  args = [meta_arr, ntasks, lhs, rhs, a_scale.astype(jnp.float32), w_scale.astype(jnp.float32)]
+  kb = w_scale.shape[2]
+  ws = jnp.pad(w_scale.astype(jnp.float32), ((0, 0), (0, 0), (0, _padded_k_blocks(k) - kb)))
+  args = [meta_arr, ntasks, lhs, rhs, a_scale.astype(jnp.float32), ws]
   if row_scale is not None:
     args.append(row_scale.astype(jnp.float32))
   if bias is not None:
@@ -441,7 +468,7 @@ def grouped_gemm_fp8_block(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arra
     raise ValueError("quantize_output needs config.block_n == 128 (one scale group per tile)")
   if n_out % config.block_n:
     config = dataclasses.replace(config, block_n=64)
-  config = _block_smem_ok(config, 2 if gated else 1)
+  config = _block_smem_ok(config, 2 if gated else 1, k)
   bm = config.block_m
   m_pad = gg.row_alloc(m, bm)
   pad = lambda x: x if m_pad == m else jnp.pad(x, ((0, m_pad - m),) + ((0, 0),) * (x.ndim - 1))

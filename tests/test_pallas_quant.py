@@ -139,7 +139,8 @@ def test_fp8_block_gemm_matches_xla_and_oracle(case, rng):
                        "fp8_block vs XLA")
 
 
-@pytest.mark.parametrize("cfg", [None, q8.BlockQ8Config(block_m=128, block_n=64, num_stages=2)])
+@pytest.mark.parametrize("cfg", [None, q8.BlockQ8Config(block_m=128, block_n=64, num_stages=2),
+                                 q8.BlockQ8Config(num_stages=2, ctas_per_sm=2)])
 def test_fp8_block_gated_quantized_output(cfg, rng):
   """GEMM1's epilogue writes GEMM2's input: fp8 values + per-row-per-128 scales, as
   quantize_activations would make them from the f32 activation output."""
@@ -147,13 +148,13 @@ def test_fp8_block_gated_quantized_output(cfg, rng):
   quant, xq, xs, qw, gs, eor = _problem(rng, "fp8_block", m, k, 2 * n, gs)
   act = as_activation("silu")
   ref = _oracle(xq, xs, qw, eor, 45, act=act)
-  if cfg is not None:  # plain (bf16) output, 128-row tiles of 64 columns
+  if cfg is not None and cfg.block_n == 64:  # plain (bf16) output, 128-row tiles of 64 columns
     out = _call(q8.grouped_gemm_fp8_block, xq, qw.values, gs, xs, qw.scale, activation=act,
                 config=cfg)
     _check_rows(out, ref, 45, "fp8_block gated 128x64")
     return
   q, s = _call(q8.grouped_gemm_fp8_block, xq, qw.values, gs, xs, qw.scale, activation=act,
-               quantize_output=True)
+               quantize_output=True, config=cfg)
   assert q.dtype == jnp.float8_e4m3fn and s.shape == (m, n // 128)
   deq = np.asarray(q, np.float32) * np.repeat(np.asarray(s), 128, axis=1)
   ref_q = onp.quantize_rows(ref, "float8_e4m3fn", 128)
@@ -261,9 +262,10 @@ def _kernels(fn, *shapes) -> set:
   return set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
 
 
-@pytest.mark.parametrize("scheme,m", [("fp8_channel", 4096), ("int8", 4096), ("fp8_block", 4096),
-                                      ("fp8_block", 8)])
-def test_quantized_block_lowers_for_gpu(scheme, m, monkeypatch):
+@pytest.mark.parametrize("scheme,m,ctas", [("fp8_channel", 4096, 1), ("int8", 4096, 1),
+                                           ("fp8_block", 4096, 1), ("fp8_block", 8, 1),
+                                           ("fp8_block", 4096, 2)])
+def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
   """The whole quantized block (qwen3-30b-a3b's shapes) at a prefill and a decode size."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET")
   from jmoe.kernels import moe as pmoe
@@ -278,11 +280,13 @@ def test_quantized_block_lowers_for_gpu(scheme, m, monkeypatch):
         scheme=quant)
 
   g = h // 128 if quant.weight_scale == "block" else 1
+  cfg = q8.BlockQ8Config(ctas_per_sm=2) if ctas == 2 else None
   found = _kernels(lambda x, s, w13, w2, tw, ti: pmoe.fused_experts_quantized(
-      x, s, w13, w2, tw, ti), S((m, h), dt), S((m, g), jnp.float32), qw(2 * n, h), qw(h, n),
+      x, s, w13, w2, tw, ti, config1=cfg), S((m, h), dt), S((m, g), jnp.float32), qw(2 * n, h), qw(h, n),
       S((m, k), jnp.float32), S((m, k), jnp.int32))
   if quant.weight_scale == "block":
-    assert found == {"jmoe_gg_fp8blk_gated_qout", "jmoe_gg_fp8blk"}, found
+    tail = "_2cta" if ctas == 2 else ""
+    assert found == {f"jmoe_gg_fp8blk_gated_qout{tail}", f"jmoe_gg_fp8blk{tail}"}, found
   else:
     tag = dt.name.split("_")[0]
     assert {f"jmoe_gg_gated_ws_rt_{tag}", f"jmoe_gg_ws_rt_{tag}"} <= found, found

@@ -212,3 +212,139 @@ def test_expert_parallel_layer_matches_one_device(mesh_kw, a2a, runner):
   (l1, g1), (l2, g2) = loss_grad(one, x), loss_grad(ep, x)
   np.testing.assert_allclose(l1, l2, rtol=1e-5)
   np.testing.assert_allclose(g1["w13"][...], g2["w13"][...], rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# training extras: aux losses, load, the DeepSeek bias update, jitter, capacity (vs float64)
+
+
+def _np_router(layer, x_router):
+  p = layer.params()
+  logits = np.asarray(x_router, np.float64) @ np.asarray(p.router_w, np.float64)
+  return logits
+
+
+def _np_aux(logits, ids, e, scoring="softmax"):
+  t = logits.shape[0]
+  probs = oracle_np.softmax(logits) if scoring == "softmax" else oracle_np.sigmoid(logits)
+  probs = probs / probs.sum(-1, keepdims=True)
+  load = np.bincount(ids.reshape(-1), minlength=e)
+  lb = e * np.sum(load / t * probs.mean(0))
+  z = np.log(np.exp(logits).sum(-1))
+  return lb, np.mean(z ** 2), load
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_aux_outputs_match_float64(scoring):
+  cfg = jmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8,
+                       scoring_func=scoring)
+  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(4), (2, 12, 16))
+  y, aux = layer(x, return_aux=True)
+  np.testing.assert_allclose(y, layer(x))
+  logits = _np_router(layer, x.reshape(-1, 16))
+  _, ids, _ = oracle_np.select_experts(logits, 2, scoring_func=scoring)
+  lb, z, load = _np_aux(logits, ids, 8, scoring)
+  np.testing.assert_allclose(aux["load_balancing_loss"], lb, rtol=1e-5)
+  np.testing.assert_allclose(aux["router_z_loss"], z, rtol=1e-5)
+  np.testing.assert_array_equal(aux["expert_load"], load)
+  assert int(aux["dropped"]) == 0
+  # perfectly uniform routing gives top_k
+  uniform = losses.load_balancing_loss(jnp.zeros((8, 8)), jnp.arange(16).reshape(8, 2) % 8)
+  np.testing.assert_allclose(uniform, 2.0, rtol=1e-6)
+
+
+def test_aux_losses_train_and_sow():
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=1, hidden_size=8, intermediate_size=8)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), sow_aux=True)
+  x = jax.random.normal(jax.random.key(0), (16, 8))
+
+  def loss(m):
+    _, aux = m(x, return_aux=True)
+    return aux["load_balancing_loss"] + 1e-2 * aux["router_z_loss"]
+
+  g = nnx.grad(loss)(layer)
+  assert float(jnp.abs(g["router_w"][...]).sum()) > 0
+  if hasattr(nnx, "capture"):
+    _, inter = nnx.capture(layer, nnx.Intermediate)(x)
+    assert "load_balancing_loss" in inter and "expert_load" in inter
+  else:  # older flax: sown values stay on the module
+    layer(x)
+    assert "load_balancing_loss" in nnx.pop(layer, nnx.Intermediate)
+
+
+def test_correction_bias_update_outside_the_gradient():
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                       scoring_func="sigmoid", use_correction_bias=True)
+  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  load = jnp.array([10, 2, 4, 0])
+  before = np.asarray(layer.correction_bias[...], np.float64)
+  layer.update_correction_bias(load, rate=0.01)
+  want = before + 0.01 * np.sign(np.mean([10, 2, 4, 0]) - np.array([10, 2, 4, 0], np.float64))
+  np.testing.assert_allclose(layer.correction_bias[...], want, rtol=1e-6)
+
+  @nnx.jit
+  def step(m, x):  # the update as a training loop applies it: after the step, in jit
+    _, aux = m(x, return_aux=True)
+    m.update_correction_bias(aux["expert_load"], 1e-3)
+    return aux["expert_load"]
+
+  step(layer, jnp.ones((4, 8)))
+  assert not np.allclose(layer.correction_bias[...], want)
+  with pytest.raises(ValueError, match="use_correction_bias"):
+    MoE(cfg.replace(use_correction_bias=False), rngs=nnx.Rngs(0)).update_correction_bias(load)
+
+
+def test_router_jitter_touches_routing_only():
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), router_jitter=0.3, runner_backend="xla")
+  x = jax.random.normal(jax.random.key(1), (16, 8))
+  np.testing.assert_allclose(layer(x, deterministic=True),
+                             MoE(cfg, rngs=nnx.Rngs(0))(x), rtol=1e-6)
+  noise = jax.random.uniform(nnx.clone(layer.rngs).jitter(), x.shape, jnp.float32, 0.7, 1.3)
+  y, aux = layer(x, return_aux=True)
+  logits = _np_router(layer, np.asarray(x, np.float64) * np.asarray(noise, np.float64))
+  w, ids, _ = oracle_np.select_experts(logits, 2)
+  p = layer.params()
+  ref = oracle_np.fused_moe(np.asarray(x, np.float64), np.asarray(p.w13, np.float64),
+                            np.asarray(p.w2, np.float64), w, ids)
+  np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(aux["expert_load"], np.bincount(ids.reshape(-1), minlength=4))
+  assert not np.allclose(layer(x), y)  # a fresh draw each call
+
+
+def test_capacity_factor_drops_and_counts():
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), capacity_factor=0.5, runner_backend="xla_batched")
+  x = jax.random.normal(jax.random.key(7), (16, 8)) + 0.5  # a skewed router input
+  y, aux = layer(x, return_aux=True)
+  cap = int(np.ceil(0.5 * 16 * 2 / 4))
+  logits = _np_router(layer, x)
+  w, ids, _ = oracle_np.select_experts(logits, 2)
+  seen = np.zeros(4, int)
+  kept = w.copy()
+  for t in range(16):  # the first `cap` copies in token order keep their expert
+    for j in range(2):
+      seen[ids[t, j]] += 1
+      if seen[ids[t, j]] > cap:
+        kept[t, j] = 0.0
+  load = np.bincount(ids.reshape(-1), minlength=4)
+  assert int(aux["dropped"]) == int(np.maximum(load - cap, 0).sum()) > 0
+  np.testing.assert_array_equal(aux["expert_load"], load)
+  p = layer.params()
+  ref = oracle_np.fused_moe(np.asarray(x, np.float64), np.asarray(p.w13, np.float64),
+                            np.asarray(p.w2, np.float64), kept, ids)
+  np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match="batched-format runner"):
+    MoE(cfg, rngs=nnx.Rngs(0), capacity_factor=1.0, runner_backend="reference")(x)
+
+
+def test_ep_dispatch_capacity_drops_are_returned():
+  cfg = jmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8)
+  par = make_parallel(expert=8, dispatch_capacity=1)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), parallel=par, a2a_backend="padded_a2a",
+              runner_backend="xla")
+  x = jax.random.normal(jax.random.key(1), (64, 16)) + 1.0
+  _, aux = nnx.jit(lambda m, x: m(x, return_aux=True))(layer, x)
+  assert int(aux["dropped"]) > 0
+  assert int(aux["expert_load"].sum()) == 128

@@ -108,10 +108,11 @@ class MoE(nnx.Module):
     self.deterministic = deterministic
     self.capacity_factor = capacity_factor
     self.sow_aux = sow_aux
-    self.rngs = rngs.fork() if router_jitter > 0 else None
     self.axes, mesh = resolve_axes(parallel, expert_axis, tensor_axis)
     with placing(parallel):
       self._init_variables(rngs, kernel_init, router_init, bias_init, mesh)
+    # forked after the draws, so a layer's initial values do not depend on its jitter
+    self.rngs = rngs.fork() if router_jitter > 0 else None
 
   # ------------------------------------------------------------------------------------------
   # variables

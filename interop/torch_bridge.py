@@ -4,68 +4,353 @@ tensors handed across zero-copy through DLPack.
     block = jmoe.interop.torch_bridge.JmoeMoE.from_hf(hf_model.model.layers[3].mlp)
     y = block(x)            # x [..., H] torch tensor; y.backward() reaches block's parameters
 
-Parameters stay torch `nn.Parameter`s (optimizers, state_dict and device moves work as usual).
-Each call converts them to JAX arrays with `jax.dlpack.from_dlpack` (no copy on one device),
-runs `jax.vjp` of `jmoe.moe_block` under `jit`, and keeps the VJP closure for backward.
-Tensors crossing must be contiguous (DLPack rejects general strides) and not require grad
-(they are detached first); fp4/int4 cannot cross DLPack.
+Per call, only the activations cross: parameters are converted to JAX once and again only when
+they change (`_TensorCache`: keyed on the tensor object, checked against its data pointer and
+torch's in-place version counter, so an optimizer step is seen by the next call). Three paths:
+
+* forward-only (`torch.no_grad()`, or nothing differentiable requires grad): the jitted
+  forward alone; no VJP, no residuals, no autograd node.
+* eager training: `_BridgeFunction` (a `torch.autograd.Function`) runs `jax.vjp` under `jit`
+  and keeps the VJP closure (the residuals) until backward.
+* under `torch.compile`: the custom op `jmoe::fused_moe` (one opaque graph node, with a fake
+  implementation for shapes); its registered autograd recomputes the forward inside the jitted
+  VJP in backward (a custom op can return only tensors, so it cannot hand a VJP closure on).
+
+CUDA stream ordering is DLPack's stream protocol, no device synchronize: `jax.dlpack.from_dlpack`
+calls `tensor.__dlpack__(stream=<JAX's stream>)`, so torch makes JAX's stream wait for the
+work queued on torch's *current* stream; `torch.from_dlpack(array)` calls
+`array.__dlpack__(stream=<torch's current stream>)`, so torch's stream waits for the JAX
+computation. Cached parameters do not cross again, but the activations always do, and their
+crossing orders everything queued before on torch's current stream (an optimizer step too).
+
+Rules that keep the zero-copy sound: nothing here donates a JAX buffer, so a torch view of one
+never dangles, and JAX never writes into memory torch owns (its inputs are never donated).
+Do not pass arrays from `to_jax` to a jit with `donate_argnums`, nor donate arrays you gave
+`to_torch`.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from typing import Optional
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import torch
 
+from jmoe._validate import checkify_ids
 from jmoe.block import MoEParams, moe_block
 from jmoe.config import MoEConfig
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(MoEParams))
+_QUANT_PARTS = ("values", "scale", "zero", "input_scale")
+# XLA:CPU wants 64-byte aligned buffers; an unaligned tensor (a view at an offset) is copied.
+_CPU_ALIGN = 64
+
+# Counts for tests and profiling: conversions (a torch tensor wrapped for JAX by the cache),
+# forwards (forward-only calls), vjp_forwards (forwards that keep residuals), op_calls.
+STATS: collections.Counter = collections.Counter()
+
+
+# --------------------------------------------------------------------------------------------
+# tensors across
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:
-  """torch -> jax, zero-copy where DLPack allows (detached, contiguous)."""
-  return jax.dlpack.from_dlpack(t.detach().contiguous())
+  """torch -> jax, sharing memory (any dtype DLPack carries: f32, bf16, f16, fp8 e4m3/e5m2,
+  int8, int32, uint8 — packed 4-bit travels as uint8 and is reinterpreted in JAX).
+
+  One explicit copy, only when sharing is impossible: `t` non-contiguous (DLPack describes only
+  dense row-major tensors to XLA) or, on the CPU, not 64-byte aligned (a view at an offset;
+  XLA rejects those). `t` is detached (the JAX array is outside autograd).
+  """
+  if not isinstance(t, torch.Tensor):
+    raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+  t = t.detach()
+  if not t.is_contiguous():
+    t = t.contiguous()  # the one documented copy
+  elif t.device.type == "cpu" and t.data_ptr() % _CPU_ALIGN:
+    t = t.clone()  # torch's CPU allocator aligns to 64 bytes
+  try:
+    return _from_dlpack(t)
+  except ValueError as e:  # another platform's alignment rule: copy once, as documented
+    if "aligned" not in str(e):
+      raise
+    return _from_dlpack(t.clone())
 
 
-def to_torch(a: jax.Array) -> torch.Tensor:
-  """jax -> torch, zero-copy."""
-  return torch.from_dlpack(a)
+# torch dtypes JAX canonicalizes on import (x64 off): they take the public, converting path
+_WIDE = (torch.int64, torch.float64, torch.uint64, torch.complex128)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(config: MoEConfig, present: tuple[str, ...], runner_backend: Optional[str]):
-  """Jitted forward-with-VJP and backward for one config and one set of present params."""
-
-  def block(x, *values):
-    params = MoEParams(**dict(zip(present, values)))
-    return moe_block(x, params, config, runner_backend=runner_backend)
-
-  fwd = jax.jit(lambda *args: jax.vjp(block, *args))
-  bwd = jax.jit(lambda vjp_fn, g: vjp_fn(g))
-  return fwd, bwd
+def _jax_device(dl_type: int, device_id: int):
+  from jax._src import xla_bridge  # noqa: PLC0415
+  platform = {1: "cpu", 2: "cuda", 10: "rocm"}[dl_type]
+  return xla_bridge.get_backend(platform).device_from_local_hardware_id(device_id)
 
 
-class _MoEFunction(torch.autograd.Function):
+def _from_dlpack(t: torch.Tensor) -> jax.Array:
+  """`jax.dlpack.from_dlpack(t, copy=False)` minus its per-call Python (~20 us: backend
+  lookup and a `jnp.asarray` that is a no-op for canonical dtypes); the same stream
+  handshake. Falls back to the public function where jaxlib's internals differ."""
+  global _FAST_DLPACK
+  if _FAST_DLPACK and t.dtype not in _WIDE and not t.is_pinned():
+    try:
+      from jax._src.lib import _jax, jaxlib_extension_version  # noqa: PLC0415
+      dl_type, device_id = t.__dlpack_device__()
+      device = _jax_device(int(dl_type), device_id)
+      # JAX's stream waits (an event torch records on its current stream) for torch's work
+      stream = None if int(dl_type) == 1 else device.get_stream_for_external_ready_events()
+      capsule = t.__dlpack__(stream=stream)
+      extra = (int(dl_type),) if jaxlib_extension_version >= 467 else ()
+      return _jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, False, *extra)
+    except (ImportError, AttributeError, TypeError, KeyError):
+      _FAST_DLPACK = False
+  return jax.dlpack.from_dlpack(t, copy=False)
+
+
+_FAST_DLPACK = True
+
+
+def to_torch(a: jax.Array) -> torch.Tensor:
+  """jax -> torch, sharing memory; on CUDA torch's current stream waits for `a` (DLPack)."""
+  if not isinstance(a, jax.Array):
+    raise TypeError(f"a must be a jax.Array, got {type(a).__name__}")
+  return torch.from_dlpack(a)
+
+
+class _TensorCache:
+  """torch tensor -> its JAX array, converted once and again only when the tensor changed.
+
+  Keyed on the tensor object (a weak reference: an entry dies with its tensor) and valid while
+  the tensor's data pointer and version counter (bumped by every in-place op: optimizer steps,
+  `copy_`, `load_state_dict`) are unchanged. Writes through `.data` bypass the counter; they
+  are still seen where the conversion shared memory (always, unless non-contiguous or
+  unaligned); otherwise call `invalidate()`.
+  """
+
+  def __init__(self) -> None:
+    # id(tensor) -> (weakref to it, (data_ptr, version), jax array); the weakref's callback
+    # drops the entry when the tensor dies (tensors cannot be WeakKeyDictionary keys: their
+    # == is elementwise)
+    self._entries: dict[int, tuple] = {}
+
+  def get(self, t: torch.Tensor) -> jax.Array:
+    try:
+      key = (t.data_ptr(), t._version)
+    except RuntimeError:  # inference-mode tensors keep no version counter: not cached
+      return to_jax(t)
+    hit = self._entries.get(id(t))
+    if hit is not None and hit[1] == key and hit[0]() is t:
+      return hit[2]
+    a = to_jax(t)
+    i, entries = id(t), self._entries
+    ref = weakref.ref(t, lambda _, i=i, entries=entries: entries.pop(i, None))
+    entries[i] = (ref, key, a)
+    STATS["conversions"] += 1
+    return a
+
+  def invalidate(self) -> None:
+    self._entries.clear()
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+
+CACHE = _TensorCache()
+
+
+# --------------------------------------------------------------------------------------------
+# what crosses: a spec, its jitted functions, and the three paths
+
+
+@dataclasses.dataclass(frozen=True)
+class BridgeSpec:
+  """One bridged JAX function `fn(*arrays) -> [T, H]` (hashable: equal specs share compiles).
+
+  diff[i]: whether argument i is differentiable (floating and trained);
+  uncached: how many leading arguments change every call (activations, routing) and cross
+  each time; the rest (weights) go through `CACHE`.
+  """
+
+  fn: Callable
+  diff: tuple[bool, ...]
+  uncached: int = 1
+
+
+class _Jitted:
+  """The jitted forward, forward-with-VJP, backward and recomputing backward of one spec."""
+
+  def __init__(self, spec: BridgeSpec):
+    where = tuple(i for i, d in enumerate(spec.diff) if d)
+
+    def fn(*args):
+      # Traced without jmoe's debug checkify check of the expert ids (they come from a router,
+      # in range by construction): its effect would take every call off jit's C++ fast path
+      # (~+100 us of Python dispatch per call).
+      with checkify_ids(False):
+        return spec.fn(*args)
+
+    def fwd_vjp(*args):  # VJP over the differentiable arguments only (ids are integers)
+      def f(*d):
+        full = list(args)
+        for i, v in zip(where, d):
+          full[i] = v
+        return fn(*full)
+      return jax.vjp(f, *[args[i] for i in where])
+
+    self.forward = jax.jit(fn)
+    self.forward_vjp = jax.jit(fwd_vjp)
+    self.backward = jax.jit(lambda vjp_fn, g: vjp_fn(g))
+    self.recompute_backward = jax.jit(lambda g, *args: fwd_vjp(*args)[1](g))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(spec: BridgeSpec) -> _Jitted:
+  return _Jitted(spec)
+
+
+_SPECS: dict[str, BridgeSpec] = {}
+_KEYS: dict[BridgeSpec, str] = {}
+
+
+def register_spec(spec: BridgeSpec) -> str:
+  """The string naming `spec` for the custom op (ops take tensors and strings only)."""
+  key = _KEYS.get(spec)
+  if key is None:
+    key = _KEYS[spec] = f"spec{len(_KEYS)}"
+    _SPECS[key] = spec
+  return key
+
+
+def _convert(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
+  n = spec.uncached
+  return [to_jax(t) for t in tensors[:n]] + [CACHE.get(t) for t in tensors[n:]]
+
+
+def _needs_grad(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> bool:
+  return torch.is_grad_enabled() and any(
+      d and t.requires_grad for d, t in zip(spec.diff, tensors))
+
+
+def run(spec: BridgeSpec, key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+  """Run `spec` on torch tensors (in `spec.fn`'s argument order); key = register_spec(spec).
+
+  The output is the JAX output's own buffer, not a copy: nothing else holds that buffer in the
+  forward-only path, and in the training path the output is saved for backward, so an
+  in-place change of it before backward raises (torch's version check) instead of corrupting
+  what the VJP residuals might share with it.
+  """
+  if torch.compiler.is_compiling():
+    return torch.ops.jmoe.fused_moe(list(tensors), key)
+  if _needs_grad(spec, tensors):
+    return _BridgeFunction.apply(spec, *tensors)
+  STATS["forwards"] += 1
+  return to_torch(_jitted(spec).forward(*_convert(spec, tensors)))
+
+
+class _BridgeFunction(torch.autograd.Function):
+  """Eager training path: the VJP closure (residuals) lives in ctx until backward."""
 
   @staticmethod
-  def forward(ctx, config, present, runner_backend, x, *values):
-    fwd, bwd = _compiled(config, present, runner_backend)
-    out, vjp_fn = fwd(to_jax(x), *[to_jax(v) for v in values])
-    ctx.vjp_fn, ctx.bwd = vjp_fn, bwd
-    ctx.needs = ctx.needs_input_grad[3:]
-    # A copy: the VJP residuals may alias the output buffer, and an in-place torch op on the
-    # output must not change what backward sees.
-    return to_torch(out).clone()
+  def forward(ctx, spec: BridgeSpec, *tensors):
+    STATS["vjp_forwards"] += 1
+    out, vjp_fn = _jitted(spec).forward_vjp(*_convert(spec, tensors))
+    y = to_torch(out)
+    ctx.spec, ctx.vjp_fn = spec, vjp_fn
+    ctx.save_for_backward(y)  # version guard only (see `run`)
+    return y
 
   @staticmethod
   def backward(ctx, g):
-    grads = ctx.bwd(ctx.vjp_fn, to_jax(g))
-    out = [to_torch(gr) if need else None for gr, need in zip(grads, ctx.needs)]  # zero-copy
-    return (None, None, None, *out)
+    ctx.saved_tensors  # noqa: B018  raises if the output was modified in place
+    grads = iter(_jitted(ctx.spec).backward(ctx.vjp_fn, to_jax(g)))
+    ctx.vjp_fn = None  # residuals freed now, not when the graph goes
+    return (None, *[to_torch(next(grads)) if d else None for d in ctx.spec.diff])
+
+
+# --------------------------------------------------------------------------------------------
+# the custom op (torch.compile): jmoe::fused_moe and its backward
+
+
+@torch.library.custom_op("jmoe::fused_moe", mutates_args=())
+def _fused_moe_op(tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
+  """The spec's forward on `tensors` -> [T, H] in tensors[0]'s dtype (a fresh tensor)."""
+  s = _SPECS[spec]
+  STATS["op_calls"] += 1
+  return to_torch(_jitted(s).forward(*_convert(s, tensors)))
+
+
+@_fused_moe_op.register_fake
+def _fused_moe_fake(tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
+  return torch.empty_like(tensors[0])
+
+
+@torch.library.custom_op("jmoe::fused_moe_backward", mutates_args=())
+def _fused_moe_backward_op(tensors: list[torch.Tensor], g: torch.Tensor,
+                           spec: str) -> list[torch.Tensor]:
+  """Gradients of the spec w.r.t. its differentiable tensors (forward recomputed in JAX)."""
+  s = _SPECS[spec]
+  grads = _jitted(s).recompute_backward(to_jax(g), *_convert(s, tensors))
+  return [to_torch(gr) for gr in grads]
+
+
+@_fused_moe_backward_op.register_fake
+def _fused_moe_backward_fake(tensors, g, spec):
+  return [torch.empty_like(t) for t, d in zip(tensors, _SPECS[spec].diff) if d]
+
+
+def _op_setup_context(ctx, inputs, output) -> None:
+  tensors, spec = inputs
+  ctx.spec = spec
+  ctx.save_for_backward(*tensors)
+
+
+def _op_backward(ctx, g):
+  tensors = ctx.saved_tensors
+  grads = iter(torch.ops.jmoe.fused_moe_backward(list(tensors), g, ctx.spec))
+  return [next(grads) if d else None for d in _SPECS[ctx.spec].diff], None
+
+
+torch.library.register_autograd("jmoe::fused_moe", _op_backward, setup_context=_op_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# the jmoe block as a torch module
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockFn:
+  """x [T, H], *values -> moe_block(x) [T, H]; values named by `names` ("w13.values" for the
+  parts of a quantized weight, rebuilt with `quant`'s (field, scheme, k_major))."""
+
+  config: MoEConfig
+  names: tuple[str, ...]
+  quant: tuple[tuple[str, Any, bool], ...]
+  runner_backend: Optional[str]
+
+  def __call__(self, x, *values):
+    from jmoe.quant.weights import QuantizedWeights  # noqa: PLC0415
+
+    fields: dict[str, Any] = {}
+    parts: dict[str, dict] = collections.defaultdict(dict)
+    for n, v in zip(self.names, values):
+      if "." in n:
+        field, part = n.split(".")
+        parts[field][part] = v
+      else:
+        fields[n] = v
+    for field, scheme, k_major in self.quant:
+      fields[field] = QuantizedWeights(**parts[field], scheme=scheme, k_major=k_major)
+    return moe_block(x, MoEParams(**fields), self.config, runner_backend=self.runner_backend)
+
+
+def _from_jax(value) -> torch.Tensor:
+  """A JAX / NumPy array -> an owned torch tensor (a copy: the module's parameters are torch's)."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  return torch.from_dlpack(jnp.asarray(value)).clone()
 
 
 class JmoeMoE(torch.nn.Module):
@@ -74,24 +359,48 @@ class JmoeMoE(torch.nn.Module):
   Args:
     config: the block's MoEConfig.
     params: initial MoEParams (JAX or NumPy arrays); they become torch Parameters, except the
-      DeepSeek correction bias, which is a buffer (updated from load statistics, not trained).
-    runner_backend: force a jmoe backend (default: the oracle's choice).
+      DeepSeek correction bias (a buffer: updated from load statistics, not trained) and
+      quantized weights (`jmoe.quant.QuantizedWeights`: their values / scales / zero points
+      become buffers `w13_values`, `w13_scale`, ...; they cross to JAX as stored, packed
+      arrays plus scales, and are not trained).
+    runner_backend: force a jmoe backend (default: the config's, i.e. the oracle's choice).
+    device: where the parameters live (torch device).
   """
 
   def __init__(self, config: MoEConfig, params: MoEParams, *,
                runner_backend: Optional[str] = None, device=None):
     super().__init__()
+    from jmoe.quant.weights import is_quantized  # noqa: PLC0415
+
+    if not isinstance(config, MoEConfig):
+      raise TypeError(f"config must be a jmoe MoEConfig, got {type(config).__name__}")
+    if not isinstance(params, MoEParams):
+      raise TypeError(f"params must be jmoe MoEParams, got {type(params).__name__}")
     self.config = config
     self.runner_backend = runner_backend
+    attrs, names, diff, quant = [], [], [True], []
     for name in _FIELDS:
       value = getattr(params, name)
       if value is None:
         continue
-      t = torch.from_dlpack(jnp.asarray(value)).clone().to(device)
+      if is_quantized(value):
+        quant.append((name, value.scheme, value.k_major))
+        for part in _QUANT_PARTS:
+          if getattr(value, part) is not None:
+            attr = f"{name}_{part}"
+            self.register_buffer(attr, _from_jax(getattr(value, part)).to(device))
+            attrs.append(attr), names.append(f"{name}.{part}"), diff.append(False)
+        continue
+      t = _from_jax(value).to(device)
       if name == "correction_bias":
         self.register_buffer(name, t)
       else:
         setattr(self, name, torch.nn.Parameter(t))
+      attrs.append(name), names.append(name), diff.append(name != "correction_bias")
+    self._attrs = tuple(attrs)
+    self._spec = BridgeSpec(_BlockFn(config, tuple(names), tuple(quant), runner_backend),
+                            tuple(diff))
+    self._op_key = register_spec(self._spec)
 
   @classmethod
   def from_hf(cls, hf_block, hf_config=None, *, dtype=None, runner_backend=None) -> "JmoeMoE":
@@ -103,8 +412,10 @@ class JmoeMoE(torch.nn.Module):
     return cls(config, params, runner_backend=runner_backend, device=device)
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
-    present = tuple(n for n in _FIELDS if getattr(self, n, None) is not None)
-    lead = x.shape[:-1]
-    y = _MoEFunction.apply(self.config, present, self.runner_backend,
-                           x.reshape(-1, x.shape[-1]), *[getattr(self, n) for n in present])
-    return y.reshape(*lead, x.shape[-1])
+    """x [..., H] -> [..., H] in x's dtype."""
+    h = self.config.hidden_size
+    if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[-1] != h:
+      raise ValueError(f"x must be a torch tensor [..., {h}], got "
+                       f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    tensors = [x.reshape(-1, h)] + [getattr(self, a) for a in self._attrs]
+    return run(self._spec, self._op_key, tensors).reshape(x.shape)

@@ -57,3 +57,85 @@ def test_module_trains_with_a_torch_optimizer():
     opt.step()
     losses.append(loss.item())
   assert losses[-1] < losses[0]
+
+
+# --------------------------------------------------------------------------------------------
+# per-call cost: parameters convert once, forward-only keeps no residuals, no output copy
+
+from jmoe.block import MoEParams  # noqa: E402
+from jmoe.interop import torch_bridge as tb  # noqa: E402
+
+
+def _fresh(ours):
+  """A second JmoeMoE built from `ours`'s current parameters (the reference after updates)."""
+  values = {a: getattr(ours, a).detach().numpy() for a in ours._attrs}
+  return JmoeMoE(ours.config, MoEParams(**values), runner_backend="xla")
+
+
+def test_parameters_convert_once_and_again_only_when_changed():
+  hf_config, block, x = build("qwen3_moe")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  before = tb.STATS["conversions"]
+  with torch.no_grad():
+    for _ in range(4):
+      ours(x)
+  assert tb.STATS["conversions"] - before == len(ours._attrs)  # once each, not per call
+  ours(x).sum().backward()  # the training path reuses them too
+  assert tb.STATS["conversions"] - before == len(ours._attrs)
+  torch.optim.SGD(ours.parameters(), lr=0.5).step()  # in place: bumps the version counters
+  with torch.no_grad():
+    y = ours(x)
+    want = _fresh(ours)(x)
+  assert tb.STATS["conversions"] - before > len(ours._attrs)
+  torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+
+
+def test_inplace_update_of_a_copied_parameter_is_seen():
+  """A non-contiguous parameter crosses as a copy: only the version counter can tell that the
+  copy went stale."""
+  hf_config, block, x = build("mixtral")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  w = ours.w2.detach()
+  ours.w2 = torch.nn.Parameter(w.transpose(1, 2).contiguous().transpose(1, 2))
+  assert not ours.w2.is_contiguous()
+  with torch.no_grad():
+    y0 = ours(x)
+    ours.w2.mul_(3.0)
+    y1 = ours(x)
+  assert not torch.allclose(y0, y1)
+  with torch.no_grad():
+    torch.testing.assert_close(y1, _fresh(ours)(x), rtol=1e-6, atol=1e-6)
+
+
+def test_forward_only_keeps_no_residuals():
+  hf_config, block, x = build("qwen3_moe")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  vjp, fwd = tb.STATS["vjp_forwards"], tb.STATS["forwards"]
+  with torch.no_grad():
+    y = ours(x)
+  assert y.grad_fn is None and not y.requires_grad
+  for p in ours.parameters():  # grad mode on, but nothing requires grad: forward-only too
+    p.requires_grad_(False)
+  y2 = ours(x)
+  assert y2.grad_fn is None
+  assert tb.STATS["vjp_forwards"] == vjp and tb.STATS["forwards"] == fwd + 2
+  ours.w13.requires_grad_(True)  # now a gradient is needed: the VJP path
+  assert ours(x).grad_fn is not None and tb.STATS["vjp_forwards"] == vjp + 1
+
+
+def test_output_is_not_copied_but_guarded_against_inplace_changes():
+  hf_config, block, x = build("mixtral")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  y = ours(x)
+  y.add_(1.0)  # allowed (torch semantics), but backward must then refuse
+  with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    y.sum().backward()
+
+
+def test_bad_input_names_the_argument():
+  hf_config, block, x = build("mixtral")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  with pytest.raises(ValueError, match="x must be"):
+    ours(x[..., :5])
+  with pytest.raises(TypeError, match="config must be"):
+    JmoeMoE(None, None)

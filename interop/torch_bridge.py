@@ -118,7 +118,21 @@ def to_torch(a: jax.Array) -> torch.Tensor:
   """jax -> torch, sharing memory; on CUDA torch's current stream waits for `a` (DLPack)."""
   if not isinstance(a, jax.Array):
     raise TypeError(f"a must be a jax.Array, got {type(a).__name__}")
+  if a.is_deleted():  # donated or deleted: its memory may already hold something else
+    raise ValueError("a has been deleted or donated; torch cannot view its buffer")
   return torch.from_dlpack(a)
+
+
+def view_packed_4bit(a: jax.Array, dtype: str = "int4") -> jax.Array:
+  """Packed 4-bit weights cross DLPack as uint8 [..., n] (two values a byte, low nibble
+  first); this reinterprets them in JAX as `dtype` ("int4", "uint4", "float4_e2m1fn")
+  [..., 2n] (a bitcast; free inside jit). The reverse, for torch: `jax.lax.bitcast_convert_type
+  (x.reshape(..., n, 2), jnp.uint8)`."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  if a.dtype != jnp.uint8:
+    raise TypeError(f"a must be packed uint8, got {a.dtype}")
+  out = jax.lax.bitcast_convert_type(a, jnp.dtype(dtype))  # [..., n, 2]
+  return out.reshape(*a.shape[:-1], 2 * a.shape[-1])
 
 
 class _TensorCache:

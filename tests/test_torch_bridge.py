@@ -139,3 +139,55 @@ def test_bad_input_names_the_argument():
     ours(x[..., :5])
   with pytest.raises(TypeError, match="config must be"):
     JmoeMoE(None, None)
+
+
+# --------------------------------------------------------------------------------------------
+# to_jax / to_torch: zero-copy for every dtype jmoe uses
+
+
+_DTYPES = ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8", "int32",
+           "uint8"]  # uint8: packed 4-bit
+
+
+@pytest.mark.parametrize("name", _DTYPES)
+def test_zero_copy_both_ways(name):
+  t = (torch.arange(24 * 16, dtype=torch.float32).reshape(24, 16) % 7 - 3).to(getattr(torch, name))
+  a = tb.to_jax(t)
+  assert a.unsafe_buffer_pointer() == t.data_ptr()
+  assert a.shape == tuple(t.shape) and str(a.dtype) == name
+  back = tb.to_torch(a)
+  assert back.data_ptr() == a.unsafe_buffer_pointer() and back.dtype == t.dtype
+  assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_packed_4bit_crosses_as_uint8():
+  import jax.numpy as jnp
+  packed = torch.tensor([[0x21, 0xF3]], dtype=torch.uint8)  # low nibble first: 1, 2, 3, -1
+  a = tb.to_jax(packed)
+  assert a.unsafe_buffer_pointer() == packed.data_ptr()
+  vals = tb.view_packed_4bit(a, "int4")
+  assert vals.shape == (1, 4) and vals.dtype == jnp.int4
+  assert vals.astype(jnp.int32).tolist() == [[1, 2, 3, -1]]
+
+
+def test_non_contiguous_and_unaligned_inputs_are_copied_once():
+  base = torch.randn(8, 12)
+  t = base.T  # non-contiguous
+  a = tb.to_jax(t)
+  assert a.unsafe_buffer_pointer() != base.data_ptr()
+  np.testing.assert_array_equal(np.asarray(a), t.numpy())
+  off = torch.randn(100)[1:33]  # 4 bytes past an aligned start: XLA:CPU wants 64
+  b = tb.to_jax(off)
+  np.testing.assert_array_equal(np.asarray(b), off.numpy())
+
+
+def test_to_torch_refuses_deleted_buffers_and_bad_types():
+  import jax.numpy as jnp
+  a = jnp.ones(4)
+  a.delete()
+  with pytest.raises(ValueError, match="deleted or donated"):
+    tb.to_torch(a)
+  with pytest.raises(TypeError, match="a must be a jax.Array"):
+    tb.to_torch(np.ones(3))
+  with pytest.raises(TypeError, match="t must be a torch.Tensor"):
+    tb.to_jax(np.ones(3))

@@ -348,3 +348,27 @@ def test_ep_dispatch_capacity_drops_are_returned():
   _, aux = nnx.jit(lambda m, x: m(x, return_aux=True))(layer, x)
   assert int(aux["dropped"]) > 0
   assert int(aux["expert_load"].sum()) == 128
+
+
+def test_linen_wrapper_matches_nnx():
+  from flax import linen as nn  # noqa: PLC0415
+
+  from jmoe.layers import linen  # noqa: PLC0415
+  cfg = jmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8,
+                       scoring_func="sigmoid", use_correction_bias=True, num_shared_experts=1)
+  x = jax.random.normal(jax.random.key(0), (2, 6, 16))
+  mod = linen.MoE(cfg, runner_backend="xla")
+  variables = mod.init(jax.random.key(1), x)
+  specs = nn.get_partition_spec(variables)
+  assert specs["params"]["moe"]["w13"] == P("expert", None, None, "tensor")
+  y, aux = mod.apply(variables, x, return_aux=True)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), runner_backend="xla")
+  unbox = lambda v: v.value if hasattr(v, "value") else v  # noqa: E731
+  params = jax.tree.map(unbox, nn.unbox(variables["params"]["moe"]),
+                        is_leaf=lambda v: hasattr(v, "value"))
+  for name, value in params.items():
+    getattr(layer, name)[...] = value
+  layer.correction_bias[...] = unbox(variables["batch_stats"]["moe"]["correction_bias"])
+  y2, aux2 = layer(x, return_aux=True)
+  np.testing.assert_allclose(y, y2, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(aux["load_balancing_loss"], aux2["load_balancing_loss"], rtol=1e-6)

@@ -106,8 +106,8 @@ def _from_dlpack(t: torch.Tensor) -> jax.Array:
       capsule = t.__dlpack__(stream=stream)
       extra = (int(dl_type),) if jaxlib_extension_version >= 467 else ()
       return _jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, False, *extra)
-    except (ImportError, AttributeError, TypeError, KeyError):
-      _FAST_DLPACK = False
+    except (ImportError, AttributeError, TypeError, KeyError, RuntimeError):
+      _FAST_DLPACK = False  # jaxlib internals differ (or UNIMPLEMENTED streams): public path
   return jax.dlpack.from_dlpack(t, copy=False)
 
 

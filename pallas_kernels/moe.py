@@ -348,15 +348,36 @@ def _gather_act_scale(a_scale: jax.Array, tok: jax.Array, t: int) -> jax.Array:
   return jnp.take(s, tok, axis=0)
 
 
-def _take_rows_8bit(a_q: jax.Array, tok: jax.Array) -> jax.Array:
-  """a_q[tok] for 8-bit rows, gathered as 4-byte words (an XLA gather of 1-byte elements
-  moved qwen3's 32768 x 2048 fp8 rows at 1.6 TB/s on an H200)."""
-  t, h = a_q.shape
+def _as_words(a_q: jax.Array) -> jax.Array:
+  """8-bit [R, H] -> uint32 [R, H / 4] (the same bytes)."""
+  r, h = a_q.shape
+  return lax.bitcast_convert_type(a_q.reshape(r, h // 4, 4), jnp.uint32)
+
+
+def _from_words(words: jax.Array, dtype) -> jax.Array:
+  return lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
+
+
+def _sorted_rows_8bit(a_q, tok, inv, num_rows, m_alloc, interpret):
+  """The 8-bit token rows in sorted-slot order [m_alloc, H], moved as 4-byte words: by the
+  Pallas TMA row scatter (permute.scatter_rows, token order, each row loaded once) where it
+  pays for bf16 rows of the same bytes, else an XLA gather (of 1-byte elements it moved
+  qwen3's 32768 x 2048 fp8 rows at 1.6 TB/s on an H200; rows past num_rows repeat token 0)."""
+  h = a_q.shape[1]
   if h % 4:
     return jnp.take(a_q, tok, axis=0)
-  words = lax.bitcast_convert_type(a_q.reshape(t, h // 4, 4), jnp.uint32)
-  rows = jnp.take(words, tok, axis=0)
-  return lax.bitcast_convert_type(rows, a_q.dtype).reshape(tok.shape[0], h)
+  words = _as_words(a_q)
+  min_slots = _PALLAS_GATHER_MIN_SLOTS if Q8_SCATTER_MIN_SLOTS is None else Q8_SCATTER_MIN_SLOTS
+  if inv.size >= min_slots and _perm.gather_rows_supports(h // 4):
+    rows = _perm.scatter_rows(words, inv, m_alloc, num_rows, interpret=interpret)
+  else:
+    rows = jnp.take(words, tok, axis=0)
+  return _from_words(rows, a_q.dtype)
+
+
+# slots from which the 8-bit rows move by the Pallas scatter (None: the bf16 rows' threshold;
+# tests lower it to run that path on small problems)
+Q8_SCATTER_MIN_SLOTS = None
 
 
 def _requant_rows(h: jax.Array, live: jax.Array, quant):
@@ -418,7 +439,7 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
   sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
   order = jnp.pad(sort_order, (0, m_alloc - m)) if m_alloc != m else sort_order
   tok = order // k
-  xs = _take_rows_8bit(a_q, tok)
+  xs = _sorted_rows_8bit(a_q, tok, inv, jnp.sum(group_sizes), m_alloc, interpret)
   xs_scale = _gather_act_scale(a_scale, tok, t)  # [m_alloc, G]
   metas = {bm: gg.tile_metadata(group_sizes, m_alloc, bm) for bm in bms}
   if block:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from jmoe.interop import hf
-from jmoe.interop.torch_bridge import BridgeSpec, JmoeMoE, register_spec, run
+from jmoe.interop.torch_bridge import BridgeSpec, JmoeMoE, register_resolver, run
 
 __all__ = ["JmoeHFBlock", "from_hf", "replace_moe_blocks", "register_experts_implementation",
            "jmoe_experts_forward"]
@@ -162,9 +162,10 @@ def _experts_activation(experts: torch.nn.Module) -> tuple[str, Optional[float],
   return act, None, None
 
 
-def _experts_spec(experts: torch.nn.Module) -> tuple[BridgeSpec, str, tuple[str, ...]]:
-  """(spec, op key, weight attribute names) for an experts module; cached on the module."""
-  cached = experts.__dict__.get("_jmoe_spec")
+def _experts_key(experts: torch.nn.Module) -> tuple[str, tuple[str, ...]]:
+  """(op key, weight attribute names) of an experts module. The key encodes the layout, so
+  this is pure and torch.compile traces it (`spec_of` builds the spec from the key)."""
+  cached = experts.__dict__.get("_jmoe_key")
   if cached is not None:
     return cached
   name = type(experts).__name__
@@ -178,20 +179,33 @@ def _experts_spec(experts: torch.nn.Module) -> tuple[BridgeSpec, str, tuple[str,
   attrs = ("gate_up_proj" if gated else "up_proj", "down_proj")
   if getattr(experts, "has_bias", False):
     attrs += ("gate_up_proj_bias" if gated else "up_proj_bias", "down_proj_bias")
-  fn = _ExpertsFn(bool(getattr(experts, "is_transposed", False)),
-                  bool(getattr(experts, "is_concatenated", True)), act, alpha, limit, "auto")
-  spec = BridgeSpec(fn, (True, False, True) + (True,) * len(attrs), uncached=3)
-  cached = experts.__dict__["_jmoe_spec"] = (spec, register_spec(spec), attrs)
-  return cached
+  transposed = int(bool(getattr(experts, "is_transposed", False)))
+  concatenated = int(bool(getattr(experts, "is_concatenated", True)))
+  key = f"hf_experts:{transposed}:{concatenated}:{act}:{alpha}:{limit}:{len(attrs)}"
+  if not torch.compiler.is_compiling():  # eager: skip the above on later calls
+    experts.__dict__["_jmoe_key"] = (key, attrs)
+  return key, attrs
+
+
+def _experts_spec(key: str) -> BridgeSpec:
+  """The spec an "hf_experts:..." key names (see `_experts_key`)."""
+  _, transposed, concatenated, act, alpha, limit, n = key.split(":")
+  num = lambda v: None if v == "None" else float(v)  # noqa: E731
+  fn = _ExpertsFn(transposed == "1", concatenated == "1", act, num(alpha), num(limit), "auto")
+  # x, ids (integers), routing weights (the router's gradient flows through them), weights
+  return BridgeSpec(fn, (True, False, True) + (True,) * int(n), uncached=3)
+
+
+register_resolver("hf_experts", _experts_spec)
 
 
 def jmoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
   """transformers' experts signature: hidden_states [T, H], top_k_index [T, k],
   top_k_weights [T, k] -> [T, H] in hidden_states' dtype, by `jmoe.fused_moe`."""
-  spec, key, attrs = _experts_spec(self)
+  key, attrs = _experts_key(self)
   tensors = [hidden_states, top_k_index.to(torch.int32), top_k_weights]
-  return run(spec, key, tensors + [getattr(self, a) for a in attrs])
+  return run(key, tensors + [getattr(self, a) for a in attrs])
 
 
 def register_experts_implementation(name: str = "jmoe") -> None:

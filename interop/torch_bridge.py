@@ -230,6 +230,11 @@ _SPECS: dict[str, BridgeSpec] = {}
 _KEYS: dict[BridgeSpec, str] = {}
 
 
+# key prefix -> function building the spec a key names (keys that encode their spec, so code
+# traced by torch.compile can name one without registering it: no side effects while tracing)
+_RESOLVERS: dict[str, Callable[[str], BridgeSpec]] = {}
+
+
 def register_spec(spec: BridgeSpec) -> str:
   """The string naming `spec` for the custom op (ops take tensors and strings only)."""
   key = _KEYS.get(spec)
@@ -237,6 +242,22 @@ def register_spec(spec: BridgeSpec) -> str:
     key = _KEYS[spec] = f"spec{len(_KEYS)}"
     _SPECS[key] = spec
   return key
+
+
+def register_resolver(prefix: str, resolve: Callable[[str], BridgeSpec]) -> None:
+  """Keys "prefix:..." name the spec `resolve(key)` builds (on first use, then cached)."""
+  _RESOLVERS[prefix] = resolve
+
+
+def spec_of(key: str) -> BridgeSpec:
+  """The spec a key names (registered, or built by its prefix's resolver)."""
+  spec = _SPECS.get(key)
+  if spec is None:
+    prefix = key.partition(":")[0]
+    if prefix not in _RESOLVERS:
+      raise KeyError(f"spec key {key!r} names no registered spec")
+    spec = _SPECS[key] = _RESOLVERS[prefix](key)
+  return spec
 
 
 def _convert(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
@@ -249,8 +270,9 @@ def _needs_grad(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> bool:
       d and t.requires_grad for d, t in zip(spec.diff, tensors))
 
 
-def run(spec: BridgeSpec, key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-  """Run `spec` on torch tensors (in `spec.fn`'s argument order); key = register_spec(spec).
+def run(key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+  """Run the spec `key` names (`register_spec`, `spec_of`) on torch tensors, in its function's
+  argument order.
 
   The output is the JAX output's own buffer, not a copy: nothing else holds that buffer in the
   forward-only path, and in the training path the output is saved for backward, so an
@@ -259,6 +281,7 @@ def run(spec: BridgeSpec, key: str, tensors: Sequence[torch.Tensor]) -> torch.Te
   """
   if torch.compiler.is_compiling():
     return torch.ops.jmoe.fused_moe(list(tensors), key)
+  spec = spec_of(key)
   if _needs_grad(spec, tensors):
     return _BridgeFunction.apply(spec, *tensors)
   STATS["forwards"] += 1
@@ -292,7 +315,7 @@ class _BridgeFunction(torch.autograd.Function):
 @torch.library.custom_op("jmoe::fused_moe", mutates_args=())
 def _fused_moe_op(tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
   """The spec's forward on `tensors` -> [T, H] in tensors[0]'s dtype (a fresh tensor)."""
-  s = _SPECS[spec]
+  s = spec_of(spec)
   STATS["op_calls"] += 1
   return to_torch(_jitted(s).forward(*_convert(s, tensors)))
 
@@ -306,14 +329,14 @@ def _fused_moe_fake(tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
 def _fused_moe_backward_op(tensors: list[torch.Tensor], g: torch.Tensor,
                            spec: str) -> list[torch.Tensor]:
   """Gradients of the spec w.r.t. its differentiable tensors (forward recomputed in JAX)."""
-  s = _SPECS[spec]
+  s = spec_of(spec)
   grads = _jitted(s).recompute_backward(to_jax(g), *_convert(s, tensors))
   return [to_torch(gr) for gr in grads]
 
 
 @_fused_moe_backward_op.register_fake
 def _fused_moe_backward_fake(tensors, g, spec):
-  return [torch.empty_like(t) for t, d in zip(tensors, _SPECS[spec].diff) if d]
+  return [torch.empty_like(t) for t, d in zip(tensors, spec_of(spec).diff) if d]
 
 
 def _op_setup_context(ctx, inputs, output) -> None:
@@ -325,7 +348,7 @@ def _op_setup_context(ctx, inputs, output) -> None:
 def _op_backward(ctx, g):
   tensors = ctx.saved_tensors
   grads = iter(torch.ops.jmoe.fused_moe_backward(list(tensors), g, ctx.spec))
-  return [next(grads) if d else None for d in _SPECS[ctx.spec].diff], None
+  return [next(grads) if d else None for d in spec_of(ctx.spec).diff], None
 
 
 torch.library.register_autograd("jmoe::fused_moe", _op_backward, setup_context=_op_setup_context)
@@ -432,4 +455,4 @@ class JmoeMoE(torch.nn.Module):
       raise ValueError(f"x must be a torch tensor [..., {h}], got "
                        f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     tensors = [x.reshape(-1, h)] + [getattr(self, a) for a in self._attrs]
-    return run(self._spec, self._op_key, tensors).reshape(x.shape)
+    return run(self._op_key, tensors).reshape(x.shape)

@@ -17,14 +17,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
-if not torch.cuda.is_available():
-  pytest.skip("GPU-only test: torch sees no CUDA device", allow_module_level=True)
 try:
   _GPU = jax.devices("gpu")
 except RuntimeError:
   _GPU = []
-if not _GPU:
-  pytest.skip("GPU-only test: JAX sees no GPU", allow_module_level=True)
+_WHY = ("GPU-only test: torch sees no CUDA device" if not torch.cuda.is_available() else
+        "GPU-only test: JAX sees no GPU" if not _GPU else None)
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
 import jmoe  # noqa: E402
 from jmoe.interop import torch_bridge as tb  # noqa: E402

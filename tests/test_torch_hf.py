@@ -126,3 +126,27 @@ def test_set_experts_implementation_jmoe(case):
   router = next(p for n, p in model.named_parameters()
                 if n.endswith(("mlp.gate.weight", "mlp.router.weight")))
   assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["replace_moe_blocks", "set_experts_implementation"])
+def test_compiled_model_fullgraph_one_jmoe_node_per_layer(mode):
+  model, ids = _model("qwen3_moe")
+  with torch.no_grad():
+    want = model(ids).logits
+  if mode == "replace_moe_blocks":
+    jt.replace_moe_blocks(model, runner_backend="xla")
+  else:
+    model.set_experts_implementation("jmoe")
+  graphs = []
+
+  def backend(gm, example_inputs):
+    graphs.append(gm)
+    return gm.forward
+
+  compiled = torch.compile(model, fullgraph=True, backend=backend)  # a graph break raises
+  with torch.no_grad():
+    got = compiled(ids).logits
+  nodes = [n for g in graphs for n in g.graph.nodes
+           if n.op == "call_function" and "jmoe" in str(n.target)]
+  assert len(graphs) == 1 and len(nodes) == model.config.num_hidden_layers
+  assert _rel(got, want) < 1e-4

@@ -264,3 +264,36 @@ def test_custom_op_registration_passes_opcheck():
   torch.library.opcheck(torch.ops.jmoe.fused_moe.default, (tensors, ours._op_key),
                         test_utils=("test_schema", "test_faketensor",
                                     "test_autograd_registration"))
+
+
+# --------------------------------------------------------------------------------------------
+# quantized weights cross as their packed values plus scales
+
+
+def test_fp8_checkpoint_params_run_forward():
+  import jax.numpy as jnp
+  from jmoe.interop import hf
+  from test_hf_parity import _block_jit, _fp8_experts, _load_dequantized_into, hf_forward
+  h, n, e = 256, 128, 4
+  hf_config, block, x = build("deepseek_v3", hidden_size=h, moe_intermediate_size=n,
+                              n_routed_experts=e, n_group=2, topk_group=1,
+                              num_experts_per_tok=2, n_shared_experts=1)
+  names = ("gate_proj", "up_proj", "down_proj")
+  sd, deq = _fp8_experts(block, e, names, [(n, h), (n, h), (h, n)], "block",
+                         torch.Generator().manual_seed(5))
+  _load_dequantized_into(block, deq, e, names)
+  sd.update({k: v.detach() for k, v in block.state_dict().items() if "experts." not in k
+             or "shared_experts" in k})
+  config, params = hf.from_hf_state_dict("deepseek_v3", hf_config, sd, dtype="float32")
+  ours = JmoeMoE(config, params)
+  bufs = dict(ours.named_buffers())
+  assert bufs["w13_values"].dtype == torch.float8_e4m3fn and bufs["w13_scale"].dtype == \
+      torch.float32 and "w13" not in dict(ours.named_parameters())
+  with torch.no_grad():
+    y = ours(x)
+  # the fp8 bytes crossed as they are (zero-copy), not a dequantized copy
+  assert tb.CACHE.get(bufs["w13_values"]).unsafe_buffer_pointer() == bufs["w13_values"].data_ptr()
+  want = np.asarray(_block_jit(jnp.asarray(x.reshape(-1, h).numpy()), params, config=config))
+  np.testing.assert_allclose(y.reshape(-1, h).numpy(), want, rtol=1e-5, atol=1e-5)
+  ref = hf_forward(block, x)
+  assert np.linalg.norm(want - ref) / np.linalg.norm(ref) <= 6e-2  # W8A8 rounding

@@ -19,7 +19,7 @@ from jmoe.config import MoEConfig, ParallelConfig, QuantConfig
 from jmoe.layers import losses
 from jmoe.layers.capacity import (batched_experts_with_capacity, capacity_dropped,
                                   expert_capacity)
-from jmoe.layers.partitioning import placing, resolve_axes
+from jmoe.layers.partitioning import resolve_axes
 from jmoe.layers.variables import QuantizedSlot, QuantizedWeight, variable
 from jmoe.modular import ExpertWeights
 from jmoe.quant import QuantizedWeights, quantize_weights
@@ -108,32 +108,33 @@ class MoE(nnx.Module):
     self.deterministic = deterministic
     self.capacity_factor = capacity_factor
     self.sow_aux = sow_aux
-    self.axes, mesh = resolve_axes(parallel, expert_axis, tensor_axis)
-    with placing(parallel):
-      self._init_variables(rngs, kernel_init, router_init, bias_init, mesh)
+    self.axes, mesh, own_mesh = resolve_axes(parallel, expert_axis, tensor_axis)
+    self._init_variables(rngs, kernel_init, router_init, bias_init, mesh, own_mesh)
     # forked after the draws, so a layer's initial values do not depend on its jitter
     self.rngs = rngs.fork() if router_jitter > 0 else None
 
   # ------------------------------------------------------------------------------------------
   # variables
 
-  def _init_variables(self, rngs, kernel_init, router_init, bias_init, mesh) -> None:
+  def _init_variables(self, rngs, kernel_init, router_init, bias_init, mesh, own_mesh) -> None:
     c, pdt, ax = self.config, self.param_dtype, self.axes
     e, h, n = c.num_experts, c.hidden_size, c.intermediate_size
     gated = c.act.is_gated
-    param = lambda value, *roles: variable(nnx.Param, value, ax.spec(*roles), mesh)  # noqa: E731
+    param = lambda value, *roles: variable(nnx.Param, value, ax.spec(*roles), mesh,  # noqa: E731
+                                           own_mesh)
 
     self.router_w = param(router_init(rngs.params(), (h, e), pdt), None, None)
     self.router_b = param(bias_init(rngs.params(), (e,), pdt), None) if c.router_bias else None
-    self.correction_bias = (variable(nnx.BatchStat, jnp.zeros((e,), jnp.float32), (None,), mesh)
+    self.correction_bias = (variable(nnx.BatchStat, jnp.zeros((e,), jnp.float32), (None,), mesh,
+                                     own_mesh)
                             if c.use_correction_bias else None)
     w13 = kernel_init(rngs.params(), (e, h, c.w13_out), pdt)
     w2 = kernel_init(rngs.params(), (e, n, h), pdt)
     if self.quant is not None:
       QuantizedSlot.store(self, "w13", quantize_weights(w13, self.quant, argname="w13"),
-                          ax.expert, mesh)
+                          ax.expert, mesh, own_mesh)
       QuantizedSlot.store(self, "w2", quantize_weights(w2, self.quant, argname="w2"),
-                          ax.expert, mesh)
+                          ax.expert, mesh, own_mesh)
       self.w13 = self.w2 = None
     elif gated:
       self.w13 = param(w13.reshape(e, h, 2, n), "expert", None, None, "tensor")

@@ -3,11 +3,11 @@
 Each variable carries `out_sharding` (flax nnx metadata: a tuple of mesh axis names or None per
 dimension), so `nnx.get_partition_spec(nnx.state(model))` gives the PartitionSpecs that
 `jax.jit(..., out_shardings=...)` needs. With a mesh at construction (`parallel.mesh` or one set
-by `jax.set_mesh`), nnx places the values eagerly; without one, only the names are recorded.
+by `jax.set_mesh`), nnx places the values eagerly (under `jit` / `nnx.eval_shape` too: then as
+sharding constraints); without one, only the names are recorded.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Optional
 
@@ -36,8 +36,9 @@ def context_mesh():
 
 def resolve_axes(parallel: Optional[ParallelConfig], expert_axis: Optional[str],
                  tensor_axis: Optional[str]):
-  """(AxisNames, mesh or None): the parallel config's axes win; axes the mesh lacks are
-  dropped, so the specs always name axes of the mesh the weights will live on."""
+  """(AxisNames, mesh or None, whether the mesh is parallel's): the parallel config's axes
+  win; axes the mesh lacks are dropped, so the specs always name axes of the mesh the weights
+  will live on."""
   mesh = parallel.mesh if parallel is not None and parallel.mesh is not None else context_mesh()
   if parallel is not None and parallel.mesh is not None:
     expert_axis, tensor_axis = parallel.expert_axis, parallel.tensor_axis
@@ -45,11 +46,5 @@ def resolve_axes(parallel: Optional[ParallelConfig], expert_axis: Optional[str],
     names = set(mesh.axis_names)
     expert_axis = expert_axis if expert_axis in names else None
     tensor_axis = tensor_axis if tensor_axis in names else None
-  return AxisNames(expert_axis, tensor_axis), mesh
-
-
-def placing(parallel: Optional[ParallelConfig]):
-  """A context in which nnx's eager sharding sees `parallel.mesh` (when no mesh is set)."""
-  if parallel is not None and parallel.mesh is not None and context_mesh() is None:
-    return jax.set_mesh(parallel.mesh)
-  return contextlib.nullcontext()
+  own = parallel is not None and parallel.mesh is not None
+  return AxisNames(expert_axis, tensor_axis), mesh, own

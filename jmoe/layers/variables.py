@@ -14,9 +14,11 @@ class QuantizedWeight(nnx.Variable):
   selects them."""
 
 
-def variable(kind, value, names: tuple, mesh) -> nnx.Variable:
-  """A variable with `out_sharding` names; placed eagerly only when a mesh exists."""
-  return kind(value, out_sharding=names, eager_sharding=mesh is not None)
+def variable(kind, value, names: tuple, mesh, own_mesh: bool = False) -> nnx.Variable:
+  """A variable with `out_sharding` names; placed eagerly only when a mesh exists (`own_mesh`:
+  on `mesh` itself, e.g. ParallelConfig's, rather than the one set by jax.set_mesh)."""
+  kw = dict(mesh=mesh) if own_mesh and mesh is not None else {}
+  return kind(value, out_sharding=names, eager_sharding=mesh is not None, **kw)
 
 
 class QuantizedSlot:
@@ -26,11 +28,11 @@ class QuantizedSlot:
 
   @staticmethod
   def store(module: nnx.Module, name: str, w: QuantizedWeights, expert_axis: Optional[str],
-            mesh) -> None:
+            mesh, own_mesh: bool = False) -> None:
     names = (expert_axis, None, None)  # quantized experts shard over the expert axis only
-    setattr(module, f"{name}_values", variable(QuantizedWeight, w.values, names, mesh))
-    setattr(module, f"{name}_scale", variable(QuantizedWeight, w.scale, names, mesh))
-    zero = None if w.zero is None else variable(QuantizedWeight, w.zero, names, mesh)
+    setattr(module, f"{name}_values", variable(QuantizedWeight, w.values, names, mesh, own_mesh))
+    setattr(module, f"{name}_scale", variable(QuantizedWeight, w.scale, names, mesh, own_mesh))
+    zero = None if w.zero is None else variable(QuantizedWeight, w.zero, names, mesh, own_mesh)
     setattr(module, f"{name}_zero", zero)
     setattr(module, f"{name}_scheme", (w.scheme, w.k_major))
 

@@ -1,0 +1,227 @@
+"""What the torch bridge costs per call, and jmoe from torch against transformers' own experts.
+
+For each model shape (transformers' Qwen3-MoE block: H=2048, 128 experts, top-8, N=768;
+Mixtral 8x7B's: H=4096, 8 experts, top-2, N=14336), bf16, and each T (tokens per call):
+
+  jax_fwd / jax_fwd_bwd       the jitted JAX function the bridge runs, called directly on the
+                              JAX arrays (the baseline: no torch at all)
+  bridge_fwd / bridge_fwd_bwd `JmoeHFBlock` (= `jmoe.interop.torch.from_hf(block)`) from torch,
+                              forward under no_grad / forward + backward
+  overhead                    bridge - jax, per call (targets: <= 20 us at T=1, <= 2 % at T=4096)
+  hf_grouped_mm_fwd / _bwd    the transformers block with experts_implementation="grouped_mm"
+  hf_jmoe_experts_fwd         the transformers block with experts_implementation="jmoe" (its
+                              router in torch, the experts through the bridge)
+  compiled_fwd                torch.compile(fullgraph=True) of the JmoeHFBlock (one opaque op)
+
+Host wall time per call with a device synchronize after each (median of --iters). Prints a
+table and writes JSON to --out. `--small` runs tiny shapes (a CPU smoke test). Each model's
+rows are written as soon as they exist; `--budget-s` stops starting new measurements.
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_torch_bridge.py --out r.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+
+MODELS = {  # name -> (module, config class, block class, config kwargs)
+    "qwen3": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
+              dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                   num_experts_per_tok=8, norm_topk_prob=True)),
+    "mixtral": ("mixtral", "MixtralConfig", "MixtralSparseMoeBlock",
+                dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                     num_experts_per_tok=2)),
+}
+SMALL = {"qwen3": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8,
+                       num_experts_per_tok=2),
+         "mixtral": dict(hidden_size=64, intermediate_size=96, num_local_experts=4,
+                         num_experts_per_tok=2)}
+
+
+def timed(fn: Callable[[], object], sync: Callable[[], None], iters: int,
+          warmup: int = 3) -> dict:
+  """Median / p10 / p90 host microseconds of fn() + sync()."""
+  for _ in range(warmup):
+    fn()
+    sync()
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    ts.append((time.perf_counter() - t0) * 1e6)
+  ts.sort()
+  return dict(median_us=statistics.median(ts), p10_us=ts[len(ts) // 10],
+              p90_us=ts[(9 * len(ts)) // 10], iters=iters)
+
+
+def build_block(name: str, small: bool, dtype: torch.dtype, device: torch.device,
+                experts_impl: str):
+  """The transformers block at the model's shape, random N(0, 0.02) weights."""
+  import importlib  # noqa: PLC0415
+  mod_name, cfg_name, block_name, kw = MODELS[name]
+  mod = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
+  kw = {**kw, **(SMALL[name] if small else {})}
+  cfg = getattr(mod, cfg_name)(**kw, num_attention_heads=16, num_key_value_heads=4)
+  cfg._experts_implementation = experts_impl
+  old = torch.get_default_dtype()
+  torch.set_default_dtype(dtype)
+  try:
+    with torch.device(device):
+      block = getattr(mod, block_name)(cfg).eval()
+  finally:
+    torch.set_default_dtype(old)
+  g = torch.Generator(device).manual_seed(0)
+  with torch.no_grad():
+    for p in block.parameters():
+      p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * 0.02)
+  return cfg, block
+
+
+def measure_model(name: str, args, device: torch.device, sync, deadline: float):
+  """Yields one row per T (so a run stopped midway keeps what it measured)."""
+  from jmoe.interop import torch as jt  # noqa: PLC0415
+  from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
+
+  dtype = getattr(torch, args.dtype)
+  cfg, block = build_block(name, args.small, dtype, device, "grouped_mm")
+  ours = jt.from_hf(block, cfg, runner_backend=args.backend)
+  h = cfg.hidden_size
+  for t in args.tokens:
+    if time.time() > deadline:
+      print(f"# budget spent: {name} T={t} not measured", flush=True)
+      break
+    iters = args.iters if t <= 64 else max(10, args.iters // 4)
+    x = torch.randn(t, h, device=device, dtype=dtype)
+    row = dict(model=name, T=t, H=h, dtype=args.dtype, backend=args.backend or "auto",
+               device=str(device))
+    # the baseline: the same jitted JAX functions on the same (cached, converted) arrays
+    tensors = [x] + [getattr(ours.moe, a) for a in ours.moe._attrs]
+    spec = tb.spec_of(ours.moe._op_key)
+    jit = tb._jitted(spec)
+    jargs = tb._convert(spec, tensors)
+    row["jax_fwd"] = timed(lambda: jit.forward(*jargs).block_until_ready(), lambda: None,
+                           iters)
+    with torch.no_grad():
+      row["bridge_fwd"] = timed(lambda: ours(x), sync, iters)
+    row["overhead_fwd_us"] = row["bridge_fwd"]["median_us"] - row["jax_fwd"]["median_us"]
+    row["overhead_fwd_pct"] = 100 * row["overhead_fwd_us"] / row["jax_fwd"]["median_us"]
+    g = jax.numpy.ones_like(jargs[0])
+
+    def jax_fwd_bwd():
+      out, vjp_fn = jit.forward_vjp(*jargs)
+      jax.block_until_ready(jit.backward(vjp_fn, g))
+
+    row["jax_fwd_bwd"] = timed(jax_fwd_bwd, lambda: None, iters)
+    xr = x.clone().requires_grad_(True)
+    gt = torch.ones_like(x)
+
+    def bridge_fwd_bwd():
+      ours.moe.zero_grad(set_to_none=True)
+      ours(xr).backward(gt)
+
+    row["bridge_fwd_bwd"] = timed(bridge_fwd_bwd, sync, iters)
+    row["overhead_fwd_bwd_us"] = (row["bridge_fwd_bwd"]["median_us"] -
+                                  row["jax_fwd_bwd"]["median_us"])
+    row["overhead_fwd_bwd_pct"] = 100 * row["overhead_fwd_bwd_us"] / \
+        row["jax_fwd_bwd"]["median_us"]
+    x3 = x.reshape(1, t, h)
+    with torch.no_grad():
+      row["hf_grouped_mm_fwd"] = timed(lambda: block(x3), sync, iters)
+    x3r = x3.clone().requires_grad_(True)
+
+    def hf_fwd_bwd():
+      block.zero_grad(set_to_none=True)
+      out = block(x3r)
+      (out[0] if isinstance(out, tuple) else out).backward(torch.ones_like(x3r))
+
+    row["hf_grouped_mm_fwd_bwd"] = timed(hf_fwd_bwd, sync, iters)
+    cfg._experts_implementation = "jmoe"  # the same block, experts through jmoe
+    with torch.no_grad():
+      row["hf_jmoe_experts_fwd"] = timed(lambda: block(x3), sync, iters)
+    cfg._experts_implementation = "grouped_mm"
+    if args.compile:
+      try:
+        comp = torch.compile(ours, fullgraph=True)
+        with torch.no_grad():
+          row["compiled_fwd"] = timed(lambda: comp(x), sync, iters)
+      except Exception as e:  # noqa: BLE001  (reported, not fatal)
+        row["compiled_fwd"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    row["fast_dlpack"] = tb._FAST_DLPACK  # False: jaxlib's internals differed, public path
+    print(_line(row), flush=True)
+    yield row
+
+
+def _us(row: dict, k: str) -> str:
+  v = row.get(k, {})
+  return f"{v['median_us']:10.1f}" if "median_us" in v else f"{'-':>10}"
+
+
+HEAD = (f"{'model':8} {'T':>5} {'jax_fwd':>10} {'bridge':>10} {'+us':>7} {'+%':>6} "
+        f"{'jax_f+b':>10} {'bridge_f+b':>10} {'+us':>7} {'+%':>6} {'hf_gmm':>10} "
+        f"{'hf_gmm_f+b':>10} {'hf+jmoe_ex':>10} {'compiled':>10}")
+
+
+def _line(r: dict) -> str:
+  return (f"{r['model']:8} {r['T']:5d} {_us(r, 'jax_fwd')} {_us(r, 'bridge_fwd')} "
+          f"{r['overhead_fwd_us']:7.1f} {r['overhead_fwd_pct']:6.2f} {_us(r, 'jax_fwd_bwd')} "
+          f"{_us(r, 'bridge_fwd_bwd')} {r['overhead_fwd_bwd_us']:7.1f} "
+          f"{r['overhead_fwd_bwd_pct']:6.2f} {_us(r, 'hf_grouped_mm_fwd')} "
+          f"{_us(r, 'hf_grouped_mm_fwd_bwd')} {_us(r, 'hf_jmoe_experts_fwd')} "
+          f"{_us(r, 'compiled_fwd')}")
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--models", default="qwen3,mixtral")
+  p.add_argument("--tokens", default="1,4096", type=lambda s: [int(v) for v in s.split(",")])
+  p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+  p.add_argument("--backend", default=None, help="jmoe runner_backend (default: the oracle's)")
+  p.add_argument("--iters", type=int, default=100)
+  p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+  p.add_argument("--compile", action="store_true", help="also time torch.compile(fullgraph)")
+  p.add_argument("--budget-s", type=float, default=1e9, help="start no measurement after this")
+  p.add_argument("--out", default=None, help="JSON file")
+  args = p.parse_args(argv)
+  models = [m for m in args.models.split(",") if m]
+  for m in models:
+    if m not in MODELS:
+      p.error(f"--models: {m!r} is not one of {', '.join(MODELS)}")
+  device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+  deadline = time.time() + args.budget_s
+  meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              jax=jax.__version__, torch=torch.__version__, jax_devices=str(jax.devices()))
+  try:
+    import transformers  # noqa: PLC0415
+    meta["transformers"] = transformers.__version__
+  except ImportError:
+    print("transformers is needed", file=sys.stderr)
+    return 2
+  print("#", json.dumps(meta), flush=True)
+  print(HEAD, flush=True)
+  rows = []
+  for m in models:
+    if time.time() > deadline:
+      print(f"# budget spent: {m} not measured", flush=True)
+      break
+    for row in measure_model(m, args, device, sync, deadline):
+      rows.append(row)
+      if args.out:
+        with open(args.out, "w") as f:
+          json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

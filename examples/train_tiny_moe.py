@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.steps < 2:
     p.error("--steps must be >= 2")
+  if not 0 <= args.warmup < args.steps:
+    p.error(f"--warmup={args.warmup} must be in [0, --steps={args.steps})")
   if args.devices % args.num_processes:
     p.error(f"--devices={args.devices} must be a multiple of --num-processes")
   if args.devices % args.data:

@@ -27,6 +27,23 @@ Two kernels:
   narrower than TMA's 16 bytes) and GEMM2 reads them through the same task list.
 
 Rows past sum(group_sizes) are not written (as grouped_gemm). Forward only.
+
+H200 (jax 0.11.2, 2026-12-01, benchmarks/bench_quant.py, the whole quantized block: token
+quantization, routing, both GEMMs, gather-sum; CUPTI kernel sum, 3 rotating inputs):
+  qwen3-30b-a3b 4096 tokens: fp8_channel 540 µs (bf16 block ~700, torch._scaled_grouped_mm
+    row-wise ~3860), fp8_tensor 545, fp8_block 841 (GEMM1 459 + GEMM2 256, one CTA per SM),
+    int8 586 (before the row scatter); 256 tokens: fp8_channel 205 (bf16 304, torch 503),
+    fp8_block 239, int8 205; 1 token: fp8_block 46, int8 38 (bf16's one-kernel decode 25).
+  mixtral-8x7b 4096: fp8_channel 2511 µs (bf16 ~4185, torch ~6124).
+  deepseek-v3 4096: fp8_channel 4794 µs (bf16 8328), fp8_block 8060 one CTA / 7531 two CTAs
+    per SM (GEMM1 5396, GEMM2 1808).
+Error vs a host float64 reference of each scheme: 1.3e-2 .. 1.8e-2 (fp8: the f32 vs f64
+intermediate flips some e4m3 roundings of the re-quantized activation; int8 0.8e-2); the
+schemes' own error vs the bf16 block: fp8 6-7 %, int8 2.7 %.
+What the figures say: the per-token schemes run on the bf16 kernel's warp-specialized schedule
+at ~570-1150 TFLOP/s; the block kernel (one warpgroup, a wgmma wait per 128-deep K step) is
+the slow one: GEMM1 2x the per-channel kernel's time. Next: two consumer warpgroups
+(DeepGEMM's split: one promotes while the other's wgmma runs) and a tuned table.
 """
 from __future__ import annotations
 

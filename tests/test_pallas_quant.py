@@ -313,3 +313,36 @@ def test_pallas_experts_rows_by_the_scatter_kernel(scheme, rng, monkeypatch):
                                   runner_backend="pallas_mosaic"), np.float32)
   jax.clear_caches()
   onp.assert_rel_close(out, _block_oracle(x, q13, q2, tw, ids, quant), TOL, scheme)
+
+
+def test_pallas_experts_all_slots_empty(rng):
+  """No slot routed here: no task, no weight read, zeros out."""
+  quant = jmoe.QuantConfig("int8")
+  x = jnp.asarray(rng.standard_normal((3, 128)), jnp.bfloat16)
+  q13 = quantize_weights(jnp.asarray(rng.standard_normal((2, 128, 256)), jnp.float32), quant)
+  q2 = quantize_weights(jnp.asarray(rng.standard_normal((2, 128, 128)), jnp.float32), quant)
+  ids = jnp.full((3, 2), -1, jnp.int32)
+  out = jmoe.fused_moe(x, q13, q2, jnp.ones((3, 2)), ids, runner_backend="pallas_mosaic")
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+def test_bench_quant_reference_is_the_oracle(rng):
+  """benchmarks/bench_quant.py's host reference (its correctness check on the GPU) equals the
+  float64 oracle; its flags are checked."""
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+  import bench_quant as bq
+  for scheme in ("fp8_block", "int8"):
+    quant = jmoe.QuantConfig(scheme)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    q13 = quantize_weights(jnp.asarray(rng.standard_normal((3, 256, 256)) / 16, jnp.float32),
+                           quant)
+    q2 = quantize_weights(jnp.asarray(rng.standard_normal((3, 128, 256)) / 11, jnp.float32),
+                          quant)
+    tw, ids = onp.random_topk(rng, 3, 3, 2)
+    ref = bq.quantized_reference(x, tw, ids, q13, q2)
+    onp.assert_rel_close(ref, _block_oracle(x, q13, q2, tw, ids, quant), 1e-12, scheme)
+  with pytest.raises(SystemExit):
+    bq.parse_args(["--schemes", "fp7"])
+  assert bq.parse_args(["--block-ctas", "1,2"]).block_ctas == [1, 2]

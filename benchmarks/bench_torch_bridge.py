@@ -162,6 +162,61 @@ def measure_model(name: str, args, device: torch.device, sync, deadline: float):
     yield row
 
 
+def breakdown(name: str, args, device: torch.device, sync) -> list[dict]:
+  """Where the bridge's per-call time goes (forward-only): each piece timed on its own."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jmoe.interop import torch as jt  # noqa: PLC0415
+  from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
+
+  dtype = getattr(torch, args.dtype)
+  cfg, block = build_block(name, args.small, dtype, device, "grouped_mm")
+  ours = jt.from_hf(block, cfg, runner_backend=args.backend)
+  rows = []
+  for t in args.tokens:
+    x = torch.randn(t, cfg.hidden_size, device=device, dtype=dtype)
+    tensors = [x] + [getattr(ours.moe, a) for a in ours.moe._attrs]
+    spec = tb.spec_of(ours.moe._op_key)
+    fwd = tb._jitted(spec).forward
+    jargs = tb._convert(spec, tensors)
+    xj, ws = jargs[0], jargs[1:]
+    others = [xj + 0 for _ in range(8)]  # JAX-made buffers, a different one each call
+    out = fwd(*jargs).block_until_ready()
+    it = iter(range(10**9))
+
+    def import_without_stream(t_):  # no stream handshake: for this measurement only (synced)
+      from jax._src.lib import _jax, jaxlib_extension_version  # noqa: PLC0415
+      dl, i = t_.__dlpack_device__()
+      extra = (int(dl),) if jaxlib_extension_version >= 467 else ()
+      return _jax.dlpack_managed_tensor_to_buffer(t_.__dlpack__(), tb._jax_device(int(dl), i),
+                                                  None, False, *extra)
+
+    none = lambda: None  # noqa: E731
+    pieces = {
+        "jax_cached_x": (lambda: fwd(xj, *ws).block_until_ready(), none),
+        "jax_cached_x_torch_sync": (lambda: fwd(xj, *ws), sync),
+        "jax_other_jax_x": (lambda: fwd(others[next(it) % 8], *ws).block_until_ready(), none),
+        "jax_dlpack_x": (lambda: fwd(tb.to_jax(x), *ws).block_until_ready(), none),
+        "jax_public_dlpack_x": (lambda: fwd(jax.dlpack.from_dlpack(x), *ws).block_until_ready(),
+                                none),
+        "jax_dlpack_x_no_stream": (lambda: fwd(import_without_stream(x), *ws)
+                                   .block_until_ready(), none),
+        "jax_cached_x_to_torch": (lambda: tb.to_torch(fwd(xj, *ws)), sync),
+        "to_jax_alone": (lambda: tb.to_jax(x), none),
+        "to_torch_alone": (lambda: tb.to_torch(out), none),
+        "jax_dispatch_alone": (lambda: fwd(xj, *ws), none),
+        "bridge": (lambda: ours(x), sync),
+        "bridge_host_only": (lambda: ours(x), none),
+    }
+    row = dict(model=name, T=t, fast_dlpack=tb._FAST_DLPACK)
+    with torch.no_grad():
+      for k, (fn, sy) in pieces.items():
+        row[k] = timed(fn, sy, args.iters)["median_us"]
+        sync()
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  return rows
+
+
 def _us(row: dict, k: str) -> str:
   v = row.get(k, {})
   return f"{v['median_us']:10.1f}" if "median_us" in v else f"{'-':>10}"
@@ -191,6 +246,8 @@ def main(argv=None) -> int:
   p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
   p.add_argument("--compile", action="store_true", help="also time torch.compile(fullgraph)")
   p.add_argument("--budget-s", type=float, default=1e9, help="start no measurement after this")
+  p.add_argument("--breakdown", action="store_true",
+                 help="time the bridge's pieces (forward-only) instead of the table")
   p.add_argument("--out", default=None, help="JSON file")
   args = p.parse_args(argv)
   models = [m for m in args.models.split(",") if m]
@@ -209,6 +266,12 @@ def main(argv=None) -> int:
     print("transformers is needed", file=sys.stderr)
     return 2
   print("#", json.dumps(meta), flush=True)
+  if args.breakdown:
+    rows = [r for m in models for r in breakdown(m, args, device, sync)]
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, breakdown=rows), f, indent=1)
+    return 0
   print(HEAD, flush=True)
   rows = []
   for m in models:

@@ -129,14 +129,14 @@ def test_load_params_round_trip():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("scheme", ["fp8_channel", "int8"])
-def test_quantized_layer_forward(scheme):
-  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=16)
+@pytest.mark.parametrize("scheme,size", [("fp8_channel", 16), ("int8", 16), ("fp8_block", 128)])
+def test_quantized_layer_forward(scheme, size):
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=size, intermediate_size=size)
   layer = MoE(cfg, rngs=nnx.Rngs(0), quant=scheme, runner_backend="xla")
   assert not nnx.state(layer, nnx.Param).get("w13_values")
   q = nnx.state(layer, QuantizedWeight)
   assert "w13_values" in q and "w2_scale" in q
-  x = jax.random.normal(jax.random.key(1), (6, 16))
+  x = jax.random.normal(jax.random.key(1), (6, size))
   p = layer.params()
   dense = jmoe.MoEParams(router_w=p.router_w, w13=p.w13.dequantize(), w2=p.w2.dequantize())
   ref = jmoe.moe_block(x, dense, cfg, runner_backend="reference")
@@ -254,6 +254,7 @@ def test_aux_outputs_match_float64(scoring):
   np.testing.assert_allclose(uniform, 2.0, rtol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside:DeprecationWarning")
 def test_aux_losses_train_and_sow():
   cfg = jmoe.MoEConfig(num_experts=4, top_k=1, hidden_size=8, intermediate_size=8)
   layer = MoE(cfg, rngs=nnx.Rngs(0), sow_aux=True)
@@ -372,3 +373,15 @@ def test_linen_wrapper_matches_nnx():
   y2, aux2 = layer(x, return_aux=True)
   np.testing.assert_allclose(y, y2, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(aux["load_balancing_loss"], aux2["load_balancing_loss"], rtol=1e-6)
+
+
+def test_quantized_layer_expert_parallel():
+  cfg = jmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=16)
+  par = make_parallel(expert=8)
+  one = MoE(cfg, rngs=nnx.Rngs(0), quant="int8")
+  ep = MoE(cfg, rngs=nnx.Rngs(0), quant="int8", parallel=par, a2a_backend="ragged_a2a",
+           runner_backend="xla")
+  assert ep.w13_values[...].sharding.spec == P("expert", None, None)
+  x = jax.random.normal(jax.random.key(0), (16, 16))
+  fwd = nnx.jit(lambda m, x: m(x))
+  np.testing.assert_allclose(fwd(ep, x), fwd(one, x), rtol=1e-5, atol=1e-5)

@@ -91,8 +91,8 @@ def main(argv=None) -> dict:
 
   trainer = Trainer(args)
   metrics = trainer.run()
-  if trainer.is_main:
-    print(json.dumps(metrics, indent=1))
+  if trainer.is_main:  # the per-step losses are in OUT/metrics.json
+    print(json.dumps({k: v for k, v in metrics.items() if k != "losses"}, indent=1))
   if args.num_processes > 1:
     import jax  # noqa: PLC0415
     jax.distributed.shutdown()

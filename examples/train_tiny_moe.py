@@ -1,4 +1,4 @@
-"""Train a tiny MoE transformer (jmoe.models) on Shakespeare, characters in, on a data x expert mesh.
+"""Train a tiny MoE transformer (jmoe.models) on Shakespeare, by character, on a data x expert mesh.
 
     python examples/train_tiny_moe.py                       # 8 simulated CPU devices, 2 x 4
     python examples/train_tiny_moe.py --preset deepseek-v3 --steps 300

@@ -168,17 +168,59 @@ def test_incompatible_pair_raises(pair):
   assert reason in msg
 
 
-@pytest.mark.parametrize("experts_cls", EXPERTS, ids=lambda c: c.__name__)
-def test_quantized_formats_refused_clearly(experts_cls):
-  """No part supports a quantized format yet: building one must raise, naming both parts."""
-  quant = jmoe.QuantConfig(format="fp8_block", block_shape=(128, 128))
-  for label, pf_factory in PFS:
-    pf, experts = pf_factory(), experts_cls()
-    if pf.supports_quant(quant) and experts.supports_quant(quant):
+SCHEMES = ("fp8_tensor", "fp8_channel", "fp8_block", "int8", "w8a16", "mxfp8", "w4a16",
+           "mxfp4", "nvfp4")
+QUANT_TRIPLES = [(p, s) for p in COMPATIBLE for s in SCHEMES]
+
+
+def _claims(pair, scheme):
+  return compatibility(pair[1](), pair[2](), jmoe.QuantConfig(scheme)) is None
+
+
+@pytest.mark.parametrize("pair,scheme", [t for t in QUANT_TRIPLES if not _claims(*t)],
+                         ids=lambda v: v if isinstance(v, str) else _pair_id(v))
+def test_quantized_triple_refused_clearly(pair, scheme):
+  """A (prepare/finalize, experts, scheme) triple that does not claim support refuses to be
+  built, naming both parts and the scheme."""
+  quant = jmoe.QuantConfig(scheme)
+  with pytest.raises(IncompatiblePartsError, match="cannot be combined") as info:
+    ModularKernel(pair[1](), pair[2](), quant)
+  assert repr(pair[1]()) in str(info.value) and repr(pair[2]()) in str(info.value)
+  assert f"QuantConfig({scheme})" in str(info.value)
+
+
+def _interpreted(pair) -> bool:
+  """Pallas experts off a GPU: the interpreter takes minutes per quantized block here, so
+  their quantized triples are checked in tests/test_pallas_quant.py on smaller problems."""
+  return pair[2].name.startswith("pallas") and not pair[2].is_available()[0]
+
+
+@pytest.mark.parametrize("pair,scheme",
+                         [t for t in QUANT_TRIPLES if _claims(*t) and not _interpreted(t[0])],
+                         ids=lambda v: v if isinstance(v, str) else _pair_id(v))
+def test_quantized_triple_matches_reference(pair, scheme, rng):
+  """Every triple that claims support runs and matches ReferenceExperts on the same quantized
+  weights (empty slots and an expert_map included)."""
+  from jmoe.quant import quantize_weights
+  _skip_unavailable(pair[2])
+  quant = jmoe.QuantConfig(scheme)
+  kernel = ModularKernel(pair[1](), pair[2](), quant)
+  dtype = jnp.bfloat16 if kernel.experts.problem_support(jnp.float32, 128, 128) else jnp.float32
+  failures = []
+  for routing in ("empty_slots", "expert_map"):
+    p = _problem(rng, "silu", routing, jnp.float32, 128, 128)
+    if p["expert_map"] is not None and not pair[2].supports_expert_map and \
+        kernel.prepare_finalize.activation_format == ActivationFormat.Standard:
       continue
-    with pytest.raises(IncompatiblePartsError, match="cannot be combined") as info:
-      ModularKernel(pf, experts, quant)
-    assert repr(pf) in str(info.value) and repr(experts) in str(info.value)
+    p["weights"] = ExpertWeights(w13=quantize_weights(p["weights"].w13, quant),
+                                 w2=quantize_weights(p["weights"].w2, quant))
+    p["x"] = p["x"].astype(dtype)
+    out = kernel(**p)
+    ref = ModularKernel(NoEP(), ReferenceExperts(), quant)(**p)
+    err = onp.rel_err(np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+    if not err <= 2e-2:
+      failures.append(f"{routing}: rel err {err:.2e}")
+  assert not failures, f"{kernel!r} {scheme}: " + "; ".join(failures)
 
 
 @pytest.mark.parametrize("activation", ["silu", "relu2_no_mul"])

@@ -109,31 +109,36 @@ def quantized_block_fn(interpret, config1=None):
   return jax.jit(block)
 
 
-def variants(schemes: dict, block_ctas: list[int]):
-  """(label, scheme, GEMM1 config) to time: each scheme with the defaults, fp8_block once per
-  --block-ctas value (GEMM2 follows GEMM1's CTAs per SM)."""
-  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+def bf16_block_fn(interpret):
+  return jax.jit(lambda x, tw, ti, w13, w2: pmoe.fused_experts(x, w13, w2, tw, ti,
+                                                               interpret=interpret))
+
+
+BLOCK_VARIANTS = ("default", "1cta", "2cta", "ws")
+
+
+def variants(schemes: dict, block_variants: list[str]):
+  """(label, scheme, fp8_block GEMM1 variant or None) to time: each scheme with the defaults,
+  fp8_block once per --block-variants entry (GEMM2 follows GEMM1's form)."""
   for scheme in schemes:
     if scheme != "fp8_block":
       yield scheme, scheme, None
       continue
-    for c in block_ctas:
-      yield (scheme if c == 1 else f"{scheme}/{c}cta"), scheme, (
-          None if c == 1 else ("ctas", c))
+    for v in block_variants:
+      yield (scheme if v == "default" else f"{scheme}/{v}"), scheme, (
+          None if v == "default" else v)
 
 
-def resolve_config(cfg, p, t, gated=True):
-  """A ("ctas", c) marker -> the default fp8_block GEMM1 config with c CTAs per SM."""
-  if cfg is None:
+def resolve_config(variant, p, t, gated=True):
+  """A --block-variants entry -> the fp8_block GEMM1 config (None: the library's default)."""
+  if variant is None:
     return None
   from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
   base = q8.block_config(t * p["k"], p["N"], p["H"], p["E"], gated=gated, quantize_output=True)
-  return dataclasses.replace(base, ctas_per_sm=cfg[1])
-
-
-def bf16_block_fn(interpret):
-  return jax.jit(lambda x, tw, ti, w13, w2: pmoe.fused_experts(x, w13, w2, tw, ti,
-                                                               interpret=interpret))
+  if variant == "ws":
+    return dataclasses.replace(base, block_m=128, ctas_per_sm=1, warp_specialized=True,
+                               num_stages=4)
+  return dataclasses.replace(base, ctas_per_sm=int(variant[0]), warp_specialized=False)
 
 
 QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
@@ -258,7 +263,7 @@ def run_one(args, p, t, sets, w13, w2, qw, rec, torch_ok):
   out_bf16 = np.asarray(bf(*bsets[0])[:nchk], np.float32)
   touched = len(np.unique(np.asarray(sets[0][2])))
   rec["touched"] = touched
-  for label, scheme, cfg in variants(qw, args.block_ctas):
+  for label, scheme, cfg in variants(qw, args.block_variants):
     q13, q2 = qw[scheme]
     r = dict(scheme=label)
     rec["schemes"].append(r)
@@ -323,7 +328,8 @@ def parse_args(argv=None):
                   help="8-bit dense matrix rate for the FLOP floor (a lead, not measured)")
   ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cases after")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_quant"))
-  ap.add_argument("--block-ctas", default="1", help="fp8_block: CTAs per SM to time (1,2)")
+  ap.add_argument("--block-variants", default="default",
+                  help=f"fp8_block GEMM forms to time, of {BLOCK_VARIANTS}")
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--no-bf16", action="store_true", help="skip timing the bf16 block")
   ap.add_argument("--interpret", action="store_true", help="CPU interpreter, tiny preset")
@@ -331,7 +337,10 @@ def parse_args(argv=None):
   for s in args.schemes.split(","):
     if s not in SCHEMES:
       ap.error(f"--schemes: {s!r} is not one of {SCHEMES}")
-  args.block_ctas = [int(c) for c in args.block_ctas.split(",")]
+  args.block_variants = args.block_variants.split(",")
+  for v in args.block_variants:
+    if v not in BLOCK_VARIANTS:
+      ap.error(f"--block-variants: {v!r} is not one of {BLOCK_VARIANTS}")
   for pn in args.presets.split(","):
     if pn not in PRESETS:
       ap.error(f"--presets: {pn!r} is not one of {tuple(PRESETS)}")

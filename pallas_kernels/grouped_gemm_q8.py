@@ -205,12 +205,16 @@ class BlockQ8Config:
   the f32 total plus one step's accumulator must fit its registers (64 x 128 gated, up to
   128 x 128 plain). ctas_per_sm=2: two CTAs share each SM (half the shared memory each, stages
   refitted), so one CTA's wgmma runs while the other waits on its promotion or epilogue (each
-  K step ends in a wgmma wait: one warpgroup alone leaves the tensor cores idle there)."""
+  K step ends in a wgmma wait: one warpgroup alone leaves the tensor cores idle there).
+  warp_specialized: a TMA warpgroup and two compute warpgroups of 64 rows each (block_m=128)
+  over the same B tiles: one's promotion overlaps the other's wgmma (DeepGEMM's layout).
+  Interpret-tested and lowered; not yet timed on a GPU (hence not the default)."""
 
   block_m: int = 64
   block_n: int = 128
   num_stages: int = 4
   ctas_per_sm: int = 1
+  warp_specialized: bool = False
 
   def __post_init__(self):
     if self.block_m not in (64, 128):
@@ -222,6 +226,9 @@ class BlockQ8Config:
       raise ValueError(f"num_stages={self.num_stages} must be >= 2")
     if self.ctas_per_sm not in (1, 2):
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
+    if self.warp_specialized and (self.block_m != 128 or self.ctas_per_sm != 1):
+      raise ValueError("warp_specialized=True needs block_m=128 (64 rows per compute "
+                       "warpgroup) and ctas_per_sm=1 (registers)")
 
 
 def block_config(m: int, n_out: int, k: int, num_groups: int, *, gated: bool,
@@ -242,8 +249,9 @@ def _block_smem_ok(cfg: BlockQ8Config, n_rhs: int, k: int = 0) -> BlockQ8Config:
   limit = gg._SMEM_BYTES if cfg.ctas_per_sm == 1 else gg._SMEM_PER_SM // 2 - 1024
   while True:
     stage = cfg.block_m * BLOCK_K + n_rhs * cfg.block_n * BLOCK_K + cfg.block_m * 4
-    fixed = (cfg.block_m * cfg.block_n * 2 + 4 * 128 * 4 + n_rhs * _padded_k_blocks(k) * 4
-             + 2048)
+    nwg = 2 if cfg.warp_specialized else 1
+    fixed = (cfg.block_m * cfg.block_n * 2
+             + nwg * (4 * 128 * 4 + n_rhs * _padded_k_blocks(k) * 4) + 2048)
     if cfg.num_stages * stage + fixed <= limit or cfg.num_stages == 2:
       return cfg
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
@@ -264,20 +272,35 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
   [T, K/128, block_m], GEMM1's quantized output scales), w_scale [E, n_total/w_block_n, KBp]
   (K/128 padded to _padded_k_blocks),
   then row_scale [m_pad] and bias [E, n_total] when present. Outputs: [m_pad, n_out] out_dtype,
-  or (fp8 [m_pad, n_out], scales [T, n_out/128, block_m]) with quant_out."""
+  or (fp8 [m_pad, n_out], scales [T, n_out/128, block_m]) with quant_out.
+  Warp specialized (cfg.warp_specialized): a memory warpgroup feeds two compute warpgroups that
+  each own block_m / 2 rows of the tile (the same B tiles), so one's promotion overlaps the
+  other's wgmma."""
   bm, bn, bk = cfg.block_m, cfg.block_n, BLOCK_K
+  ws_mode = cfg.warp_specialized
+  nwg = 2 if ws_mode else 1
+  tm = bm // nwg  # rows per compute warpgroup
   k_iters = k // bk
   n_tiles = n_out // bn
   n_rhs = 2 if gated else 1
   transforms = _compat.smem_transforms(bk, 1)
   _cast = _compat.layout_cast(interpret)
   ladder = []
-  r = min(bm, m_pad)
+  r = min(tm, m_pad)
   while r > 0:
     ladder.append(1 << int(math.log2(r)))
     r //= 2
   epi_dtype = jnp.float8_e4m3fn if quant_out else out_dtype
-  shape = (bm, bn)
+  shape = (tm, bn)
+  nbar = 5  # per warpgroup: bias gate / up, row scale, weight-scale rows gate / up
+
+  def in_specs():
+    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms),
+             plgpu.BlockSpec((1, bm), lambda kk: (kk, 0))]
+    if interpret:  # the interpreter has no transposed SMEM views: rhs arrives [E, K, N]
+      return specs + [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0),
+                                      transforms=_compat.smem_transforms(bn, 1))] * n_rhs
+    return specs + [plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=transforms)] * n_rhs
 
   def body(meta_ref, ntask_ref, lhs_ref, rhs_ref, as_ref, ws_ref, *rest):
     rest = list(rest)
@@ -285,93 +308,116 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
     bias_ref = rest.pop(0) if has_bias else None
     out_ref = rest.pop(0)
     qs_ref = rest.pop(0) if quant_out else None
-    epi_smem, vec_smem, ws_smem, bars = rest
+    epi_smem, vec_smem, ws_smem, bars = rest[:4]
+    pipeline_allocs = rest[4] if ws_mode else None
     num_items = ntask_ref[0] * n_tiles
 
-    def epilogue(totals, e, task, row, lo, hi, ni):
+    def bar(wg, j):
+      return bars.at[wg * nbar + j]
+
+    def epilogue(totals, wg, e, task, row, lo, hi, ni):
+      """totals: f32 (tm, bn) of this warpgroup's rows [row + wg * tm, + tm)."""
       c0 = ni * bn
+      r0 = row + wg * tm
+      vec, epi = vec_smem.at[wg], epi_smem.at[wg]
       if has_bias:
         for j in range(n_rhs):
-          plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(j * n_out + c0, bn)],
-                                  vec_smem.at[j, :bn], bars.at[j])
+          plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(j * n_out + c0, bn)], vec.at[j, :bn],
+                                  bar(wg, j))
       if has_scale:
-        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row, bm)], vec_smem.at[2, :bm], bars.at[2])
+        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r0, tm)], vec.at[2, :tm], bar(wg, 2))
       vals = []
       for j, a in enumerate(totals):
         if has_bias:
-          plgpu.barrier_wait(bars.at[j])
-          b = _cast(vec_smem.at[j, :bn][...], plgpu.Layout.WGMMA.reduce(0))
+          plgpu.barrier_wait(bar(wg, j))
+          b = _cast(vec.at[j, :bn][...], plgpu.Layout.WGMMA.reduce(0))
           a = a + lax.broadcast_in_dim(b, shape, [1])
         vals.append(a)
       y = gg.kernel_activation(act, *vals) if act is not None else vals[0]
       if has_scale:
-        plgpu.barrier_wait(bars.at[2])
-        s = _cast(vec_smem.at[2, :bm][...], plgpu.Layout.WGMMA.reduce(1))
-        y = y * lax.broadcast_in_dim(s, shape, [0])
+        plgpu.barrier_wait(bar(wg, 2))
+        s_ = _cast(vec.at[2, :tm][...], plgpu.Layout.WGMMA.reduce(1))
+        y = y * lax.broadcast_in_dim(s_, shape, [0])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read SMEM
       if quant_out:  # per row of this 128-column group: scale = amax / 448, as the XLA path
         amax = jnp.max(jnp.abs(y), axis=1)
         qscale = jnp.where(amax > 0.0, amax / FP8_MAX, 1.0)
         q = y / lax.broadcast_in_dim(qscale, shape, [0])
-        epi_smem[...] = jnp.clip(q, -FP8_MAX, FP8_MAX).astype(epi_dtype)
-        vec_smem.at[3, :bm][...] = qscale
+        epi[...] = jnp.clip(q, -FP8_MAX, FP8_MAX).astype(epi_dtype)
+        vec.at[3, :tm][...] = qscale
       else:
-        epi_smem[...] = y.astype(epi_dtype)
+        epi[...] = y.astype(epi_dtype)
       plgpu.commit_smem()
       if quant_out:  # the task owns its [bm] slot: stored whole, rows outside [lo, hi) unused
-        plgpu.copy_smem_to_gmem(vec_smem.at[3, :bm], qs_ref.at[task, ni])
-      start = jnp.maximum(lo - row, 0)
-      size = jnp.maximum(jnp.minimum(hi, row + bm) - jnp.maximum(lo, row), 0)
+        plgpu.copy_smem_to_gmem(vec.at[3, :tm], qs_ref.at[task, ni, pl.ds(wg * tm, tm)])
+      start = jnp.maximum(lo - r0, 0)
+      size = jnp.maximum(jnp.minimum(hi, r0 + tm) - jnp.maximum(lo, r0), 0)
       for rows in ladder:
         @pl.when((size & rows) != 0)
         def _store():
-          plgpu.copy_smem_to_gmem(epi_smem.at[pl.ds(start, rows)],
-                                  out_ref.at[pl.ds(row + start, rows), pl.ds(c0, bn)])
+          plgpu.copy_smem_to_gmem(epi.at[pl.ds(start, rows)],
+                                  out_ref.at[pl.ds(r0 + start, rows), pl.ds(c0, bn)])
         start = start + (size & rows)
+
+    def load_weight_scales(wg, e, wblk):
+      """The item's weight scales, one per K step, into SMEM once (a global load per step
+      would put its latency on every step's critical path)."""
+      for j in range(n_rhs):
+        plgpu.copy_gmem_to_smem(ws_ref.at[e, wblk[j]], ws_smem.at[wg, j], bar(wg, 3 + j))
+      for j in range(n_rhs):
+        plgpu.barrier_wait(bar(wg, 3 + j))
+
+    def step(idx, a_smem, s_smem, *rest_):
+      """One K step of 128: per B operand a fresh wgmma, promoted into the carried total."""
+      *b_smems, totals = rest_
+      (kk,) = idx
+      wg = lax.axis_index("wg") if ws_mode else 0
+      a = a_smem.at[pl.ds(wg * tm, tm)] if ws_mode else a_smem
+      sa = _cast(s_smem.at[0, pl.ds(wg * tm, tm)][...] if ws_mode else s_smem.at[0][...],
+                 plgpu.Layout.WGMMA.reduce(1))
+      new = []
+      for j, (b, tot) in enumerate(zip(b_smems, totals)):
+        b_op = b if interpret else plgpu.transpose_ref(b, (1, 0))
+
+        def mma(acc_ref, b_op=b_op):
+          plgpu.wgmma(acc_ref, a, b_op)
+          plgpu.wgmma_wait(0)
+          return acc_ref[...]
+        part = pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+        s_ = sa * ws_smem[wg, j, kk]  # promote: a_scale[r, kb] * w_scale[e, n_blk, kb]
+        new.append(tot + part * lax.broadcast_in_dim(s_, shape, [0]))
+      return tuple(new)
+
+    def zeros():
+      return tuple(_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+                   for _ in range(n_rhs))
 
     def compute_item(e, task, row, lo, hi, ni):
       cols = [ni * bn + j * n_out for j in range(n_rhs)]
-      b_views = [rhs_ref.at[e, pl.ds(c, bn), :] for c in cols]
-      wblk = [c // w_block_n for c in cols]
-      a_view = as_ref.at[task] if a_layout == "tasks" else as_ref.at[:, pl.ds(row, bm)]
-      # the item's weight scales, one per K step, into SMEM once (a global load per step
-      # would put its latency on every step's critical path)
-      for j in range(n_rhs):
-        plgpu.copy_gmem_to_smem(ws_ref.at[e, wblk[j]], ws_smem.at[j], bars.at[3 + j])
-      for j in range(n_rhs):
-        plgpu.barrier_wait(bars.at[3 + j])
-
-      def step(idx, a_smem, s_smem, *rest_):
-        *b_smems, totals = rest_
-        (kk,) = idx
-        sa = _cast(s_smem.at[0][...], plgpu.Layout.WGMMA.reduce(1))
-        new = []
-        for j, (b, tot) in enumerate(zip(b_smems, totals)):
-          b_op = b if interpret else plgpu.transpose_ref(b, (1, 0))
-
-          def mma(acc_ref):
-            plgpu.wgmma(acc_ref, a_smem, b_op)
-            plgpu.wgmma_wait(0)
-            return acc_ref[...]
-          part = pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
-          s = sa * ws_smem[j, kk]  # promote: a_scale[r, kb] * w_scale[e, n_blk, kb]
-          new.append(tot + part * lax.broadcast_in_dim(s, shape, [0]))
-        return tuple(new)
-
-      specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms),
-               plgpu.BlockSpec((1, bm), lambda kk: (kk, 0))]
-      if interpret:  # the interpreter has no transposed SMEM views: rhs arrives [E, K, N]
-        specs += [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0),
-                                  transforms=_compat.smem_transforms(bn, 1))] * n_rhs
+      if interpret:
         b_views = [rhs_ref.at[e, :, pl.ds(c, bn)] for c in cols]
       else:
-        specs += [plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=transforms)] * n_rhs
-      zeros = tuple(_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-                    for _ in range(n_rhs))
-      totals = plgpu.emit_pipeline(step, grid=(k_iters,), in_specs=specs,
-                                   max_concurrent_steps=cfg.num_stages, init_carry=zeros)(
-                                       lhs_ref.at[pl.ds(row, bm), :], a_view, *b_views)
-      epilogue(totals, e, task, row, lo, hi, ni)
+        b_views = [rhs_ref.at[e, pl.ds(c, bn), :] for c in cols]
+      wblk = [c // w_block_n for c in cols]
+      a_view = as_ref.at[task] if a_layout == "tasks" else as_ref.at[:, pl.ds(row, bm)]
+      gmem = (lhs_ref.at[pl.ds(row, bm), :], a_view, *b_views)
+      if not ws_mode:
+        load_weight_scales(0, e, wblk)
+        totals = plgpu.emit_pipeline(step, grid=(k_iters,), in_specs=in_specs(),
+                                     max_concurrent_steps=cfg.num_stages,
+                                     init_carry=zeros())(*gmem)
+        epilogue(totals, 0, e, task, row, lo, hi, ni)
+        return
+
+      def compute_context(eval_pipeline):
+        wg = lax.axis_index("wg")
+        load_weight_scales(wg, e, wblk)
+        epilogue(eval_pipeline(zeros()), wg, e, task, row, lo, hi, ni)
+
+      plgpu.emit_pipeline_warp_specialized(
+          step, grid=(k_iters,), memory_registers=40, in_specs=in_specs(), wg_axis="wg",
+          num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
+          compute_context=compute_context)(*gmem, allocations=pipeline_allocs)
 
     @plgpu.nd_loop((num_items,), collective_axes="sm")
     def _loop(info):
@@ -383,9 +429,20 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-  scratch = [plgpu.SMEM((bm, bn), epi_dtype), plgpu.SMEM((4, 128), jnp.float32),
-             plgpu.SMEM((n_rhs, _padded_k_blocks(k)), jnp.float32),
-             plgpu.Barrier(num_arrivals=1, num_barriers=5)]
+  scratch = [plgpu.SMEM((nwg, tm, bn), epi_dtype), plgpu.SMEM((nwg, 4, 128), jnp.float32),
+             plgpu.SMEM((nwg, n_rhs, _padded_k_blocks(k)), jnp.float32),
+             plgpu.Barrier(num_arrivals=1, num_barriers=nbar * nwg)]
+  extra = {}
+  if ws_mode:  # the pipeline's SMEM, allocated once outside the item loop
+    pipe = plgpu.emit_pipeline_warp_specialized(
+        lambda *_: None, grid=(k_iters,), memory_registers=40, in_specs=in_specs(),
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
+        compute_context=lambda *_: None)
+    rhs_aval = jax.ShapeDtypeStruct((k, bn) if interpret else (bn, k), jnp.float8_e4m3fn)
+    scratch.append(pipe.get_allocations(
+        jax.ShapeDtypeStruct((bm, k), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((k // bk, bm), jnp.float32), *([rhs_aval] * n_rhs)))
+    extra = dict(num_threads=3, thread_name="wg")
   out_type = jax.ShapeDtypeStruct((m_pad, n_out), epi_dtype)
   if quant_out:
     out_type = (out_type, jax.ShapeDtypeStruct((t_max, n_out // 128, bm), jnp.float32))
@@ -394,7 +451,7 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True), interpret=interpret,
       name="jmoe_gg_fp8blk" + ("_gated" if gated else "") + ("_qout" if quant_out else "")
-      + ("_2cta" if cfg.ctas_per_sm == 2 else ""))
+      + ("_2cta" if cfg.ctas_per_sm == 2 else "") + ("_ws" if ws_mode else ""), **extra)
 
 
 def block_run(lhs, rhs, w_scale, a_scale, *, a_layout, meta, act, gated, bias=None,

@@ -429,7 +429,8 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
     cfg2 = config2 or q8.BlockQ8Config(block_m=cfg1.block_m,
                                        block_n=128 if hdim % 128 == 0 else 64,
                                        num_stages=cfg1.num_stages,
-                                       ctas_per_sm=cfg1.ctas_per_sm)
+                                       ctas_per_sm=cfg1.ctas_per_sm,
+                                       warp_specialized=cfg1.warp_specialized)
     cfg2 = q8._block_smem_ok(dataclasses.replace(cfg2, block_m=cfg1.block_m), 1, n)
   else:
     cfg1 = config1 or q8.q8_config(m, n, hdim, e, gated=act.is_gated)

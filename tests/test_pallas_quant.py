@@ -190,7 +190,7 @@ def _block_oracle(x, q13, q2, tw, ids, quant, activation="silu"):
   return onp.fused_moe(xq, w13, w2, tw, ids, activation=activation, requant=requant)
 
 
-@pytest.mark.parametrize("scheme", ("fp8_channel", "fp8_block", "int8"))
+@pytest.mark.parametrize("scheme", ("fp8_block", "int8"))  # fp8_channel: int8's path, fp8 dtype
 def test_pallas_experts_match_oracle(scheme, rng):
   quant = jmoe.QuantConfig(scheme)
   t, h, n, e, k = 9, 128, 128, 4, 2
@@ -264,7 +264,7 @@ def _kernels(fn, *shapes) -> set:
 
 @pytest.mark.parametrize("scheme,m,ctas", [("fp8_channel", 4096, None), ("int8", 4096, None),
                                            ("fp8_block", 4096, None), ("fp8_block", 8, None),
-                                           ("fp8_block", 4096, 1)])
+                                           ("fp8_block", 4096, 1), ("fp8_block", 4096, "ws")])
 def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
   """The whole quantized block (qwen3-30b-a3b's shapes) at a prefill and a decode size."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET")
@@ -280,12 +280,13 @@ def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
         scheme=quant)
 
   g = h // 128 if quant.weight_scale == "block" else 1
-  cfg = None if ctas is None else q8.BlockQ8Config(ctas_per_sm=ctas)  # None: the default
+  cfg = {None: None, 1: q8.BlockQ8Config(), "ws": q8.BlockQ8Config(
+      block_m=128, warp_specialized=True)}[ctas]  # None: the default (two CTAs per SM)
   found = _kernels(lambda x, s, w13, w2, tw, ti: pmoe.fused_experts_quantized(
       x, s, w13, w2, tw, ti, config1=cfg), S((m, h), dt), S((m, g), jnp.float32), qw(2 * n, h), qw(h, n),
       S((m, k), jnp.float32), S((m, k), jnp.int32))
   if quant.weight_scale == "block":
-    tail = "_2cta" if (ctas or 2) == 2 else ""  # the default: 2 CTAs per SM (64-row tiles)
+    tail = {None: "_2cta", 1: "", "ws": "_ws"}[ctas]
     gemms = {f"jmoe_gg_fp8blk_gated_qout{tail}", f"jmoe_gg_fp8blk{tail}"}
   else:
     tag = dt.name.split("_")[0]
@@ -345,4 +346,26 @@ def test_bench_quant_reference_is_the_oracle(rng):
     onp.assert_rel_close(ref, _block_oracle(x, q13, q2, tw, ids, quant), 1e-12, scheme)
   with pytest.raises(SystemExit):
     bq.parse_args(["--schemes", "fp7"])
-  assert bq.parse_args(["--block-ctas", "1,2"]).block_ctas == [1, 2]
+  assert bq.parse_args(["--block-variants", "1cta,ws"]).block_variants == ["1cta", "ws"]
+  with pytest.raises(SystemExit):
+    bq.parse_args(["--block-variants", "3cta"])
+
+
+def test_fused_block_warp_specialized(rng):
+  """fp8_block's warp-specialized GEMMs in the block: GEMM2 (two 64-row compute warpgroups)
+  reads the per-task scales GEMM1's warpgroups wrote."""
+  from jmoe.kernels import moe as pmoe
+  quant = jmoe.QuantConfig("fp8_block")
+  t, h, n, e, k = 24, 128, 128, 2, 2
+  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
+  q13 = quantize_weights(jnp.asarray(rng.standard_normal((e, h, 2 * n)) / np.sqrt(h),
+                                     jnp.float32), quant)
+  q2 = quantize_weights(jnp.asarray(rng.standard_normal((e, n, h)) / np.sqrt(n), jnp.float32),
+                        quant)
+  tw, ids = onp.random_topk(rng, t, e, k)
+  xq, xs = quantize_activations(x, quant)
+  cfg = q8.BlockQ8Config(block_m=128, num_stages=2, warp_specialized=True)
+  out = _call(pmoe.fused_experts_quantized, xq, xs, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+              config1=cfg)
+  onp.assert_rel_close(np.asarray(out, np.float32), _block_oracle(x, q13, q2, tw, ids, quant),
+                       TOL, "ws block")

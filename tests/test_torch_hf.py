@@ -150,3 +150,32 @@ def test_compiled_model_fullgraph_one_jmoe_node_per_layer(mode):
            if n.op == "call_function" and "jmoe" in str(n.target)]
   assert len(graphs) == 1 and len(nodes) == model.config.num_hidden_layers
   assert _rel(got, want) < 1e-4
+
+
+def test_prepare_experts_crosses_without_relayout_and_keeps_gradients():
+  model, ids = _model("qwen3_moe")
+  model.zero_grad()
+  model(ids, labels=ids).loss.backward()  # transformers' default experts
+  experts = model.model.layers[0].mlp.experts
+  want_grad = experts.gate_up_proj.grad.clone()
+  with torch.no_grad():
+    want = model(ids).logits
+  model.set_experts_implementation("jmoe")
+  assert jt.prepare_experts(model) == model.config.num_hidden_layers
+  w = experts.gate_up_proj
+  assert not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
+  with torch.no_grad():
+    got = model(ids).logits
+  assert _rel(got, want) < 1e-4
+  # zero-copy, converted once: what JAX holds is the parameter's own memory
+  key, attrs, swap = jt._experts_key(experts)
+  assert swap and key.startswith("hf_experts:1:")
+  conversions = tb.STATS["conversions"]
+  with torch.no_grad():
+    model(ids)
+  assert tb.STATS["conversions"] == conversions
+  view = experts.__dict__["_jmoe_views"][0]
+  assert tb.CACHE.get(view).unsafe_buffer_pointer() == w.data_ptr()
+  model.zero_grad()
+  model(ids, labels=ids).loss.backward()
+  assert _rel(experts.gate_up_proj.grad, want_grad) < 1e-4

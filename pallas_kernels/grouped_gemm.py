@@ -19,6 +19,12 @@ and no tile straddles a group boundary; each task stores only its own rows (powe
 stores, so a neighbour group's rows are never overwritten). Groups with zero rows produce no
 task, so their weights are never read: at decode only touched experts' weights are streamed. A
 persistent grid (one CTA per SM) walks the dynamic number of (task, column-tile) work items.
+
+8-bit mode (_run's a_scale / w_scale; entry point jmoe.kernels.grouped_gemm_q8.grouped_gemm_q8):
+fp8 e4m3 / int8 lhs and K-major rhs (rhs_t, the only B layout 8-bit wgmma takes), block_k 128
+(one 128-byte swizzle), an s32 accumulator for int8, and the accumulator's row / column scales
+applied before bias and activation. The same schedules; only the element type and the
+epilogue's two vectors differ.
 """
 from __future__ import annotations
 

@@ -143,8 +143,8 @@ def fused_moe(
     [T, H] in hidden_states' dtype.
 
   Ids outside [-1, global_num_experts) raise when concrete. Under jit they count as empty
-  slots unless the call runs under `jax.experimental.checkify.checkify` (the checkify mode,
-  see `jmoe.checkify_ids`), which turns them into a checkify error.
+  slots; traced inside `jmoe.checkify_ids()` and run under `jax.experimental.checkify.checkify`
+  they become a checkify error (off by default: the check costs jit's fast dispatch path).
   """
   act = as_activation(activation, alpha=swiglu_alpha, limit=swiglu_limit)
   if is_qwix_qarray(w13) or is_qwix_qarray(w2):

@@ -259,12 +259,21 @@ def test_out_of_range_ids_with_expert_map_under_jit(rng):
   onp.assert_rel_close(out, ref, 1e-5)
 
 
+def test_no_check_is_recorded_outside_the_checkify_mode(rng):
+  """The default: no checkify effect in the trace (it would cost every call jit's fast path),
+  so out-of-range ids are empty slots even under checkify.checkify."""
+  case = _bad_id_case(rng)
+  f = jax.jit(lambda *a: jmoe.fused_moe(*a, runner_backend="xla"))
+  assert "check" not in str(jax.make_jaxpr(f)(*_args(case)))
+  err, _ = checkify.checkify(f)(*_args(case))
+  err.throw()  # nothing recorded, nothing raised
+
+
 @pytest.mark.parametrize("backend", ["xla", "xla_batched"])
 def test_checkify_mode_turns_bad_ids_into_error(backend, rng):
   case = _bad_id_case(rng)
   f = jax.jit(lambda *a: jmoe.fused_moe(*a, runner_backend=backend))
-  f(*_args(case))  # traced and cached outside the checkify mode first
-  with jmoe.checkify_ids():
+  with jmoe.checkify_ids():  # traced inside the checkify mode: the trace carries the check
     err, out = checkify.checkify(f)(*_args(case))
   with pytest.raises(Exception, match="topk_ids holds ids outside"):
     err.throw()

@@ -25,6 +25,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two jax.distributed processes (~20 s); tests/test_multiprocess.py stays lean
 def test_two_processes_match_one(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the script sets the simulated device count per process

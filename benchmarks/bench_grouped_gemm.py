@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jmoe import timing  # noqa: E402
-from check_common import device_rel_err  # noqa: E402  (benchmarks/, the script's directory)
+from check_common import device_rel_err, torch_sorted_slots  # noqa: E402  (benchmarks/, the script's directory)
 from jmoe.kernels import grouped_gemm as gg  # noqa: E402
 from jmoe.kernels import moe as pmoe  # noqa: E402
 from jmoe.kernels import decode  # noqa: E402
@@ -275,12 +275,7 @@ def torch_block_fn(p):
 
   def block(x, w13, w2, tw, ti):
     T, k = ti.shape
-    flat = ti.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.int32, device=flat.device)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    tok = order // k
+    order, offs, tok = torch_sorted_slots(ti, E)
     xs = x[tok]
     h = torch._grouped_mm(xs, w13, offs=offs)
     a = (F.silu(h[:, :N].float()) * h[:, N:].float()).to(x.dtype)

@@ -35,6 +35,7 @@ import jmoe  # noqa: E402
 from jmoe import timing  # noqa: E402
 from jmoe.kernels import moe as pmoe  # noqa: E402
 from jmoe.quant import quantize_activations, quantize_weights  # noqa: E402
+from check_common import torch_sorted_slots  # noqa: E402  (benchmarks/, the script's directory)
 
 PRESETS = {
     "mixtral-8x7b": dict(E=8, k=2, H=4096, N=14336),
@@ -209,12 +210,7 @@ def torch_fp8_block_fn(p):
 
   def block(x, w13t, s13, w2t, s2, tw, ti):
     t, k = ti.shape
-    flat = ti.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(e, dtype=torch.int32, device=flat.device)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    tok = order // k
+    order, offs, tok = torch_sorted_slots(ti, e)
     xq, xs = rowwise(x[tok])
     h = torch._scaled_grouped_mm(xq, w13t, xs, s13, offs=offs, out_dtype=torch.bfloat16)
     aq, as_ = rowwise(F.silu(h[:, :n].float()) * h[:, n:].float())

@@ -1,7 +1,8 @@
 """What the device check scripts (check_cross_item.py, check_tgmm.py) share: their command
 line and their ending (winners into the tuned tables, the JSON record, the exit status). The
 routing benchmarks (bench_route.py, route_parts.py) write their record with write_record; the
-benchmarks compare large device arrays with device_rel_err."""
+benchmarks compare large device arrays with device_rel_err; the torch peers sort their slots
+with torch_sorted_slots."""
 from __future__ import annotations
 
 import argparse
@@ -71,3 +72,15 @@ def run_variant(rec: dict, measure, rows: list) -> bool:
     rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     rec["correct"] = False
   return rec["correct"]
+
+
+def torch_sorted_slots(ti, num_experts: int):
+  """The torch peers' routing step: topk ids ti [T, k] (torch, int64) -> (order [T*k] slots
+  sorted by expert, offs [E] int32 cumulative group ends for torch._grouped_mm / _scaled_grouped_mm,
+  tok [T*k] the token of each sorted slot)."""
+  import torch  # noqa: PLC0415 (the peers' machines only)
+  flat = ti.reshape(-1)
+  order = torch.argsort(flat, stable=True)
+  counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+  counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+  return order, torch.cumsum(counts, 0, dtype=torch.int32), order // ti.shape[1]

@@ -27,7 +27,8 @@ def _flat(text: str) -> str:
   return " ".join(text.split())
 
 
-def test_check_prints_matrix_and_oracle(capsys):
+def test_check_prints_matrix_and_oracle(capsys, monkeypatch):
+  monkeypatch.delenv("COLUMNS", raising=False)  # piped, as in a log (xdist workers set it)
   assert cli.main(["check"]) == 0
   out = capsys.readouterr().out
   for name in ("reference", "xla", "xla_batched", "pallas_mosaic", "none:standard",

@@ -182,6 +182,17 @@ def test_task_scales_to_rows_is_the_row_layout():
 # the quantized Pallas experts
 
 
+def _block_problem(rng, quant, t, h, n, e, k):
+  """bf16 tokens, both expert weights quantized to `quant`, a random top-k routing."""
+  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
+  q13 = quantize_weights(jnp.asarray(rng.standard_normal((e, h, 2 * n)) / np.sqrt(h),
+                                     jnp.float32), quant)
+  q2 = quantize_weights(jnp.asarray(rng.standard_normal((e, n, h)) / np.sqrt(n), jnp.float32),
+                        quant)
+  tw, ids = onp.random_topk(rng, t, e, k)
+  return x, q13, q2, tw, ids
+
+
 def _block_oracle(x, q13, q2, tw, ids, quant, activation="silu"):
   w13, w2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (q13, q2))
   group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
@@ -303,12 +314,7 @@ def test_pallas_experts_rows_by_the_scatter_kernel(scheme, rng, monkeypatch):
   jax.clear_caches()  # a cached trace would keep the other path
   quant = jmoe.QuantConfig(scheme)
   t, h, n, e, k = 7, 128, 128, 3, 2
-  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
-  q13 = quantize_weights(jnp.asarray(rng.standard_normal((e, h, 2 * n)) / np.sqrt(h),
-                                     jnp.float32), quant)
-  q2 = quantize_weights(jnp.asarray(rng.standard_normal((e, n, h)) / np.sqrt(n), jnp.float32),
-                        quant)
-  tw, ids = onp.random_topk(rng, t, e, k)
+  x, q13, q2, tw, ids = _block_problem(rng, quant, t, h, n, e, k)
   ids[1, 0] = -1
   out = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
                                   runner_backend="pallas_mosaic"), np.float32)
@@ -357,12 +363,7 @@ def test_fused_block_warp_specialized(rng):
   from jmoe.kernels import moe as pmoe
   quant = jmoe.QuantConfig("fp8_block")
   t, h, n, e, k = 24, 128, 128, 2, 2
-  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
-  q13 = quantize_weights(jnp.asarray(rng.standard_normal((e, h, 2 * n)) / np.sqrt(h),
-                                     jnp.float32), quant)
-  q2 = quantize_weights(jnp.asarray(rng.standard_normal((e, n, h)) / np.sqrt(n), jnp.float32),
-                        quant)
-  tw, ids = onp.random_topk(rng, t, e, k)
+  x, q13, q2, tw, ids = _block_problem(rng, quant, t, h, n, e, k)
   xq, xs = quantize_activations(x, quant)
   cfg = q8.BlockQ8Config(block_m=128, num_stages=2, warp_specialized=True)
   out = _call(pmoe.fused_experts_quantized, xq, xs, q13, q2, jnp.asarray(tw), jnp.asarray(ids),

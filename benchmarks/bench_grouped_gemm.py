@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jmoe import timing  # noqa: E402
-from check_common import device_rel_err, torch_sorted_slots  # noqa: E402  (benchmarks/, the script's directory)
+from check_common import device_rel_err, top_kernels, torch_sorted_slots  # noqa: E402  (benchmarks/, the script's directory)
 from jmoe.kernels import grouped_gemm as gg  # noqa: E402
 from jmoe.kernels import moe as pmoe  # noqa: E402
 from jmoe.kernels import decode  # noqa: E402
@@ -417,8 +417,7 @@ def stage_block(args):
             f"x_floor={rec['ratio_floor']:.2f} (worst set {rec['ratio_floor_worst']:.2f}) "
             f"x_torch={rec.get('ratio_torch', float('nan')):.2f} "
             f"compile={rec['compile_s']:.0f}s")
-        log("        kernels: " + ", ".join(f"{k_}={v:.1f}" for k_, v in sorted(
-            pk.items(), key=lambda kv: -kv[1])[:4]))
+        log(top_kernels(pk, 4))
       except Exception as e:  # noqa: BLE001
         fail(rec, f"block {pname} T={T}", e)
       _route.ONE_KERNEL_BLOCKS = ONE_KERNEL_BLOCKS_DEFAULT

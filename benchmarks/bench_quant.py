@@ -35,7 +35,7 @@ import jmoe  # noqa: E402
 from jmoe import timing  # noqa: E402
 from jmoe.kernels import moe as pmoe  # noqa: E402
 from jmoe.quant import quantize_activations, quantize_weights  # noqa: E402
-from check_common import torch_sorted_slots  # noqa: E402  (benchmarks/, the script's directory)
+from check_common import top_kernels, torch_sorted_slots  # noqa: E402  (benchmarks/, the script's directory)
 
 PRESETS = {
     "mixtral-8x7b": dict(E=8, k=2, H=4096, N=14336),
@@ -300,8 +300,7 @@ def run_one(args, p, t, sets, w13, w2, qw, rec, torch_ok):
           f"x_floor={r['x_floor']:.2f} x_bf16={r['x_bf16'] or float('nan'):.2f} "
           f"x_torch={r.get('x_torch', float('nan')):.2f} err_ref={r['err_vs_dequant_ref']:.2e} "
           f"err_bf16={r['err_vs_bf16']:.2e} compile={r['compile_s']:.0f}s")
-      log("        kernels: " + ", ".join(f"{k_[:40]}={v:.1f}" for k_, v in sorted(
-          pk.items(), key=lambda kv: -kv[1])[:5]))
+      log(top_kernels(pk, 5, name_width=40))
     except Exception as e:  # noqa: BLE001
       r["error"] = f"{type(e).__name__}: {str(e)[:500]}"
       log(f"[ERR] {p['name']} T={t} {label}: {r['error']}")

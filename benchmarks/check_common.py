@@ -84,3 +84,10 @@ def torch_sorted_slots(ti, num_experts: int):
   counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
   counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
   return order, torch.cumsum(counts, 0, dtype=torch.int32), order // ti.shape[1]
+
+
+def top_kernels(per_kernel: dict, n: int, name_width: int = 0) -> str:
+  """The n kernels of a CUPTI breakdown {name: µs} that took longest, as one log line."""
+  top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:n]
+  return "        kernels: " + ", ".join(f"{k[:name_width] if name_width else k}={v:.1f}"
+                                       for k, v in top)

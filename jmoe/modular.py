@@ -256,8 +256,10 @@ class Experts(abc.ABC):
   def supports_activation(self, activation: Activation) -> bool:
     return True
 
-  def problem_support(self, dtype, hidden_size: int, intermediate_size: int) -> Optional[str]:
-    """None when `apply` can run this dtype and these sizes, else the reason it cannot."""
+  def problem_support(self, dtype, hidden_size: int, intermediate_size: int,
+                      quant: Optional[QuantConfig] = None) -> Optional[str]:
+    """None when `apply` can run this dtype and these sizes (with weights quantized as `quant`),
+    else the reason it cannot."""
     return None
 
   @classmethod

@@ -81,7 +81,7 @@ def runner_support(runner: str, quant: Optional[QuantConfig], fmt: Optional[Acti
     return f"unavailable ({why})"
   experts = cls()
   if problem:
-    why = experts.problem_support(*problem)
+    why = experts.problem_support(*problem, quant=quant)
     if why:
       return f"cannot run this problem ({why})"
   return experts.quant_support(quant)

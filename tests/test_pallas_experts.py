@@ -85,6 +85,10 @@ def test_unsupported_problems_are_refused_clearly():
   assert ex.problem_support(jnp.float32, 64, 64) is not None
   assert "multiples of 64" in ex.problem_support(jnp.bfloat16, 48, 64)
   assert ex.problem_support(jnp.bfloat16, 128, 192) is None
+  # the 8-bit kernels step K by 128: the oracle falls back before a kernel refuses the sizes
+  assert "multiples of 128" in ex.problem_support(jnp.bfloat16, 128, 192,
+                                                  jmoe.QuantConfig("fp8_channel"))
+  assert ex.problem_support(jnp.bfloat16, 256, 384, jmoe.QuantConfig("fp8_block")) is None
   x = jnp.ones((2, 48), jnp.bfloat16)
   w13 = jnp.ones((2, 48, 128), jnp.bfloat16)
   w2 = jnp.ones((2, 64, 48), jnp.bfloat16)

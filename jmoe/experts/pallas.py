@@ -67,10 +67,10 @@ def _check_quantized_problem(inp, weights, activation) -> None:
                        f"([E, N, K], the 8-bit wgmma's B layout); convert once with "
                        f"{name}.with_k_major(True)")
   h, n = weights.hidden_size, weights.intermediate_size
-  if h % 128 or n % 128:
-    raise ValueError(f"runner_backend='pallas_mosaic' with {weights_quant(weights)}: hidden "
-                     f"{h} / intermediate {n} must be multiples of 128 (the 8-bit K step); "
-                     "pad the weights once, or use runner_backend='xla'")
+  why = PallasExperts().problem_support(jnp.bfloat16, h, n, weights_quant(weights))
+  if why is not None:
+    raise ValueError(f"runner_backend='pallas_mosaic' with {weights_quant(weights)}: {why}, "
+                     "or use runner_backend='xla'")
   if inp.a_scale is None:
     raise ValueError("runner_backend='pallas_mosaic' with quantized weights needs the quantized "
                      "input's a_scale (prepare quantizes hidden_states)")
@@ -148,12 +148,14 @@ class PallasExperts(Experts):
     return False, (f"needs an sm90 (Hopper) GPU, found {where}; JMOE_PALLAS_INTERPRET=1 runs "
                    "the kernels in the CPU interpreter")
 
-  def problem_support(self, dtype, hidden_size: int, intermediate_size: int) -> Optional[str]:
+  def problem_support(self, dtype, hidden_size: int, intermediate_size: int,
+                      quant: Optional[QuantConfig] = None) -> Optional[str]:
     if jnp.dtype(dtype) not in _DTYPES:
       return f"{jnp.dtype(dtype).name} activations: the Pallas kernels take bf16/f16"
-    if hidden_size % 64 or intermediate_size % 64:
-      return (f"hidden {hidden_size} / intermediate {intermediate_size} not multiples of 64 "
-              "(pad the weights once at load time)")
+    step = 128 if quant is not None and quant.is_quantized else 64  # the 8-bit K step is 128
+    if hidden_size % step or intermediate_size % step:
+      return (f"hidden {hidden_size} / intermediate {intermediate_size} not multiples of "
+              f"{step} (pad the weights once at load time)")
     return None
 
   def finalize_weight_and_reduce_impl(self):

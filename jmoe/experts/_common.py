@@ -12,7 +12,7 @@ from jmoe.kernels.activations import Activation
 from jmoe.kernels.permute import inverse_permutation
 from jmoe.modular import ExpertWeights
 from jmoe.quant.activations import dequantize_activations, fake_quantize
-from jmoe.quant.weights import PACKED_4BIT, QuantizedWeights, dequantize
+from jmoe.quant.weights import QuantizedWeights, dequantize
 
 
 def weights_quant(weights: ExpertWeights) -> Optional[QuantConfig]:
@@ -22,11 +22,9 @@ def weights_quant(weights: ExpertWeights) -> Optional[QuantConfig]:
 
 def xla_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   """Why the XLA-family experts cannot run `quant` (None: they can). They compute the scheme's
-  exact values (dequantized operands, f32 accumulation): every 8-bit scheme."""
-  if quant is None or not quant.is_quantized:
-    return None
-  if quant.weight_dtype in PACKED_4BIT:
-    return f"packed 4-bit weights ({quant.name}) are not implemented yet"
+  exact values (dequantized operands, f32 accumulation): every scheme, the packed 4-bit and
+  microscaling ones (w4a16, mxfp4, nvfp4, mxfp8) by dequantizing the weights inside the graph
+  on every call (portable, not fast)."""
   return None
 
 

@@ -27,11 +27,12 @@ def expert_mlp_sorted(xs, weights, group_sizes, expert_of_row, activation, compu
 
 
 def _scales_constant_along_k(x_scale, w: QuantizedWeights) -> bool:
-  """Whether x_scale[m] * w_scale[n] factors out of the K sum (no scale varies along K)."""
+  """Whether x_scale[m] * w_scale[n] factors out of the K sum (no scale varies along K) and
+  the values are 8-bit numbers XLA's dot takes as they are (not packed, not permuted)."""
   k_tile = w.tile()[1] if w.k_major else w.tile()[0]
   k = w.shape[1]
-  return (w.zero is None and k_tile == k
-          and (x_scale is None or x_scale.shape[-1] == 1))
+  return (w.zero is None and k_tile == k and not w.packed and w.perm is None
+          and w.global_scale is None and (x_scale is None or x_scale.shape[-1] == 1))
 
 
 def quantized_gemm(x, x_scale, w: QuantizedWeights, group_sizes, expert_of_row, compute_dtype):
@@ -40,8 +41,10 @@ def quantized_gemm(x, x_scale, w: QuantizedWeights, group_sizes, expert_of_row, 
 
   Where no scale varies along K (per-tensor / per-channel weights, per-token / per-tensor
   activations) the 8-bit values go to XLA's 8-bit ragged dot and both scales multiply its f32
-  (int32 for int8) result; otherwise both operands are dequantized to `compute_dtype` first
-  (a dense copy of the weights: this is the portable path, not the fast one)."""
+  (int32 for int8) result; otherwise both operands are dequantized to `compute_dtype` first,
+  inside the graph, on every call: group scales, zero points, and the packed 4-bit and
+  microscaling formats (w4a16, mxfp4, nvfp4, mxfp8) take this path (a dense copy of the
+  weights per call: the portable path, not the fast one)."""
   if _scales_constant_along_k(x_scale, w):
     if x_scale is None:  # weight-only: x stays dense, the 8-bit values are cast exactly
       x = x.astype(compute_dtype)

@@ -14,10 +14,30 @@ divides the values' (one scale per tile of values.shape / scale.shape), and
 so per-tensor, per-channel, 128 x 128 block and group-along-K scales are one formula with
 different tiles. DeepSeek-V3's `weight_scale_inv` [N/128, K/128] per expert is exactly
 `scale` of the K-major 128 x 128 block scheme.
+
+Packed 4-bit formats (int4 / w4a16, float4_e2m1fn / mxfp4, nvfp4) store `values` as uint8 with
+two codes per byte along K (`jmoe.quant.packing`: low nibble = the even K index): K-major
+values are [E, N, K/2] (or [E, K/2, N] with k_major=False), and the scale / zero shapes are
+those of the logical (unpacked) values, so a kernel reads the same tiles as for 8-bit weights:
+
+  w4a16   values: unsigned nibbles u; scale float32 [E, N, K/g]; w = (u - zero) * scale with
+          zero uint8 [E, N, K/g] (zero_point=True) or the implicit 8 (symmetric).
+  mxfp4   values: e2m1 codes; scale float8_e8m0fnu [E, N, K/32]. gpt-oss' `*_blocks`
+          [E, N, K/32, 16] reshaped to [E, N, K/2] and its uint8 `*_scales` bitcast to e8m0 are
+          exactly these arrays (loading is a view).
+  nvfp4   values: e2m1 codes; scale float8_e4m3fn [E, N, K/16]; global_scale float32 [E, S]
+          (S divides N: S = 1 per expert matrix, S = 2 for a w13 whose gate and up halves
+          carry their own ModelOpt `weight_scale_2`); w = e2m1 * scale * global_scale.
+  mxfp8   (8-bit, unpacked) values float8_e4m3fn; scale float8_e8m0fnu [E, N, K/32].
+
+`perm` (int32 [E, K], optional) is GPTQ act-order folded at load time: the stored K position
+k holds the logical K row perm[e, k], so that each group's rows are contiguous. `dequantize`
+returns the logical order; a kernel gathers the activation's columns by `perm` instead.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, ClassVar, Optional
 
@@ -26,14 +46,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.config import QuantConfig
+from jmoe.quant.packing import (E2M1_MAX, INT4_SYMMETRIC_ZERO, e2m1_decode, e2m1_encode,
+                                pack_nibbles, unpack_nibbles)
 
-# largest finite value of each 8-bit value type (the scale maps a tile's max |w| onto it)
-QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
+# largest finite value of each value type (the scale maps a tile's max |w| onto it; int4:
+# symmetric codes -7..7 around the implicit zero 8)
+QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0, "int4": 7.0, "float4_e2m1fn": E2M1_MAX}
 PACKED_4BIT = ("int4", "float4_e2m1fn")
+E4M3_MIN_SUBNORMAL = 2.0 ** -9  # nvfp4 block scales never round to 0 (a division by it)
+
+
+def is_packed(scheme: Optional[QuantConfig]) -> bool:
+  """Whether the scheme stores two 4-bit codes per uint8 byte."""
+  return scheme is not None and scheme.weight_dtype in PACKED_4BIT
 
 
 def value_dtype(name: str):
-  return jnp.dtype(name)
+  """The storage dtype of `values` for a weight_dtype (uint8 for the packed 4-bit types)."""
+  return jnp.dtype(jnp.uint8) if name in PACKED_4BIT else jnp.dtype(name)
 
 
 @jax.tree_util.register_dataclass
@@ -41,11 +71,17 @@ def value_dtype(name: str):
 class QuantizedWeights:
   """One stack of quantized expert matrices.
 
-  values: [E, N, K] (k_major, the default) or [E, K, N]; the scheme's weight_dtype.
-  scale: same rank as values, each dim dividing values' (float32, or e8m0 / e4m3 for the
-    microscaling formats).
-  zero: zero points shaped like scale (integer schemes with zero_point=True), else None.
+  values: [E, N, K] (k_major, the default) or [E, K, N]; the scheme's weight_dtype, or uint8
+    [E, N, K/2] / [E, K/2, N] for the packed 4-bit types (see the module docstring).
+  scale: same rank as values, each dim dividing the logical (unpacked) values' (float32, or
+    e8m0 / e4m3 for the microscaling formats).
+  zero: zero points shaped like scale (integer schemes with zero_point=True; uint8 0..15 for
+    int4, int8 for int8), else None.
   input_scale: a static per-tensor activation scale (a checkpoint's `input_scale`), else None.
+  global_scale: float32 [E, S] multiplying every value, S dividing N (nvfp4's per-tensor
+    `weight_scale_2`; required with e4m3 block scales), else None.
+  perm: int32 [E, K], GPTQ act-order: the stored K position k holds logical row perm[e, k]
+    (else None).
   scheme (static): the QuantConfig; k_major (static): the values' orientation.
   """
 
@@ -53,6 +89,8 @@ class QuantizedWeights:
   scale: jax.Array
   zero: Optional[jax.Array] = None
   input_scale: Optional[jax.Array] = None
+  global_scale: Optional[jax.Array] = None
+  perm: Optional[jax.Array] = None
   scheme: QuantConfig = dataclasses.field(default=None, metadata=dict(static=True))
   k_major: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
@@ -60,9 +98,22 @@ class QuantizedWeights:
   ndim: ClassVar[int] = 3
 
   @property
+  def packed(self) -> bool:
+    """Two 4-bit codes per uint8 of `values`, along K."""
+    return is_packed(self.scheme)
+
+  @property
+  def storage_shape(self) -> tuple[int, int, int]:
+    """The unpacked values' shape in storage order ([E, N, K] when k_major)."""
+    e, a, b = self.values.shape
+    if self.packed:
+      a, b = (a, 2 * b) if self.k_major else (2 * a, b)
+    return (e, a, b)
+
+  @property
   def shape(self) -> tuple[int, int, int]:
     """The logical (jmoe) shape [E, K, N]."""
-    e, a, b = self.values.shape
+    e, a, b = self.storage_shape
     return (e, b, a) if self.k_major else (e, a, b)
 
   @property
@@ -71,7 +122,8 @@ class QuantizedWeights:
 
   def tile(self) -> tuple[int, int]:
     """Values per scale along the two matrix dims of `values` (storage order)."""
-    return (self.values.shape[1] // self.scale.shape[1], self.values.shape[2] // self.scale.shape[2])
+    _, a, b = self.storage_shape
+    return (a // self.scale.shape[1], b // self.scale.shape[2])
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The reference: [E, K, N] in `dtype` (a dense copy; never on the fast path)."""
@@ -99,16 +151,43 @@ def _broadcast(scale: jax.Array, shape) -> jax.Array:
   return scale
 
 
+def unpacked_values(w: QuantizedWeights) -> jax.Array:
+  """The values as float32 codes in storage order (unpacked, before zero points and scales):
+  int4 nibbles 0..15, e2m1 values, or the 8-bit values."""
+  s = w.scheme
+  if not w.packed:
+    return w.values.astype(jnp.float32)
+  codes = unpack_nibbles(w.values, axis=2 if w.k_major else 1)
+  if s.weight_dtype == "float4_e2m1fn":
+    return e2m1_decode(codes)
+  return codes.astype(jnp.float32)
+
+
 def dequantize(w: QuantizedWeights, dtype=jnp.float32) -> jax.Array:
-  """QuantizedWeights -> dense [E, K, N] in `dtype`: (values - zero) * scale, in float32."""
-  if w.scheme is not None and w.scheme.weight_dtype in PACKED_4BIT:
-    raise NotImplementedError(f"dequantize: packed 4-bit {w.scheme.name} weights are not "
-                              "implemented yet")
-  v = w.values.astype(jnp.float32)
+  """QuantizedWeights -> dense [E, K, N] in `dtype`: (values - zero) * scale (* global_scale),
+  in float32, rows in logical order (act-order `perm` undone). The reference of every format;
+  the XLA experts run it inside the graph on every call (a dense copy of the weights)."""
+  return _dequantize(w, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)  # one compiled graph when called eagerly
+def _dequantize(w: QuantizedWeights, dtype) -> jax.Array:
+  v = unpacked_values(w)
   if w.zero is not None:
     v = v - _broadcast(w.zero.astype(jnp.float32), v.shape)
-  out = (v * _broadcast(w.scale.astype(jnp.float32), v.shape)).astype(dtype)
-  return jnp.swapaxes(out, 1, 2) if w.k_major else out
+  elif w.scheme is not None and w.scheme.weight_dtype == "int4":
+    v = v - INT4_SYMMETRIC_ZERO
+  out = v * _broadcast(w.scale.astype(jnp.float32), v.shape)
+  if w.global_scale is not None:  # [E, S] along N: storage axis 1 (k_major) or 2
+    g = w.global_scale.astype(jnp.float32)
+    n_axis = 1 if w.k_major else 2
+    g = jnp.repeat(g, out.shape[n_axis] // g.shape[1], axis=1)
+    out = out * (g[:, :, None] if w.k_major else g[:, None, :])
+  out = jnp.swapaxes(out, 1, 2) if w.k_major else out  # [E, K, N]
+  if w.perm is not None:  # stored row k is logical row perm[k]: logical row j = stored inv[j]
+    inv = jnp.argsort(w.perm, axis=1)
+    out = jnp.take_along_axis(out, inv[:, :, None].astype(jnp.int32), axis=1)
+  return out.astype(dtype)
 
 
 def scale_tile(scheme: QuantConfig, k: int, n: int, *, argname: str = "w") -> tuple[int, int]:
@@ -131,7 +210,8 @@ def scale_tile(scheme: QuantConfig, k: int, n: int, *, argname: str = "w") -> tu
 
 
 def _e8m0_scale(amax: jax.Array, qmax: float) -> jax.Array:
-  """The OCP MX shared scale: a power of two with amax / scale <= qmax (rounded up)."""
+  """The OCP MX shared scale: a power of two with amax / scale <= qmax (rounded up, so no
+  value saturates; OCP's floor(log2(amax)) - emax may clip the largest by up to 2x)."""
   exp = jnp.ceil(jnp.log2(jnp.where(amax > 0, amax / qmax, 1.0)))
   return jnp.exp2(jnp.clip(exp, -127, 127))
 
@@ -141,54 +221,90 @@ def quantize_weights(w: jax.Array, scheme: "QuantConfig | str", *, k_major: bool
   """Quantize expert weights w [E, K, N] (jmoe's layout, any float dtype) to `scheme`.
 
   Scales map each tile's max |w| onto the value type's largest finite value (448 for e4m3,
-  127 for int8; a power of two for e8m0 scales); values are rounded to nearest and clamped,
-  never NaN; an all-zero tile gets scale 1. With zero_point=True (integer schemes) the tile's
-  [min, max] maps onto the full integer range.
+  127 for int8, 7 for symmetric int4, 6 for e2m1; a power of two for e8m0 scales); values
+  are rounded to nearest (e2m1: ties to even) and clamped, never NaN; an all-zero tile gets
+  scale 1. With zero_point=True (integer schemes) the tile's [min, max] (widened to hold 0)
+  maps onto the full integer range (int4: 0..15, as GPTQ / AWQ). nvfp4 (e4m3 block scales)
+  first takes a per-expert global scale max |w| / (6 * 448), as NVIDIA ModelOpt does, so the
+  block scales use e4m3's range. The packed types come out as uint8, two codes a byte along K.
+
+  Returns QuantizedWeights with K-major values [E, N, K] (packed: [E, N, K/2]) unless
+  k_major=False. Raises naming `argname` when a tile does not divide [K, N] or K is odd for
+  a packed type.
   """
   if isinstance(scheme, str):
     scheme = QuantConfig(scheme)
   if not isinstance(scheme, QuantConfig) or not scheme.is_quantized:
     raise ValueError(f"scheme must name a quantized format, got {scheme!r}")
-  if scheme.weight_dtype in PACKED_4BIT:
-    raise NotImplementedError(f"quantize_weights: packed 4-bit {scheme.name} weights are not "
-                              "implemented yet (the 8-bit schemes are: fp8_tensor, fp8_channel, "
-                              "fp8_block, int8, w8a16, mxfp8)")
   if getattr(w, "ndim", None) != 3:
     raise ValueError(f"{argname} must be [E, K, N], got shape {getattr(w, 'shape', None)}")
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"{argname} must be a floating-point array to quantize, got {w.dtype}")
   e, k, n = w.shape
   tn, tk = scale_tile(scheme, k, n, argname=argname)
+  if is_packed(scheme) and k % 2:
+    raise ValueError(f"{argname}: {scheme.name} packs two 4-bit values per byte along K, so K "
+                     f"must be even, got [K, N] = [{k}, {n}]")
+  out = _quantize(w, scheme, tn, tk)
+  return out if k_major else out.with_k_major(False)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))  # one compiled graph when called eagerly
+def _quantize(w: jax.Array, scheme: QuantConfig, tn: int, tk: int) -> QuantizedWeights:
+  """quantize_weights' arithmetic (arguments checked): K-major QuantizedWeights."""
+  e, k, n = w.shape
+  packed = is_packed(scheme)
   wt = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # [E, N, K]
   tiles = wt.reshape(e, n // tn, tn, k // tk, tk)
   qmax = QMAX[scheme.weight_dtype]
-  zero = None
+  full = lambda s: s[:, :, None, :, None]  # noqa: E731  (scale over its tile)
+  zero = global_scale = None
   if scheme.zero_point:
     lo, hi = jnp.min(tiles, axis=(2, 4)), jnp.max(tiles, axis=(2, 4))
     lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)  # 0 stays exactly representable
-    scale = jnp.where(hi > lo, (hi - lo) / (2 * qmax + 1), 1.0)
-    zero = jnp.clip(jnp.round(-qmax - 1 - lo / scale), -qmax - 1, qmax)
+    if scheme.weight_dtype == "int4":  # unsigned codes 0..15 (GPTQ / AWQ)
+      qlo, qhi = 0.0, 15.0
+    else:  # signed int8 codes -128..127
+      qlo, qhi = -qmax - 1, qmax
+    scale = jnp.where(hi > lo, (hi - lo) / (qhi - qlo), 1.0)
+    zero = jnp.clip(jnp.round(qlo - lo / scale), qlo, qhi)
+    q = jnp.clip(jnp.round(tiles / full(scale) + full(zero)), qlo, qhi)
   else:
     amax = jnp.max(jnp.abs(tiles), axis=(2, 4))
     if scheme.scale_dtype == "float8_e8m0fnu":
       scale = _e8m0_scale(amax, qmax)
+    elif scheme.scale_dtype == "float8_e4m3fn":  # nvfp4: e4m3 block scales under a global one
+      tmax = jnp.max(amax, axis=(1, 2))
+      global_scale = jnp.where(tmax > 0, tmax / (qmax * QMAX["float8_e4m3fn"]), 1.0)[:, None]
+      block = jnp.where(amax > 0, amax / qmax / global_scale[:, :, None], 1.0)
+      block = jnp.clip(block, E4M3_MIN_SUBNORMAL, QMAX["float8_e4m3fn"])
+      block = block.astype(jnp.float8_e4m3fn).astype(jnp.float32)  # what dequantize reads
+      scale = block * global_scale[:, :, None]
+      stored_scale = block
     else:
       scale = jnp.where(amax > 0, amax / qmax, 1.0)
-  full = lambda s: s[:, :, None, :, None]  # noqa: E731  (scale over its tile)
-  q = tiles / full(scale)
-  if zero is not None:
-    q = q + full(zero)
-  vdt = value_dtype(scheme.weight_dtype)
-  if jnp.issubdtype(vdt, jnp.integer):
-    q = jnp.round(q)
-    q = jnp.clip(q, -qmax - 1 if zero is not None else -qmax, qmax)
+    q = tiles / full(scale)
+    if scheme.weight_dtype == "int4":
+      q = jnp.clip(jnp.round(q), -qmax - 1, qmax) + INT4_SYMMETRIC_ZERO
+    elif scheme.weight_dtype == "int8":
+      q = jnp.clip(jnp.round(q), -qmax, qmax)
+    elif scheme.weight_dtype == "float4_e2m1fn":
+      q = e2m1_encode(q)
+    else:
+      q = jnp.clip(q, -qmax, qmax)
+  q = q.reshape(e, n, k)
+  if packed:
+    values = pack_nibbles(q.astype(jnp.uint8), axis=2)
   else:
-    q = jnp.clip(q, -qmax, qmax)
-  values = q.astype(vdt).reshape(e, n, k)
+    values = q.astype(value_dtype(scheme.weight_dtype))
+  if global_scale is not None:
+    scale = stored_scale  # the e4m3 block scale; global_scale multiplies it
   scale = scale.astype(jnp.dtype(scheme.scale_dtype))
+  zdt = jnp.uint8 if scheme.weight_dtype == "int4" else value_dtype(scheme.weight_dtype)
   out = QuantizedWeights(values=values, scale=scale,
-                         zero=None if zero is None else zero.astype(vdt), scheme=scheme)
-  return out if k_major else out.with_k_major(False)
+                         zero=None if zero is None else zero.astype(zdt),
+                         global_scale=global_scale, scheme=scheme)
+  return out
 
 
 def is_qwix_qarray(w: Any) -> bool:
@@ -200,10 +316,11 @@ def scheme_of_qwix(qarray: Any, activations: Optional[QuantConfig] = None) -> Qu
   """The weight format a qwix.QArray of a jmoe weight [E, K, N] holds, read off its dtype and
   scale tiles; the activation format from `activations` (a QuantConfig), else weight-only."""
   qdt = jnp.dtype(qarray.qvalue.dtype).name
-  dtype = {"int8": "int8", "float8_e4m3fn": "float8_e4m3fn", "int4": "int4"}.get(qdt)
+  dtype = {"int8": "int8", "float8_e4m3fn": "float8_e4m3fn"}.get(qdt)
   if dtype is None:
-    raise TypeError(f"qarray: qwix values of dtype {qdt} have no jmoe format (int8, "
-                    "float8_e4m3fn)")
+    raise TypeError(f"qarray: qwix values of dtype {qdt} have no jmoe view (int8, "
+                    "float8_e4m3fn); 4-bit weights are jmoe's packed uint8 "
+                    "(jmoe.quant.quantize_weights(w, 'w4a16'))")
   _, k, n = qarray.qvalue.shape
   tk, tn = k // qarray.scale.shape[1], n // qarray.scale.shape[2]
   if (tk, tn) == (k, n):
@@ -245,19 +362,22 @@ def from_qwix(qarray: Any, scheme: "QuantConfig | str | None" = None, *,
 
 
 def check_quantized(w: QuantizedWeights, *, argname: str) -> None:
-  """Trace-time checks of one QuantizedWeights against its scheme; raises naming `argname`."""
+  """Trace-time checks of one QuantizedWeights against its scheme; raises naming `argname`
+  (values' dtype and shape, the scale's shape and dtype, zero points, global scale, perm)."""
   s = w.scheme
   if not isinstance(s, QuantConfig) or not s.is_quantized:
     raise ValueError(f"{argname}.scheme must be a quantized QuantConfig, got {s!r}")
   if w.values.ndim != 3:
     raise ValueError(f"{argname}.values must be 3-D, got shape {w.values.shape}")
   if jnp.dtype(w.values.dtype) != value_dtype(s.weight_dtype):
-    raise TypeError(f"{argname}.values must be {s.weight_dtype} for {s.name}, got "
-                    f"{w.values.dtype}")
-  if w.scale.ndim != 3 or any(v % c for v, c in zip(w.values.shape, w.scale.shape)) \
+    packed = " (two 4-bit codes per byte along K)" if w.packed else ""
+    raise TypeError(f"{argname}.values must be {value_dtype(s.weight_dtype).name}{packed} for "
+                    f"{s.name}, got {w.values.dtype}")
+  logical = w.storage_shape
+  if w.scale.ndim != 3 or any(v % c for v, c in zip(logical, w.scale.shape)) \
       or w.scale.shape[0] != w.values.shape[0]:
     raise ValueError(f"{argname}.scale shape {tuple(w.scale.shape)} does not tile "
-                     f"{argname}.values {tuple(w.values.shape)} (one scale per expert and tile)")
+                     f"{argname}.values {tuple(logical)} (one scale per expert and tile)")
   e, k, n = w.shape
   tn, tk = scale_tile(s, k, n, argname=argname)
   want = (e, n // tn, k // tk) if w.k_major else (e, k // tk, n // tn)
@@ -271,17 +391,38 @@ def check_quantized(w: QuantizedWeights, *, argname: str) -> None:
   if (w.zero is not None) != bool(s.zero_point):
     raise ValueError(f"{argname}.zero: {s.name} with zero_point={s.zero_point} "
                      f"{'needs' if s.zero_point else 'takes no'} zero points")
-  if w.zero is not None and tuple(w.zero.shape) != tuple(w.scale.shape):
-    raise ValueError(f"{argname}.zero shape {tuple(w.zero.shape)} must match its scale "
-                     f"{tuple(w.scale.shape)}")
+  if w.zero is not None:
+    if tuple(w.zero.shape) != tuple(w.scale.shape):
+      raise ValueError(f"{argname}.zero shape {tuple(w.zero.shape)} must match its scale "
+                       f"{tuple(w.scale.shape)}")
+    zdt = jnp.dtype(jnp.uint8) if s.weight_dtype == "int4" else value_dtype(s.weight_dtype)
+    if jnp.dtype(w.zero.dtype) != zdt:
+      raise TypeError(f"{argname}.zero must be {zdt.name} for {s.name}, got {w.zero.dtype}")
   if w.input_scale is not None and math.prod(w.input_scale.shape) != 1:
     raise ValueError(f"{argname}.input_scale must be one per-tensor scale, got shape "
                      f"{tuple(w.input_scale.shape)}")
+  if s.scale_dtype == "float8_e4m3fn" and w.global_scale is None:
+    raise ValueError(f"{argname}.global_scale: {s.name}'s e4m3 block scales are relative to a "
+                     "float32 global scale [E, S] (ModelOpt's weight_scale_2); got None")
+  if w.global_scale is not None:
+    g = w.global_scale
+    if g.ndim != 2 or g.shape[0] != e or n % g.shape[1]:
+      raise ValueError(f"{argname}.global_scale must be [E, S] with S dividing N={n} "
+                       f"(E={e}), got shape {tuple(g.shape)}")
+    if jnp.dtype(g.dtype) != jnp.float32:
+      raise TypeError(f"{argname}.global_scale must be float32, got {g.dtype}")
+  if w.perm is not None:
+    if tuple(w.perm.shape) != (e, k):
+      raise ValueError(f"{argname}.perm must be [E, K] = {(e, k)} (act-order), got shape "
+                       f"{tuple(w.perm.shape)}")
+    if not jnp.issubdtype(w.perm.dtype, jnp.integer):
+      raise TypeError(f"{argname}.perm must be an integer array, got {w.perm.dtype}")
 
 
 def weight_bytes(w: Any) -> int:
-  """Bytes a kernel streams for these weights (values + scales + zero points)."""
+  """Bytes a kernel streams for these weights (values + scales + zero points + global
+  scales + act-order perm)."""
   if isinstance(w, QuantizedWeights):
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-               for a in (w.values, w.scale, w.zero) if a is not None)
+               for a in (w.values, w.scale, w.zero, w.global_scale, w.perm) if a is not None)
   return int(np.prod(w.shape)) * jnp.dtype(w.dtype).itemsize

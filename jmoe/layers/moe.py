@@ -179,7 +179,9 @@ class MoE(nnx.Module):
 
   def load_params(self, params: MoEParams) -> None:
     """Set every variable from `params` (jmoe's layout, e.g. from `jmoe.interop`); shapes
-    must match. Quantized w13 / w2 need a layer built with the same `quant`."""
+    must match. Quantized w13 / w2 need a layer built with the same `quant`. The layer may be
+    abstract (`nnx.eval_shape(lambda: MoE(...))`): its variables then take the values, so a
+    loader never draws the random initial weights."""
     c = self.config
     e, h = c.num_experts, c.hidden_size
     if isinstance(params.w13, QuantizedWeights) != (self.quant is not None):
@@ -215,7 +217,11 @@ class MoE(nnx.Module):
     if tuple(value.shape) != tuple(var.shape):
       raise ValueError(f"{argname} has shape {tuple(value.shape)}, the layer's variable "
                        f"{tuple(var.shape)}")
-    var[...] = jnp.asarray(value, var.dtype)
+    value = jnp.asarray(value, var.dtype)
+    if isinstance(var.get_value(), jax.ShapeDtypeStruct):  # a layer built by nnx.eval_shape
+      var.set_value(value)
+    else:
+      var[...] = value
 
   def update_correction_bias(self, load: jax.Array, rate: float = 1e-3) -> None:
     """DeepSeek-V3's aux-loss-free balancing, in place: bias += rate * sign(mean(load) - load).

@@ -22,7 +22,7 @@ deepseek_v2              softmax, `topk_method` greedy or group_limited_greedy (
                          shared experts
 gpt_oss                  softmax over the top-k router logits (router bias), swigluoai with the
                          config's alpha/limit, interleaved gate/up columns, expert biases;
-                         MXFP4 checkpoints (`*_blocks`/`*_scales`) are dequantized
+                         MXFP4 checkpoints (`*_blocks`/`*_scales`) stay mxfp4 (see below)
 llama4_text (llama4)     sigmoid of the top-1 logit applied to the expert *input*, plus a
                          shared expert
 =======================  ================================================================
@@ -42,6 +42,14 @@ uses:
   `weight` + `weight_scale` per tensor / channel — stay quantized (`quantized="keep"`, the
   default: `jmoe.quant.QuantizedWeights`, no dequantized copy) or are dequantized
   (`quantized="dequantize"`); FP8 shared experts are dequantized (they run as a dense MLP).
+* 4-bit experts, kept packed with `quantized="keep"` (jmoe/quant/weights.py documents the
+  layouts): gpt-oss MXFP4 `experts.gate_up_proj_blocks` / `_scales` and `down_proj_*` as
+  mxfp4 (the blocks reshaped, the uint8 scales bitcast to e8m0; gate_up's interleaved rows
+  regrouped gate | up); GPTQ (`qweight` / `qzeros` / `scales` / `g_idx`, v1 zero points
+  unless `quantization_config.checkpoint_format == "gptq_v2"`, act-order folded at load time)
+  and AWQ ("gemm" packing) per-expert linears as w4a16 (`jmoe.quant.int4_checkpoints`);
+  NVIDIA ModelOpt nvfp4 per-expert linears (`weight` / `weight_scale` / `weight_scale_2`) as
+  nvfp4. `quantized="dequantize"` turns any of them into bfloat16 (or `dtype`) arrays.
 
 jmoe's layout: w13 [E, H, 2N] (gate = w13[..., :N], up = w13[..., N:]), w2 [E, N, H], router_w
 [H, E]; shared experts as one dense MLP shared_w13 [H, 2Ns], shared_w2 [Ns, H], shared_gate [H].
@@ -495,6 +503,149 @@ def _per_expert_fp8(r: _Reader, e: int, h: int, n: int):
   return q[0], q[1]
 
 
+def _quantization_config(hf_config: Any) -> dict:
+  """The checkpoint's `quantization_config` as a dict ({} when none)."""
+  q = _get(hf_config, "quantization_config", default=None) if hf_config is not None else None
+  if q is None:
+    return {}
+  return dict(q) if isinstance(q, Mapping) else dict(getattr(q, "to_dict", lambda: vars(q))())
+
+
+def _per_expert_int4(r: _Reader, e: int, h: int, n: int):
+  """GPTQ / AWQ int4 per-expert linears (`experts.{i}.gate_proj.qweight` / `qzeros` /
+  `scales` (/ `g_idx`)) -> (w13, w2) w4a16 QuantizedWeights; None when the experts are not
+  int4. GPTQ or AWQ comes from `quantization_config.quant_method`, else from qweight's shape
+  ([K/8, N]: GPTQ, [K, N/8]: AWQ); GPTQ zero points are v1 (+1) unless `checkpoint_format`
+  is "gptq_v2"."""
+  from jmoe.quant import int4_checkpoints as i4  # noqa: PLC0415
+
+  names = next(((g, u, d) for g, u, d in _PER_EXPERT_NAMES if r.has(f"experts.0.{g}.qweight")),
+               None)
+  if names is None:
+    return None
+  qc = _quantization_config(r.hf_config)
+  method = str(qc.get("quant_method", "")).lower()
+  if qc.get("bits", 4) != 4:
+    raise ValueError(f"{r.prefix}experts: {method or 'int'} checkpoints with bits="
+                     f"{qc.get('bits')} are not supported (4-bit only)")
+  if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+    raise ValueError(f"{r.prefix}experts: AWQ version={qc.get('version')!r} packs differently; "
+                     "only AutoAWQ's 'gemm' layout is supported")
+  v2 = str(qc.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
+  out = ([], [], [])
+  for i in range(e):
+    for j, (nm, (k, m)) in enumerate(zip(names, [(h, n), (h, n), (n, h)])):
+      base = f"experts.{i}.{nm}."
+      keys = [base + t for t in ("qweight", "qzeros", "scales")]
+      for key in keys:
+        if not r.has(key):
+          raise r.missing(f"int4 expert {i} {nm}", [key])
+      qw, qz, sc = (r.raw(key) for key in keys)
+      kind = method if method in ("gptq", "awq") else (
+          "gptq" if qw.shape == (k // 8, m) else "awq")
+      what = r.prefix + base[:-1]
+      if kind == "gptq":
+        gi = r.raw(base + "g_idx") if r.has(base + "g_idx") else None
+        lin = i4.gptq_linear(qw, qz, sc, gi, k=k, n=m, v2=v2, name=what)
+      else:
+        lin = i4.awq_linear(qw, qz, sc, k=k, n=m, name=what)
+      out[j].append(lin)
+  return i4.int4_experts(*out, name=r.prefix + "experts")
+
+
+def _per_expert_nvfp4(r: _Reader, e: int, h: int, n: int):
+  """NVIDIA ModelOpt nvfp4 per-expert linears (`weight` uint8 [out, in/2] e2m1 pairs,
+  `weight_scale` e4m3 [out, in/16], `weight_scale_2` f32 global, `input_scale` f32) ->
+  (w13, w2) nvfp4 QuantizedWeights: values and block scales as stored, gate and up keeping
+  their own global scale (w13.global_scale [E, 2]). None when the experts are not nvfp4.
+  `input_scale` is for fp4 activations; the weight-only (bf16 activations) path ignores it."""
+  import ml_dtypes  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jmoe.config import QuantConfig  # noqa: PLC0415
+  from jmoe.quant.weights import QuantizedWeights, check_quantized  # noqa: PLC0415
+
+  names = next(((g, u, d) for g, u, d in _PER_EXPERT_NAMES
+                if r.has(f"experts.0.{g}.weight_scale_2")), None)
+  if names is None or r.raw(f"experts.0.{names[0]}.weight").dtype != np.uint8:
+    return None
+  parts = {nm: ([], [], []) for nm in names}
+  for i in range(e):
+    for nm, (k, m) in zip(names, [(h, n), (h, n), (n, h)]):
+      base = f"experts.{i}.{nm}."
+      for t in ("weight", "weight_scale", "weight_scale_2"):
+        if not r.has(base + t):
+          raise r.missing(f"nvfp4 expert {i} {nm}", [base + t])
+      w, s, g = (r.raw(base + t) for t in ("weight", "weight_scale", "weight_scale_2"))
+      for t, arr, want in (("weight", w, (m, k // 2)), ("weight_scale", s, (m, k // 16))):
+        if arr.shape != want:
+          raise ValueError(f"{r.prefix}{base}{t} has shape {arr.shape}, expected {want} "
+                           f"(out, in / {2 if t == 'weight' else 16}) for H={h}, N={n}")
+      if w.dtype != np.uint8:
+        raise TypeError(f"{r.prefix}{base}weight must be uint8 (two e2m1 codes a byte), got "
+                        f"{w.dtype}")
+      if s.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+        raise TypeError(f"{r.prefix}{base}weight_scale must be float8_e4m3fn, got {s.dtype}")
+      if g.size != 1:
+        raise ValueError(f"{r.prefix}{base}weight_scale_2 must be one scale, got shape "
+                         f"{g.shape}")
+      for lst, arr in zip(parts[nm], (w, s, np.float32(g.reshape(())))):
+        lst.append(arr)
+  gate, up, down = (parts[nm] for nm in names)
+  scheme = QuantConfig("nvfp4")
+  w13 = QuantizedWeights(
+      values=jnp.asarray(np.concatenate([np.stack(gate[0]), np.stack(up[0])], axis=1)),
+      scale=jnp.asarray(np.concatenate([np.stack(gate[1]), np.stack(up[1])], axis=1)),
+      global_scale=jnp.asarray(np.stack([gate[2], up[2]], axis=1), jnp.float32), scheme=scheme)
+  w2 = QuantizedWeights(values=jnp.asarray(np.stack(down[0])),
+                        scale=jnp.asarray(np.stack(down[1])),
+                        global_scale=jnp.asarray(np.stack(down[2])[:, None], jnp.float32),
+                        scheme=scheme)
+  check_quantized(w13, argname=f"{r.prefix}experts (w13)")
+  check_quantized(w2, argname=f"{r.prefix}experts (w2)")
+  return w13, w2
+
+
+def _gpt_oss_mxfp4(r: _Reader, e: int, h: int, n: int):
+  """gpt-oss MXFP4 experts kept as mxfp4 QuantizedWeights: `*_blocks` [E, out, in/32, 16]
+  reshaped to values [E, out, in/2] (a view) and `*_scales` [E, out, in/32] bitcast to e8m0;
+  gate_up's interleaved rows (g0 u0 g1 u1 ...) regrouped as gate | up (one strided copy)."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jmoe.config import QuantConfig  # noqa: PLC0415
+  from jmoe.quant.packing import uint8_as_e8m0  # noqa: PLC0415
+  from jmoe.quant.weights import QuantizedWeights, check_quantized  # noqa: PLC0415
+
+  def load(key: str, out: int, k: int):
+    if k % 32:
+      raise ValueError(f"{r.prefix}{key}_blocks: MXFP4 scales groups of 32 along K={k}")
+    for t in ("_blocks", "_scales"):
+      if not r.has(key + t):
+        raise r.missing("MXFP4 experts", [key + t])
+    blocks, scales = r.raw(key + "_blocks"), r.raw(key + "_scales")
+    for t, arr, want in (("_blocks", blocks, (e, out, k // 32, 16)),
+                         ("_scales", scales, (e, out, k // 32))):
+      if arr.shape != want:
+        raise ValueError(f"{r.prefix}{key}{t} has shape {arr.shape}, expected {want} "
+                         f"(E, out, in / 32{', 16' if t == '_blocks' else ''}) for E={e}, "
+                         f"H={h}, N={n}")
+      if arr.dtype != np.uint8:
+        raise TypeError(f"{r.prefix}{key}{t} must be uint8, got {arr.dtype}")
+    return blocks.reshape(e, out, k // 2), scales
+
+  b13, s13 = load("experts.gate_up_proj", 2 * n, h)
+  b13 = np.concatenate([b13[:, 0::2], b13[:, 1::2]], axis=1)  # rows: gate | up
+  s13 = np.concatenate([s13[:, 0::2], s13[:, 1::2]], axis=1)
+  b2, s2 = load("experts.down_proj", h, n)
+  scheme = QuantConfig("mxfp4")
+  out = []
+  for b, sc, what in ((b13, s13, "w13"), (b2, s2, "w2")):
+    w = QuantizedWeights(values=jnp.asarray(b), scale=uint8_as_e8m0(sc), scheme=scheme)
+    check_quantized(w, argname=f"{r.prefix}experts ({what})")
+    out.append(w)
+  return out[0], out[1]
+
+
 def _mlp(r: _Reader, names: tuple[str, ...]) -> Optional[tuple[np.ndarray, np.ndarray]]:
   """A dense gated MLP (gate_proj/up_proj/down_proj) under one of `names` -> w13 [H,2Ns], w2."""
   for name in names:
@@ -525,8 +676,10 @@ def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Ma
       their values and scales as stored — DeepSeek's `weight_scale_inv` 128x128 blocks as
       fp8_block, per-tensor / per-channel `weight_scale` exports as fp8_channel (a tensor's
       scale repeated over its channels) — and run W8A8 with dynamic activation scales (a
-      checkpoint's static `input_scale` is not used). "dequantize": bfloat16 weights (or
-      `dtype`). MXFP4 (gpt-oss) is dequantized either way for now.
+      checkpoint's static `input_scale` is not used); gpt-oss MXFP4 as mxfp4, GPTQ / AWQ
+      int4 as w4a16, ModelOpt nvfp4 as nvfp4 (values and scales as stored; the XLA experts
+      dequantize them in the graph, no Pallas kernel takes them yet). "dequantize": bfloat16
+      weights (or `dtype`).
 
   Returns:
     (MoEConfig, MoEParams) for `jmoe.moe_block`.
@@ -545,10 +698,22 @@ def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Ma
   # experts
   if quantized not in ("keep", "dequantize"):
     raise ValueError(f"quantized={quantized!r}: 'keep' or 'dequantize'")
-  kept = _per_expert_fp8(r, e, h, n) if quantized == "keep" and _fused_gate_up_key(r) is None \
-      else None
-  w13 = None if kept is not None else _fused_gate_up(r, mt, e, h, n)
-  if kept is not None:
+  kept = None
+  if _fused_gate_up_key(r) is None:
+    kept = _per_expert_fp8(r, e, h, n) if quantized == "keep" else None
+    kept = kept or _per_expert_int4(r, e, h, n) or _per_expert_nvfp4(r, e, h, n)
+  elif quantized == "keep" and r.has("experts.gate_up_proj_blocks"):
+    kept = _gpt_oss_mxfp4(r, e, h, n)
+  dense_from_packed = None
+  if kept is not None and quantized == "dequantize":  # int4 / nvfp4 asked for dense
+    from jmoe.quant.weights import dequantize  # noqa: PLC0415
+    dense_from_packed = tuple(np.asarray(dequantize(w)) for w in kept)
+    kept = None
+  w13 = None if kept is not None or dense_from_packed else _fused_gate_up(r, mt, e, h, n)
+  if dense_from_packed:
+    w13, w2 = dense_from_packed
+    src_key = None
+  elif kept is not None:
     w13, w2 = (np.zeros((e, h, 2 * n), np.float32), np.zeros((e, n, h), np.float32))  # shapes
     src_key = None
   elif w13 is not None:
@@ -727,8 +892,8 @@ def moe_layer_prefixes(state_dict: Mapping, model_type: Optional[str] = None) ->
     m = pat.match(k)
     if m and (m.group(1) + "experts.gate_up_proj" in state_dict
               or m.group(1) + "experts.gate_up_proj_blocks" in state_dict
-              or any(m.group(1) + f"experts.0.{g}.weight" in state_dict
-                     for g, _, _ in _PER_EXPERT_NAMES)):
+              or any(m.group(1) + f"experts.0.{g}.{t}" in state_dict
+                     for g, _, _ in _PER_EXPERT_NAMES for t in ("weight", "qweight"))):
       out.append(m.group(1))
 
   def layer_no(p):

@@ -465,9 +465,11 @@ def test_gpt_oss_mxfp4_checkpoint():
              prefix + "experts.gate_up_proj_scales": torch.from_numpy(gu_scales),
              prefix + "experts.down_proj_blocks": torch.from_numpy(dn_blocks),
              prefix + "experts.down_proj_scales": torch.from_numpy(dn_scales)})
-  config, params = hf.from_hf_state_dict("gpt_oss", hf_config, sd, prefix)
+  # quantized="keep" (the default) keeps MXFP4 packed: tests/test_hf_quant.py
+  config, params = hf.from_hf_state_dict("gpt_oss", hf_config, sd, prefix, quantized="dequantize")
   assert params.w13.dtype == jnp.bfloat16  # dequantized checkpoints default to bf16 ...
-  config, params = hf.from_hf_state_dict("gpt_oss", hf_config, sd, prefix, dtype=jnp.float32)
+  config, params = hf.from_hf_state_dict("gpt_oss", hf_config, sd, prefix, dtype=jnp.float32,
+                                         quantized="dequantize")
   got = _block_jit(jnp.asarray(x.reshape(-1, h).numpy()), params, config=config)
   assert rel_err(got, want) <= RTOL
 

@@ -384,3 +384,40 @@ def test_bad_input_names_the_argument(rng):
   with pytest.raises(TypeError, match=r"w2.scale must be float8_e8m0fnu for mxfp4"):
     jax.jit(jmoe.fused_moe).lower(x, w13, dataclasses.replace(
         w2, scale=w2.scale.astype(jnp.float32)), tw, ids)
+
+
+def test_nnx_slots_keep_every_part(rng):
+  """The flax layer's variables hold every array of the weights: nvfp4's global scale and
+  act-order's perm included (dropping either would compute with the wrong weights)."""
+  from flax import nnx
+  from jmoe.layers.variables import QuantizedSlot
+  nv = quantize_weights(jnp.asarray(_weights(rng, 2, 64, 32)), "nvfp4")
+  i4 = quantize_weights(jnp.asarray(_weights(rng, 2, 64, 32)),
+                        jmoe.QuantConfig("w4a16", group_size=32, zero_point=True))
+  i4 = dataclasses.replace(i4, perm=jnp.asarray(np.stack([rng.permutation(64) for _ in
+                                                          range(2)]), jnp.int32))
+  for w in (nv, i4):
+    m = nnx.Module()
+    QuantizedSlot.store(m, "w13", w, None, None)
+    back = QuantizedSlot.load(m, "w13")
+    for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(back)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.structure(w) == jax.tree.structure(back)
+
+
+@pytest.mark.slow
+def test_nnx_layer_holds_nvfp4_global_scales():
+  """The flax layer runs nvfp4 (its global scale kept) and matches its dequantized weights."""
+  from flax import nnx
+  from jmoe.layers import MoE
+  from jmoe.layers.variables import QuantizedWeight
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), quant="nvfp4", runner_backend="xla")
+  q = nnx.state(layer, QuantizedWeight)
+  assert "w13_global_scale" in q and "w2_values" in q
+  p = layer.params()
+  assert p.w13.global_scale.shape == (4, 1) and p.w13.values.dtype == jnp.uint8
+  x = jax.random.normal(jax.random.key(1), (5, 64))
+  dense = jmoe.MoEParams(router_w=p.router_w, w13=p.w13.dequantize(), w2=p.w2.dequantize())
+  onp.assert_rel_close(np.asarray(layer(x)), np.asarray(jmoe.moe_block(
+      x, dense, cfg, runner_backend="reference")), 1e-5, "nvfp4 layer vs its dequantized weights")

@@ -23,8 +23,8 @@ def variable(kind, value, names: tuple, mesh, own_mesh: bool = False) -> nnx.Var
 
 class QuantizedSlot:
   """One quantized weight (w13 or w2) spread over plain variables of `module`:
-  `<name>_values`, `<name>_scale`, `<name>_zero` (or None); the scheme and orientation are
-  static Python attributes."""
+  `<name>_values`, `<name>_scale`, `<name>_zero` / `_global_scale` / `_perm` (or None); the
+  scheme and orientation are static Python attributes."""
 
   @staticmethod
   def store(module: nnx.Module, name: str, w: QuantizedWeights, expert_axis: Optional[str],
@@ -32,15 +32,21 @@ class QuantizedSlot:
     names = (expert_axis, None, None)  # quantized experts shard over the expert axis only
     setattr(module, f"{name}_values", variable(QuantizedWeight, w.values, names, mesh, own_mesh))
     setattr(module, f"{name}_scale", variable(QuantizedWeight, w.scale, names, mesh, own_mesh))
-    zero = None if w.zero is None else variable(QuantizedWeight, w.zero, names, mesh, own_mesh)
-    setattr(module, f"{name}_zero", zero)
+    for part in _OPTIONAL_PARTS:  # None, or [E, ...] sharded like the values
+      a = getattr(w, part)
+      setattr(module, f"{name}_{part}", None if a is None else variable(
+          QuantizedWeight, a, names[:a.ndim], mesh, own_mesh))
     setattr(module, f"{name}_scheme", (w.scheme, w.k_major))
 
   @staticmethod
   def load(module: nnx.Module, name: str) -> QuantizedWeights:
     scheme, k_major = getattr(module, f"{name}_scheme")
-    zero = getattr(module, f"{name}_zero")
+    parts = {p: getattr(module, f"{name}_{p}", None) for p in _OPTIONAL_PARTS}
     return QuantizedWeights(values=getattr(module, f"{name}_values")[...],
                             scale=getattr(module, f"{name}_scale")[...],
-                            zero=None if zero is None else zero[...], scheme=scheme,
-                            k_major=k_major)
+                            **{p: None if v is None else v[...] for p, v in parts.items()},
+                            scheme=scheme, k_major=k_major)
+
+
+# QuantizedWeights' optional arrays (nvfp4's global scale, GPTQ act-order's perm)
+_OPTIONAL_PARTS = ("zero", "global_scale", "perm")

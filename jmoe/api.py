@@ -117,6 +117,7 @@ def fused_moe(
     runner_backend: str = "auto",
     a2a_backend: str = "auto",
     parallel: Optional[ParallelConfig] = None,
+    residual: Optional[jax.Array] = None,
 ) -> jax.Array:
   """Run the routed experts of one MoE block.
 
@@ -138,6 +139,10 @@ def fused_moe(
     quant_config: the scheme; None takes it from quantized w13 / w2 (given, it must match).
     runner_backend: "auto" (the oracle), "reference", "xla", "xla_batched", "pallas_mosaic".
     a2a_backend, parallel: expert parallelism over a mesh (see `sharding`).
+    residual: [T, H] floating (e.g. the residual stream h): return residual + the experts'
+      output, the add on the f32 sum inside the final weighted reduce (one fusion; XLA writes
+      the result in residual's buffer when it is dead afterwards or donated). Under expert
+      parallelism (parallel with a mesh) it is a plain add after the combine.
 
   Returns:
     [T, H] in hidden_states' dtype.
@@ -175,6 +180,11 @@ def fused_moe(
   if k > global_num_experts:
     raise ValueError(f"top_k={k} exceeds global_num_experts={global_num_experts}")
   check_ids_in_range(topk_ids, global_num_experts)
+  if residual is not None:
+    if tuple(residual.shape) != tuple(hidden_states.shape):
+      raise ValueError(f"residual must be [T, H] = {tuple(hidden_states.shape)} like "
+                       f"hidden_states, got shape {tuple(residual.shape)}")
+    check_floating("residual", residual)
 
   if parallel is not None and parallel.mesh is not None:
     # w13/w2 are the global (expert-sharded) arrays here; placement comes from the config
@@ -186,11 +196,14 @@ def fused_moe(
       raise ValueError(f"global_num_experts={global_num_experts} differs from w13's "
                        f"E={e_local}: with a mesh, w13/w2 hold every expert (sharded)")
     from jmoe.sharding import ep_fused_moe  # noqa: PLC0415 (sharding registers into jmoe, not reverse)
-    return ep_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=act,
-                        w13_bias=w13_bias, w2_bias=w2_bias,
-                        apply_router_weight_on_input=apply_router_weight_on_input,
-                        quant_config=quant_config, runner_backend=runner_backend,
-                        a2a_backend=a2a_backend, parallel=parallel)
+    out = ep_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=act,
+                       w13_bias=w13_bias, w2_bias=w2_bias,
+                       apply_router_weight_on_input=apply_router_weight_on_input,
+                       quant_config=quant_config, runner_backend=runner_backend,
+                       a2a_backend=a2a_backend, parallel=parallel)
+    if residual is None:
+      return out
+    return (residual.astype(jnp.float32) + out.astype(jnp.float32)).astype(out.dtype)
 
   pf, experts, _ = oracle.select_backend(runner_backend, a2a_backend, quant=quant_config,
                                          parallel=None,
@@ -200,4 +213,5 @@ def fused_moe(
   kernel = ModularKernel(pf, experts, quant_config)
   weights = ExpertWeights(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
   return kernel(hidden_states, weights, topk_weights, topk_ids, activation=act,
-                expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
+                expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
+                residual=residual)

@@ -109,8 +109,16 @@ def router_logits(x: jax.Array, params: MoEParams) -> jax.Array:
 
 
 def moe_block(x: jax.Array, params: MoEParams, config: MoEConfig, *,
-              runner_backend: Optional[str] = None, **fused_kwargs) -> jax.Array:
-  """x [T, H] -> [T, H]: route, run the routed experts, add the shared experts."""
+              runner_backend: Optional[str] = None, residual: Optional[jax.Array] = None,
+              **fused_kwargs) -> jax.Array:
+  """x [T, H] -> [T, H]: route, run the routed experts, add the shared experts.
+
+  residual [T, H] (the residual stream h, x = norm(h) typically): returns h + moe(x) with the
+  add inside the routed experts' final weighted gather-sum (seed 003: the combine writes into
+  the residual stream) instead of a separate [T, H] add; under `jax.jit` XLA writes the result
+  in h's buffer when h is dead afterwards or donated (`donate_argnums`), so give it x's dtype.
+  Gradients flow to h as through `h + moe_block(x)`. fused_kwargs go to `fused_moe`.
+  """
   c = config
   logits = router_logits(x, params)
   weights, ids = select_experts(
@@ -133,7 +141,8 @@ def moe_block(x: jax.Array, params: MoEParams, config: MoEConfig, *,
                                gate=params.shared_gate)
   out = fused_moe(x, w13, w2, weights, ids, activation=c.act, w13_bias=w13_bias, w2_bias=w2_bias,
                   apply_router_weight_on_input=c.apply_router_weight_on_input,
-                  runner_backend=runner_backend or c.runner_backend, **fused_kwargs)
+                  runner_backend=runner_backend or c.runner_backend, residual=residual,
+                  **fused_kwargs)
   if shared is not None:
     out = (out.astype(jnp.float32) + shared.astype(jnp.float32)).astype(x.dtype)
   return out

@@ -107,8 +107,10 @@ class TopKWeightAndReduce(abc.ABC):
   name: ClassVar[str]
 
   @abc.abstractmethod
-  def apply(self, fused_out: jax.Array, inp: ExpertsInput, out_dtype) -> jax.Array:
-    """fused_out (experts' output) -> [T, H]."""
+  def apply(self, fused_out: jax.Array, inp: ExpertsInput, out_dtype,
+            residual: Optional[jax.Array] = None) -> jax.Array:
+    """fused_out (experts' output) -> [T, H]; with residual [T, H], residual + that, the add
+    done on the f32 sum before the one cast to out_dtype (so XLA fuses it into the reduce)."""
 
   def __repr__(self):
     return f"{type(self).__name__}()"
@@ -119,8 +121,15 @@ class NoOp(TopKWeightAndReduce):
 
   name = "noop"
 
-  def apply(self, fused_out, inp, out_dtype):
+  def apply(self, fused_out, inp, out_dtype, residual=None):
+    if residual is not None:
+      return _plus(residual, fused_out.astype(jnp.float32)).astype(out_dtype)
     return fused_out.astype(out_dtype)
+
+
+def _plus(residual: Optional[jax.Array], acc: jax.Array) -> jax.Array:
+  """acc (f32) + residual in f32 (residual None: acc)."""
+  return acc if residual is None else acc + residual.astype(jnp.float32)
 
 
 class Contiguous(TopKWeightAndReduce):
@@ -128,20 +137,25 @@ class Contiguous(TopKWeightAndReduce):
 
   name = "contiguous"
 
-  def apply(self, fused_out, inp, out_dtype):
+  def apply(self, fused_out, inp, out_dtype, residual=None):
     w = jnp.where(inp.topk_ids >= 0, inp.topk_weights.astype(jnp.float32), 0.0)
-    return jnp.einsum("tk,tkh->th", w, fused_out.astype(jnp.float32)).astype(out_dtype)
+    return _plus(residual, jnp.einsum("tk,tkh->th", w, fused_out.astype(jnp.float32))
+                 ).astype(out_dtype)
 
 
-def weighted_row_sum(src: jax.Array, idx: jax.Array, weights: jax.Array, out_dtype) -> jax.Array:
+def weighted_row_sum(src: jax.Array, idx: jax.Array, weights: jax.Array, out_dtype,
+                     residual: Optional[jax.Array] = None) -> jax.Array:
   """out[t] = sum_j weights[t, j] * src[idx[t, j]], f32 accumulation; idx < 0 contributes 0.
 
-  src [R, H], idx / weights [T, k] -> [T, H]. src, the indices and the weights are materialized
+  src [R, H], idx / weights [T, k] -> [T, H]; residual [T, H]: added to the f32 sum (one
+  fusion with the gather-reduce; XLA may write it in the residual's buffer). src, the indices and the weights are materialized
   before the gather (an optimization barrier): left fusable, XLA:GPU folded their producers
   (sorts' inverses, segment arithmetic) into the gather-reduce and recomputed them per element
   (H200, qwen3 sizes, 1024 tokens: the padded_a2a combine took 0.51 ms, 0.02 ms with it).
   """
   if src.shape[0] == 0 or idx.size == 0:  # nothing routed anywhere (e.g. zero tokens)
+    if residual is not None:
+      return residual.astype(out_dtype)
     return jnp.zeros(idx.shape[:1] + src.shape[1:], out_dtype)
   valid = idx >= 0
   src, idx, w, valid = jax.lax.optimization_barrier(
@@ -150,7 +164,7 @@ def weighted_row_sum(src: jax.Array, idx: jax.Array, weights: jax.Array, out_dty
   rows = jnp.take(src, idx, axis=0, mode="clip").astype(jnp.float32)  # [T, k, H]
   # selected, not only weighted by 0: src rows nobody wrote may hold NaN (an EP receive buffer)
   rows = jnp.where(valid[..., None], rows, 0.0)
-  return jnp.sum(rows * w[..., None], axis=1).astype(out_dtype)
+  return _plus(residual, jnp.sum(rows * w[..., None], axis=1)).astype(out_dtype)
 
 
 class NaiveBatched(TopKWeightAndReduce):
@@ -158,10 +172,11 @@ class NaiveBatched(TopKWeightAndReduce):
 
   name = "naive_batched"
 
-  def apply(self, fused_out, inp, out_dtype):
+  def apply(self, fused_out, inp, out_dtype, residual=None):
     e, c, h = fused_out.shape
     flat_idx = jnp.where(inp.slot_pos >= 0, inp.slot_expert * c + inp.slot_pos, -1)
-    return weighted_row_sum(fused_out.reshape(e * c, h), flat_idx, inp.topk_weights, out_dtype)
+    return weighted_row_sum(fused_out.reshape(e * c, h), flat_idx, inp.topk_weights, out_dtype,
+                            residual=residual)
 
 
 class Delegate(TopKWeightAndReduce):
@@ -169,7 +184,7 @@ class Delegate(TopKWeightAndReduce):
 
   name = "delegate"
 
-  def apply(self, fused_out, inp, out_dtype):
+  def apply(self, fused_out, inp, out_dtype, residual=None):
     raise RuntimeError("Delegate must be resolved by the PrepareFinalize before use")
 
 
@@ -221,12 +236,21 @@ class PrepareFinalize(abc.ABC):
     prepared = self.prepare(*args, **kwargs)
     return lambda: prepared
 
+  # whether finalize takes `residual=` (the local ones do; the EP combines do not yet, and
+  # ModularKernel adds the residual after them)
+  supports_residual: ClassVar[bool] = False
+
   def finalize(self, fused_out: jax.Array, inp: ExpertsInput,
-               weight_and_reduce: TopKWeightAndReduce, out_dtype) -> jax.Array:
-    """Apply the weight-and-reduce (and, for EP, combine across the mesh) -> [T, H]."""
+               weight_and_reduce: TopKWeightAndReduce, out_dtype,
+               residual: Optional[jax.Array] = None) -> jax.Array:
+    """Apply the weight-and-reduce (and, for EP, combine across the mesh) -> [T, H]; with
+    residual [T, H], residual + that (seed 003: the combine writes into the residual stream,
+    the add inside the final reduce)."""
     if isinstance(weight_and_reduce, Delegate):
       weight_and_reduce = self.default_weight_and_reduce
-    return weight_and_reduce.apply(fused_out, inp, out_dtype)
+    if residual is None:
+      return weight_and_reduce.apply(fused_out, inp, out_dtype)
+    return weight_and_reduce.apply(fused_out, inp, out_dtype, residual=residual)
 
   def __repr__(self):
     return f"{type(self).__name__}()"
@@ -243,6 +267,9 @@ class Experts(abc.ABC):
   activation_formats: ClassVar[tuple[ActivationFormat, ActivationFormat]]
   supports_expert_map: ClassVar[bool] = True
   differentiable: ClassVar[bool] = True
+  # whether apply takes `residual=` [T, H] and adds it inside its own weighted reduce (only
+  # meaningful with finalize_weight_and_reduce_impl NoOp); else finalize adds it
+  supports_residual: ClassVar[bool] = False
 
   def quant_support(self, quant: Optional[QuantConfig]) -> Optional[str]:
     """None when `apply` can run weights (and activations) quantized as `quant`, else why not."""
@@ -360,9 +387,11 @@ class ModularKernel:
                topk_ids: jax.Array, *, activation: Activation,
                expert_map: Optional[jax.Array] = None,
                apply_router_weight_on_input: bool = False,
-               shared_output: Optional[Callable[[], jax.Array]] = None) -> jax.Array:
+               shared_output: Optional[Callable[[], jax.Array]] = None,
+               residual: Optional[jax.Array] = None) -> jax.Array:
     """x [T, H] -> [T, H]. `shared_output`, if given, is computed between dispatch send and
-    receive (overlap for the EP variants) and added to the result."""
+    receive (overlap for the EP variants) and added to the result. `residual` [T, H], if
+    given, is added inside finalize's reduce (the result is residual + the MoE output)."""
     pf, experts = self.prepare_finalize, self.experts
     if expert_map is not None and pf.activation_format == ActivationFormat.Standard \
         and not experts.supports_expert_map:
@@ -376,9 +405,22 @@ class ModularKernel:
         quant=self.quant)
     shared = shared_output() if shared_output is not None else None
     inp = receive()
-    fused = experts.apply(inp, weights, activation=activation, expert_map=expert_map,
-                          out_dtype=x.dtype)
-    out = pf.finalize(fused, inp, experts.finalize_weight_and_reduce_impl(), x.dtype)
+    wr = experts.finalize_weight_and_reduce_impl()
+    if residual is not None and experts.supports_residual and isinstance(wr, NoOp) \
+        and pf.supports_residual:  # the experts' own gather-sum starts from the residual
+      fused = experts.apply(inp, weights, activation=activation, expert_map=expert_map,
+                            out_dtype=x.dtype, residual=residual)
+      residual = None
+    else:
+      fused = experts.apply(inp, weights, activation=activation, expert_map=expert_map,
+                            out_dtype=x.dtype)
+    if residual is None:
+      out = pf.finalize(fused, inp, wr, x.dtype)
+    elif pf.supports_residual:
+      out = pf.finalize(fused, inp, wr, x.dtype, residual=residual)
+    else:  # a combine that cannot take it yet: the plain add after it
+      out = pf.finalize(fused, inp, wr, x.dtype)
+      out = (residual.astype(jnp.float32) + out.astype(jnp.float32)).astype(x.dtype)
     if shared is not None:
       out = (out.astype(jnp.float32) + shared.astype(jnp.float32)).astype(x.dtype)
     return out

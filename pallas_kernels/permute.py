@@ -147,7 +147,7 @@ def permute_weights(topk_weights: jax.Array, sort_order: jax.Array) -> jax.Array
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def gather_sum(y: jax.Array, inv: jax.Array, weights: jax.Array | None = None, *,
-               out_dtype=None) -> jax.Array:
+               out_dtype=None, residual: jax.Array | None = None) -> jax.Array:
   """out[t] = sum_j w[t, j] * y[inv[t, j]] over slots with inv >= 0, accumulated in f32. No
   atomics; one fused gather-reduce: one row gather per j, summed in order. (A [T, k, H] gather
   summed over axis 1 became two XLA fusions at deepseek-v3 / 256 tokens on an H200 and was
@@ -157,12 +157,20 @@ def gather_sum(y: jax.Array, inv: jax.Array, weights: jax.Array | None = None, *
   weights; None: 1). Returns [T, H] in out_dtype (default y.dtype). Rows of y that no valid slot
   points at (e.g. past sum(group_sizes)) are never read, so they may hold anything (the grouped
   GEMM leaves them unwritten).
+
+  residual [T, H] (seed 003, the residual stream): the sum starts from it, out = residual +
+  the sum, in one fusion whose only [T, H] operand read elementwise is residual, so XLA can
+  write out in residual's buffer (when residual is dead afterwards or donated).
   """
   if y.ndim != 2 or inv.ndim != 2:
     raise ValueError(f"y must be [M, H] and inv [T, k]; got {y.shape}, {inv.shape}")
   if weights is not None and weights.shape != inv.shape:
     raise ValueError(f"weights must have inv's shape {inv.shape}, got {weights.shape}")
-  acc = jnp.zeros((inv.shape[0], y.shape[1]), jnp.float32)
+  if residual is not None and residual.shape != (inv.shape[0], y.shape[1]):
+    raise ValueError(f"residual must be [T, H] = {(inv.shape[0], y.shape[1])}, got "
+                     f"{residual.shape}")
+  acc = (jnp.zeros((inv.shape[0], y.shape[1]), jnp.float32) if residual is None
+         else residual.astype(jnp.float32))
   for j in range(inv.shape[1]):
     row = jnp.take(y, jnp.maximum(inv[:, j], 0), axis=0, mode="clip").astype(jnp.float32)
     if weights is not None:

@@ -89,6 +89,7 @@ def quantized_expert_mlp_sorted(xs, xs_scale, weights, group_sizes, expert_of_ro
 class XlaExperts(Experts):
   name = "xla"
   activation_formats = (ActivationFormat.Standard, ActivationFormat.Standard)
+  supports_residual = True  # apply(..., residual=): the add inside the final gather-sum
 
   def finalize_weight_and_reduce_impl(self):
     return NoOp()
@@ -96,7 +97,7 @@ class XlaExperts(Experts):
   def quant_support(self, quant):
     return xla_quant_support(quant)
 
-  def apply(self, inp, weights, *, activation, expert_map, out_dtype):
+  def apply(self, inp, weights, *, activation, expert_map, out_dtype, residual=None):
     check_weights_for_activation(weights, activation)
     t, k = inp.topk_ids.shape
     e = weights.num_experts
@@ -116,6 +117,10 @@ class XlaExperts(Experts):
         scale = jnp.where(live, scale[order // k], 0.0)  # per-row scales follow their rows
       y = quantized_expert_mlp_sorted(xs, scale, weights, group_sizes, expert_of_row,
                                       activation, out_dtype)
-    per_slot = y[inv].reshape(t, k, y.shape[-1])
     w = jnp.where(local < e, inp.topk_weights.astype(jnp.float32), 0.0)
+    if residual is not None:  # seed 003: residual + the weighted gather-sum, one fusion
+      from jmoe.kernels.permute import gather_sum  # noqa: PLC0415
+      return gather_sum(y, jnp.where(local < e, inv.reshape(t, k), -1), w, out_dtype=out_dtype,
+                        residual=residual)
+    per_slot = y[inv].reshape(t, k, y.shape[-1])
     return jnp.einsum("tk,tkh->th", w, per_slot).astype(out_dtype)

@@ -36,8 +36,10 @@ def capacity_dropped(load: jax.Array, capacity: int) -> jax.Array:
 def batched_experts_with_capacity(
     x: jax.Array, weights: ExpertWeights, topk_weights: jax.Array, topk_ids: jax.Array, *,
     capacity: int, activation: Activation, runner_backend: Optional[str],
-    quant: Optional[QuantConfig], apply_router_weight_on_input: bool = False) -> jax.Array:
-  """x [T, H], topk [T, k] -> [T, H] through NoEPBatched(max_tokens_per_expert=capacity)."""
+    quant: Optional[QuantConfig], apply_router_weight_on_input: bool = False,
+    residual: Optional[jax.Array] = None) -> jax.Array:
+  """x [T, H], topk [T, k] -> [T, H] through NoEPBatched(max_tokens_per_expert=capacity)
+  (residual [T, H]: residual + that, added inside the finalize's gather-sum)."""
   runner = "xla_batched" if runner_backend in (None, "auto") else runner_backend
   cls = registry.RUNNERS.get(runner, {}).get(ActivationFormat.Batched)
   if cls is None:
@@ -49,4 +51,4 @@ def batched_experts_with_capacity(
     raise ValueError(f"runner_backend={runner!r} cannot run here: {why}")
   kernel = ModularKernel(NoEPBatched(max_tokens_per_expert=capacity), cls(), quant)
   return kernel(x, weights, topk_weights, topk_ids, activation=activation,
-                apply_router_weight_on_input=apply_router_weight_on_input)
+                apply_router_weight_on_input=apply_router_weight_on_input, residual=residual)

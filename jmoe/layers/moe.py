@@ -235,8 +235,13 @@ class MoE(nnx.Module):
   # forward
 
   def __call__(self, x: jax.Array, *, return_aux: bool = False,
-               deterministic: Optional[bool] = None) -> Any:
-    """x [..., H] -> y [..., H] (dtype: `dtype`, else x's); with return_aux, (y, aux):
+               deterministic: Optional[bool] = None,
+               residual: Optional[jax.Array] = None) -> Any:
+    """x [..., H] -> y [..., H] (dtype: `dtype`, else x's); with return_aux, (y, aux).
+
+    residual [..., H] (x's shape; the residual stream): y = residual + moe(x), the add inside
+    the experts' final weighted reduce (`jmoe.moe_block(..., residual=)`), so under jit the
+    result can take the residual's buffer. aux:
 
       load_balancing_loss: f32 scalar, Switch/Mixtral form (`losses.load_balancing_loss`;
         top_k when balanced);
@@ -250,6 +255,11 @@ class MoE(nnx.Module):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, c.hidden_size)
     cdt = jnp.dtype(self.dtype) if self.dtype is not None else x.dtype
+    if residual is not None:
+      if tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got "
+                         f"{tuple(residual.shape)}")
+      residual = residual.reshape(-1, c.hidden_size)
     xc = x2.astype(cdt)
     p = self.params()
     logits = router_logits(self._jittered(x2, deterministic), p)
@@ -259,7 +269,7 @@ class MoE(nnx.Module):
         e_score_correction_bias=p.correction_bias, routed_scaling_factor=c.routed_scaling_factor,
         custom_routing_function=self.routing_fn)
     load = losses.expert_load(ids, c.num_experts)
-    out, dropped = self._experts(xc, p, weights, ids, load, cdt)
+    out, dropped = self._experts(xc, p, weights, ids, load, cdt, residual)
     out = out.reshape(*lead, c.hidden_size)
     aux = None
     if return_aux or self.sow_aux:
@@ -283,8 +293,8 @@ class MoE(nnx.Module):
   def _cast(self, w, cdt):
     return w if w is None or isinstance(w, QuantizedWeights) else w.astype(cdt)
 
-  def _experts(self, x, p: MoEParams, weights, ids, load, cdt):
-    """Routed (+ shared) experts -> ([T, H] in cdt, dropped int32)."""
+  def _experts(self, x, p: MoEParams, weights, ids, load, cdt, residual=None):
+    """Routed (+ shared) experts (+ residual) -> ([T, H] in cdt, dropped int32)."""
     c = self.config
     w13, w2 = self._cast(p.w13, cdt), self._cast(p.w2, cdt)
     b13, b2 = self._cast(p.w13_bias, cdt), self._cast(p.w2_bias, cdt)
@@ -307,7 +317,8 @@ class MoE(nnx.Module):
       out = batched_experts_with_capacity(
           x, ExpertWeights(w13=w13, w2=w2, w13_bias=b13, w2_bias=b2), weights, ids,
           capacity=cap, activation=c.act, runner_backend=runner,
-          quant=self.quant, apply_router_weight_on_input=c.apply_router_weight_on_input)
+          quant=self.quant, apply_router_weight_on_input=c.apply_router_weight_on_input,
+          residual=residual)
       dropped = capacity_dropped(load, cap)
     elif par is not None and par.mesh is not None and par.dispatch_capacity is not None:
       # the EP dispatch may drop: ask the EP entry point for its count (fused_moe hides it)
@@ -317,10 +328,13 @@ class MoE(nnx.Module):
           apply_router_weight_on_input=c.apply_router_weight_on_input, quant_config=self.quant,
           runner_backend=runner, a2a_backend=self.a2a_backend, parallel=par, return_stats=True)
       dropped = stats["dropped"]
+      if residual is not None:  # the EP combine takes no residual: the plain add
+        out = (residual.astype(jnp.float32) + out.astype(jnp.float32)).astype(out.dtype)
     else:
       out = fused_moe(x, w13, w2, weights, ids, activation=c.act, w13_bias=b13, w2_bias=b2,
                       apply_router_weight_on_input=c.apply_router_weight_on_input,
-                      runner_backend=runner, a2a_backend=self.a2a_backend, parallel=par)
+                      runner_backend=runner, a2a_backend=self.a2a_backend, parallel=par,
+                      residual=residual)
     if shared is not None:
       out = (out.astype(jnp.float32) + shared.astype(jnp.float32)).astype(x.dtype)
     return out, dropped

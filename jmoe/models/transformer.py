@@ -45,6 +45,9 @@ class DecoderLayer(nnx.Module):
     h = self.ffn_norm(x)
     if not self.is_moe:
       return x + self.ffn(h), None
+    if jnp.dtype(self.ffn.dtype or h.dtype) == x.dtype:
+      # the residual stream enters the MoE's final reduce (its buffer can take the result)
+      return self.ffn(h, return_aux=True, residual=x)
     y, aux = self.ffn(h, return_aux=True)
     return x + y.astype(x.dtype), aux
 

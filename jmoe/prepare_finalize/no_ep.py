@@ -29,6 +29,7 @@ class NoEP(PrepareFinalize):
   name = "no_ep"
   activation_format = ActivationFormat.Standard
   default_weight_and_reduce = Contiguous()
+  supports_residual = True  # finalize adds it inside the reduce (PrepareFinalize.finalize)
 
   def prepare(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
               apply_router_weight_on_input, quant):
@@ -82,6 +83,7 @@ class NoEPBatched(PrepareFinalize):
   name = "no_ep_batched"
   activation_format = ActivationFormat.Batched
   default_weight_and_reduce = NaiveBatched()
+  supports_residual = True
 
   def __init__(self, max_tokens_per_expert: Optional[int] = None):
     if max_tokens_per_expert is not None and max_tokens_per_expert <= 0:

@@ -201,6 +201,7 @@ def test_model_decoder_layer_passes_its_residual():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # (a mesh compile: 14 s under load; the lean budget is spent)
 def test_expert_parallel_adds_after_the_combine():
   """Under a mesh the EP combine takes no residual yet: fused_moe adds it after, same result."""
   devs = np.array(jax.devices()[:2])

@@ -101,12 +101,14 @@ def floors(p, t, touched, per_expert_bytes, peak_tflops):
 # ----------------------------------------------------------------------------- blocks
 
 
-def quantized_block_fn(interpret, config1=None):
-  """The quantized block as PallasExperts.apply runs it (prepare's token quantization first)."""
+def quantized_block_fn(interpret, configs=(None, None)):
+  """The quantized block as PallasExperts.apply runs it (prepare's token quantization first);
+  configs: the fp8_block GEMMs' (config1, config2), None for the defaults."""
+  config1, config2 = configs
   def block(x, tw, ti, q13, q2):
     xq, xs = quantize_activations(x, q13.scheme)
     return pmoe.fused_experts_quantized(xq, xs, q13, q2, tw, ti, out_dtype=jnp.bfloat16,
-                                        interpret=interpret, config1=config1)
+                                        interpret=interpret, config1=config1, config2=config2)
   return jax.jit(block)
 
 
@@ -115,7 +117,9 @@ def bf16_block_fn(interpret):
                                                                interpret=interpret))
 
 
-BLOCK_VARIANTS = ("default", "1cta", "2cta", "ws")
+# default: the library's choice; 1cta / 2cta: 64-row tiles on one or two CTAs per SM; ws: warp
+# specialized 128-row tiles (GEMM2 256 columns wide where it divides); ws-n128: GEMM2 128 wide
+BLOCK_VARIANTS = ("default", "1cta", "2cta", "ws", "ws-n128")
 
 
 def variants(schemes: dict, block_variants: list[str]):
@@ -131,15 +135,18 @@ def variants(schemes: dict, block_variants: list[str]):
 
 
 def resolve_config(variant, p, t, gated=True):
-  """A --block-variants entry -> the fp8_block GEMM1 config (None: the library's default)."""
+  """A --block-variants entry -> the fp8_block GEMMs' (config1, config2); None: the default."""
   if variant is None:
-    return None
+    return None, None
   from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
   base = q8.block_config(t * p["k"], p["N"], p["H"], p["E"], gated=gated, quantize_output=True)
-  if variant == "ws":
-    return dataclasses.replace(base, block_m=128, ctas_per_sm=1, warp_specialized=True,
-                               num_stages=4)
-  return dataclasses.replace(base, ctas_per_sm=int(variant[0]), warp_specialized=False)
+  if variant.startswith("ws"):
+    c1 = q8.BlockQ8Config(block_m=128, block_n=128, num_stages=4, warp_specialized=True)
+    c2 = q8.gemm2_block_config(c1, p["H"])
+    return c1, (dataclasses.replace(c2, block_n=128) if variant == "ws-n128" else c2)
+  c1 = q8.BlockQ8Config(block_m=64, block_n=128, num_stages=base.num_stages,
+                        ctas_per_sm=int(variant[0]))
+  return c1, q8.gemm2_block_config(c1, p["H"])
 
 
 QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}

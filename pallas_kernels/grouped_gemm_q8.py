@@ -233,19 +233,37 @@ class BlockQ8Config:
 
 def block_config(m: int, n_out: int, k: int, num_groups: int, *, gated: bool,
                  quantize_output: bool = False) -> BlockQ8Config:
-  """Default: 64-row tiles where experts get few rows (or gated: registers), else 128; 128
-  columns (a quantized output needs its row scale over one whole 128-column group); two CTAs
-  per SM for the 64-row tiles (H200, deepseek-v3 at 4096 tokens, the block 8060 -> 7531 µs:
-  GEMM1 5525 -> 5396, GEMM2 2212 -> 1808; the only preset measured both ways)."""
+  """Default tiles, 128 columns (64 where N needs it; a quantized output's row scale spans one
+  128-column group). Experts with more than 64 rows on average: warp specialized, 128-row
+  tiles, 64 per compute warpgroup, one promoting while the other's wgmma runs. H200, jax
+  0.11.2, the whole fp8_block block against 64-row tiles on two CTAs per SM: deepseek-v3 16384
+  tokens 24229 -> 13939 µs (GEMM1 17261 -> 8116), 4096: 7437 -> 4873; qwen3-30b-a3b 4096:
+  626 -> 566. (256-column ungated tiles, two 128-column operands per K step, ran GEMM2 1.8x
+  slower: deepseek-v3 16384 tokens 8548 vs 4622 µs.) Fewer rows (decode): 64-row tiles on two
+  CTAs per SM (deepseek-v3 4096 tokens, before the warp-specialized form: 8060 -> 7531 µs
+  against one CTA)."""
   rows = m / gg.expected_groups(m, num_groups)
-  bm = 128 if (rows > 64 and not gated) else 64
   bn = 128 if (n_out % 128 == 0 or quantize_output) else 64
-  return BlockQ8Config(block_m=bm, block_n=bn, num_stages=6 if k >= 6 * BLOCK_K else 4,
-                       ctas_per_sm=2 if bm == 64 else 1)
+  if rows > 64:
+    return BlockQ8Config(block_m=128, block_n=bn, num_stages=4, warp_specialized=True)
+  return BlockQ8Config(block_m=64, block_n=bn, num_stages=6 if k >= 6 * BLOCK_K else 4,
+                       ctas_per_sm=2)
 
 
-def _block_smem_ok(cfg: BlockQ8Config, n_rhs: int, k: int = 0) -> BlockQ8Config:
-  """cfg with its stages lowered until one CTA's shared memory fits (its SM share)."""
+def gemm2_block_config(cfg1: BlockQ8Config, n_out: int) -> BlockQ8Config:
+  """GEMM2's config beside GEMM1's: the same form and block_m (GEMM2 reads GEMM1's per-task
+  scales: one task list), 128 columns (64 where n_out needs it); warp specialized, 4 stages
+  (GEMM2's stages are smaller than gated GEMM1's: deepseek-v3 16384 tokens 4752 µs with 3,
+  4622 with 4)."""
+  return dataclasses.replace(cfg1, block_n=128 if n_out % 128 == 0 else 64,
+                             num_stages=4 if cfg1.warp_specialized else cfg1.num_stages)
+
+
+def fit_block_stages(cfg: BlockQ8Config, n_rhs: int, k: int = 0) -> BlockQ8Config:
+  """cfg with its stages lowered until one CTA's shared memory fits (its SM share); n_rhs: B
+  operands per K step (2 gated). The output tile is counted at 2 bytes per element even when
+  quantized (1 byte): the timed configurations were fitted that way (GEMM1 warp specialized
+  on deepseek-v3: 3 stages)."""
   limit = gg._SMEM_BYTES if cfg.ctas_per_sm == 1 else gg._SMEM_PER_SM // 2 - 1024
   while True:
     stage = cfg.block_m * BLOCK_K + n_rhs * cfg.block_n * BLOCK_K + cfg.block_m * 4
@@ -361,7 +379,10 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
 
     def load_weight_scales(wg, e, wblk):
       """The item's weight scales, one per K step, into SMEM once (a global load per step
-      would put its latency on every step's critical path)."""
+      would put its latency on every step's critical path).
+      (Waiting for them in the first K step instead, to hide the copy under the first tiles'
+      latency, made the warp-specialized GEMM1 spill: qwen3-30b-a3b 16384 tokens 810 -> 2041
+      µs on an H200.)"""
       for j in range(n_rhs):
         plgpu.copy_gmem_to_smem(ws_ref.at[e, wblk[j]], ws_smem.at[wg, j], bar(wg, 3 + j))
       for j in range(n_rhs):
@@ -372,6 +393,7 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       *b_smems, totals = rest_
       (kk,) = idx
       wg = lax.axis_index("wg") if ws_mode else 0
+
       a = a_smem.at[pl.ds(wg * tm, tm)] if ws_mode else a_smem
       sa = _cast(s_smem.at[0, pl.ds(wg * tm, tm)][...] if ws_mode else s_smem.at[0][...],
                  plgpu.Layout.WGMMA.reduce(1))
@@ -545,7 +567,7 @@ def grouped_gemm_fp8_block(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arra
     raise ValueError("quantize_output needs config.block_n == 128 (one scale group per tile)")
   if n_out % config.block_n:
     config = dataclasses.replace(config, block_n=64)
-  config = _block_smem_ok(config, 2 if gated else 1, k)
+  config = fit_block_stages(config, 2 if gated else 1, k)
   bm = config.block_m
   m_pad = gg.row_alloc(m, bm)
   pad = lambda x: x if m_pad == m else jnp.pad(x, ((0, m_pad - m),) + ((0, 0),) * (x.ndim - 1))

@@ -421,17 +421,13 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
   block = quant.weight_scale == "block"
   if block:
     cfg1 = config1 or q8.block_config(m, n, hdim, e, gated=act.is_gated, quantize_output=True)
-    cfg1 = q8._block_smem_ok(cfg1, 2 if act.is_gated else 1, hdim)
+    cfg1 = q8.fit_block_stages(cfg1, 2 if act.is_gated else 1, hdim)
     if cfg1.block_n != 128:
       raise ValueError(f"config1.block_n={cfg1.block_n}: GEMM1 quantizes its output per 128 "
                        "columns, so its tiles are 128 wide")
     # GEMM2 reads GEMM1's per-task scales: the same task list, so the same block_m
-    cfg2 = config2 or q8.BlockQ8Config(block_m=cfg1.block_m,
-                                       block_n=128 if hdim % 128 == 0 else 64,
-                                       num_stages=cfg1.num_stages,
-                                       ctas_per_sm=cfg1.ctas_per_sm,
-                                       warp_specialized=cfg1.warp_specialized)
-    cfg2 = q8._block_smem_ok(dataclasses.replace(cfg2, block_m=cfg1.block_m), 1, n)
+    cfg2 = config2 or q8.gemm2_block_config(cfg1, hdim)
+    cfg2 = q8.fit_block_stages(dataclasses.replace(cfg2, block_m=cfg1.block_m), 1, n)
   else:
     cfg1 = config1 or q8.q8_config(m, n, hdim, e, gated=act.is_gated)
     cfg2 = config2 or q8.q8_config(m, hdim, n, e, gated=False)

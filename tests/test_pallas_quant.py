@@ -292,12 +292,12 @@ def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
 
   g = h // 128 if quant.weight_scale == "block" else 1
   cfg = {None: None, 1: q8.BlockQ8Config(), "ws": q8.BlockQ8Config(
-      block_m=128, warp_specialized=True)}[ctas]  # None: the default (two CTAs per SM)
+      block_m=128, warp_specialized=True)}[ctas]  # None: the default (ws prefill, 2 CTAs decode)
   found = _kernels(lambda x, s, w13, w2, tw, ti: pmoe.fused_experts_quantized(
       x, s, w13, w2, tw, ti, config1=cfg), S((m, h), dt), S((m, g), jnp.float32), qw(2 * n, h), qw(h, n),
       S((m, k), jnp.float32), S((m, k), jnp.int32))
   if quant.weight_scale == "block":
-    tail = {None: "_2cta", 1: "", "ws": "_ws"}[ctas]
+    tail = {None: "_ws" if m * k > 64 * e else "_2cta", 1: "", "ws": "_ws"}[ctas]
     gemms = {f"jmoe_gg_fp8blk_gated_qout{tail}", f"jmoe_gg_fp8blk{tail}"}
   else:
     tag = dt.name.split("_")[0]
@@ -370,3 +370,14 @@ def test_fused_block_warp_specialized(rng):
               config1=cfg)
   onp.assert_rel_close(np.asarray(out, np.float32), _block_oracle(x, q13, q2, tw, ids, quant),
                        TOL, "ws block")
+
+
+def test_fp8_block_config_rules():
+  """Prefill sizes take the warp-specialized 128-row form, decode the 64-row two-CTA one;
+  GEMM2 follows GEMM1's form and block_m."""
+  cfg = q8.block_config(32768, 768, 2048, 128, gated=True, quantize_output=True)
+  assert cfg.warp_specialized and (cfg.block_m, cfg.block_n) == (128, 128)
+  assert q8.gemm2_block_config(cfg, 2048) == cfg
+  assert q8.gemm2_block_config(cfg, 2048 + 64).block_n == 64
+  small = q8.block_config(64, 768, 2048, 128, gated=True)
+  assert not small.warp_specialized and (small.block_m, small.ctas_per_sm) == (64, 2)

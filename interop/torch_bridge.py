@@ -44,7 +44,8 @@ from jmoe.block import MoEParams, moe_block
 from jmoe.config import MoEConfig
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(MoEParams))
-_QUANT_PARTS = ("values", "scale", "zero", "input_scale")
+# QuantizedWeights' arrays; packed 4-bit values cross as uint8, e8m0 / e4m3 scales as themselves
+_QUANT_PARTS = ("values", "scale", "zero", "input_scale", "global_scale", "perm")
 # XLA:CPU wants 64-byte aligned buffers; an unaligned tensor (a view at an offset) is copied.
 _CPU_ALIGN = 64
 

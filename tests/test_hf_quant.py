@@ -298,3 +298,27 @@ def test_bad_packed_tensors_name_the_tensor_and_shapes(rng):
   with pytest.raises(ValueError, match=r"experts.down_proj_blocks has shape \(4, 64, 1, 8\), "
                                        r"expected \(4, 64, 1, 16\)"):
     hf.from_hf_state_dict("gpt_oss", gcfg, sd, "")
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
+def test_torch_module_takes_packed_weights(scheme):
+  """JmoeMoE: packed uint8 values, e4m3 / e8m0 scales and nvfp4's global scale cross DLPack
+  as buffers, as stored, and the module computes what jmoe does."""
+  import dataclasses
+  from jmoe.interop.torch_bridge import JmoeMoE
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32,
+                       dtype="float32")
+  p = jmoe.init_params(cfg, jax.random.key(0))
+  p = dataclasses.replace(p, w13=jmoe.quant.quantize_weights(p.w13, scheme),
+                          w2=jmoe.quant.quantize_weights(p.w2, scheme))
+  mod = JmoeMoE(cfg, p)
+  bufs = dict(mod.named_buffers())
+  assert bufs["w13_values"].dtype == torch.uint8
+  assert bufs["w13_scale"].dtype == (torch.float8_e4m3fn if scheme == "nvfp4"
+                                     else torch.float8_e8m0fnu)
+  assert ("w13_global_scale" in bufs) == (scheme == "nvfp4")
+  x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+  with torch.no_grad():
+    y = mod(x).numpy()
+  want = np.asarray(_block_jit(jnp.asarray(x.numpy()), p, cfg))
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)

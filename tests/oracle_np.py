@@ -254,15 +254,17 @@ def quantize_matrix(w, dtype_name: str, tile_k: int, tile_n: int, *, e8m0: bool 
   return (q * f64(scale)).reshape(w.shape)
 
 
-def quantize_rows(a, dtype_name: str, group: Optional[int]):
+def quantize_rows(a, dtype_name: str, group: Optional[int], *, e8m0: bool = False):
   """Dynamic activation quantization of a [..., H]: one scale per `group` channels of a row
-  (None: per row) -> dequantized float64."""
+  (None: per row) -> dequantized float64. e8m0: power-of-two scales (OCP MX)."""
   a = np.asarray(a, np.float32)
   h = a.shape[-1]
   g = group or h
   blocks = a.reshape(*a.shape[:-1], h // g, g)
   amax = np.abs(blocks).max(axis=-1, keepdims=True)
   scale = np.where(amax > 0, amax / np.float32(QMAX[dtype_name]), np.float32(1.0))
+  if e8m0:
+    scale = np.exp2(np.ceil(np.log2(scale)))
   scale = scale.astype(np.float32)
   return (_to_type(blocks / scale, dtype_name) * f64(scale)).reshape(a.shape)
 

@@ -130,7 +130,7 @@ def test_quantize_activations_matches_numpy(scheme, rng):
   assert qa.dtype == jnp.dtype(q.act_dtype)
   group = q.act_group_size if q.act_scale == "dynamic_group" else None
   assert scale.shape == (7, 256 // group if group else 1)
-  ref = onp.quantize_rows(a, q.act_dtype, group)
+  ref = onp.quantize_rows(a, q.act_dtype, group, e8m0=q.scale_dtype == "float8_e8m0fnu")
   got = np.asarray(dequantize_activations(qa, scale))
   onp.assert_rel_close(got, ref, 1e-6, scheme)
   assert np.all(got[3] == 0.0) and np.all(np.asarray(scale)[3] == 1.0)
@@ -171,8 +171,9 @@ def _oracle(x, q13, q2, tw, ids, quant, activation="silu", **kw):
     xq, requant = x, None
   else:
     group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
-    xq = onp.quantize_rows(x, quant.act_dtype, group)
-    requant = lambda a: onp.quantize_rows(a, quant.act_dtype, group)  # noqa: E731
+    mx = quant.scale_dtype == "float8_e8m0fnu"  # power-of-two activation scales
+    requant = lambda a: onp.quantize_rows(a, quant.act_dtype, group, e8m0=mx)  # noqa: E731
+    xq = requant(x)
   return onp.fused_moe(xq, w13, w2, tw, ids, activation=activation, requant=requant, **kw)
 
 

@@ -252,7 +252,8 @@ def _oracle(x, q13, q2, tw, ids, quant, **kw):
   if quant.act_dtype is None:
     return onp.fused_moe(x, w13, w2, tw, ids, **kw)
   group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
-  rq = lambda a: onp.quantize_rows(a, quant.act_dtype, group)  # noqa: E731
+  mx = quant.scale_dtype == "float8_e8m0fnu"  # MX: power-of-two activation scales too
+  rq = lambda a: onp.quantize_rows(a, quant.act_dtype, group, e8m0=mx)  # noqa: E731
   return onp.fused_moe(rq(x), w13, w2, tw, ids, requant=rq, **kw)
 
 

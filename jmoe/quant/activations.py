@@ -7,6 +7,8 @@ Scales are float32, laid out as the GEMMs read them, row-major beside the rows:
   dynamic_tensor  a [M, H] -> scale [1, 1]       (max |a| over the whole call)
   static_tensor   a [M, H] -> scale [1, 1]       (the checkpoint's calibrated input_scale)
 so `a ~= q * broadcast(scale)` and a row's scales travel with the row (gathers, dispatch).
+The microscaling schemes (scale_dtype float8_e8m0fnu: mxfp8) scale activations by powers of
+two, as OCP MX does (the smallest 2^e with max |a| / 2^e <= the type's max; float32 values).
 """
 from __future__ import annotations
 
@@ -61,7 +63,11 @@ def quantize_activations(a: jax.Array, quant: Optional[QuantConfig], *,
       amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     else:  # dynamic_tensor
       amax = jnp.max(jnp.abs(x)).reshape((1,) * a.ndim)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    if quant.scale_dtype == "float8_e8m0fnu":  # MX: power-of-two scales, as the weights'
+      scale = jnp.exp2(jnp.clip(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax / qmax, 1.0))),
+                                -127, 127))
+    else:
+      scale = jnp.where(amax > 0, amax / qmax, 1.0)
   q = x / broadcast_act_scale(scale, h)
   if quant.act_dtype == "int8":
     q = jnp.round(q)

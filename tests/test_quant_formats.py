@@ -303,7 +303,7 @@ def test_experts_match_oracle_exhaustive(fid, backend, t, h, n, rng):
 def test_quantized_formats_under_jit_with_biases_and_expert_map(fid, rng):
   """T=1, every token on one expert, an expert_map, biases and swigluoai, jitted."""
   quant = _quant(fid)
-  h, n, e = 128, 64, 3
+  h, n, e = 128, 128, 3
   w13, w2 = _weights(rng, e, h, 2 * n), _weights(rng, e, n, h)
   q13, q2 = quantize_weights(jnp.asarray(w13), quant), quantize_weights(jnp.asarray(w2), quant)
   b13 = (0.1 * rng.standard_normal((e, 2 * n))).astype(np.float32)
@@ -423,3 +423,40 @@ def test_nnx_layer_holds_nvfp4_global_scales():
   dense = jmoe.MoEParams(router_w=p.router_w, w13=p.w13.dequantize(), w2=p.w2.dequantize())
   onp.assert_rel_close(np.asarray(layer(x)), np.asarray(jmoe.moe_block(
       x, dense, cfg, runner_backend="reference")), 1e-5, "nvfp4 layer vs its dequantized weights")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fid,a2a", [("nvfp4", "allgather"), ("mxfp4", "ragged_a2a"),
+                                     ("w4a16-g32-zp", "ragged_dedup")])
+def test_packed_weights_shard_over_the_expert_axis(fid, a2a, rng):
+  """EP on 8 simulated devices: every array of the packed weights (global scales included)
+  shards over the expert axis; equal to the one-device block."""
+  from jmoe import sharding
+  quant = _quant(fid)
+  t, h, n, e = 16, 128, 64, 8
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  q13 = quantize_weights(jnp.asarray(_weights(rng, e, h, 2 * n)), quant)
+  q2 = quantize_weights(jnp.asarray(_weights(rng, e, n, h)), quant)
+  tw, ids = (jnp.asarray(a) for a in onp.random_topk(rng, t, e, 2))
+  ref = jmoe.fused_moe(x, q13, q2, tw, ids)
+  par = sharding.make_parallel(data=2, expert=4)
+  f = jax.jit(lambda *a: jmoe.fused_moe(*a, parallel=par, a2a_backend=a2a))
+  out = f(sharding.shard_tokens(x, par), sharding.shard_expert_weights(q13, par),
+          sharding.shard_expert_weights(q2, par), tw, ids)
+  onp.assert_rel_close(np.asarray(out), np.asarray(ref), 1e-5, f"{fid} over {a2a}")
+
+
+@pytest.mark.slow
+def test_mxfp4_weights_with_fp8_activations(rng):
+  """mxfp4 weights with e4m3 activations (power-of-two scales per 32): the XLA path runs the
+  scheme's exact values."""
+  quant = jmoe.QuantConfig("mxfp4", act_dtype="float8_e4m3fn", act_scale="dynamic_group",
+                           act_group_size=32)
+  t, h, n, e = 9, 128, 64, 4
+  x = (2 * rng.standard_normal((t, h))).astype(np.float32)
+  w13, w2 = _weights(rng, e, h, 2 * n), _weights(rng, e, n, h)
+  q13, q2 = quantize_weights(jnp.asarray(w13), quant), quantize_weights(jnp.asarray(w2), quant)
+  tw, ids = _routing(rng, t, e, 2)
+  out = jmoe.fused_moe(jnp.asarray(x), q13, q2, jnp.asarray(tw), jnp.asarray(ids))
+  onp.assert_rel_close(np.asarray(out), _oracle(x, q13, q2, tw, ids, quant), 2e-2,
+                       "mxfp4 x e4m3 vs NumPy oracle")

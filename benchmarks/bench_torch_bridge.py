@@ -13,8 +13,12 @@ Mixtral 8x7B's: H=4096, 8 experts, top-2, N=14336), bf16, and each T (tokens per
                               router in torch, the experts through the bridge)
   compiled_fwd                torch.compile(fullgraph=True) of the JmoeHFBlock (one opaque op)
 
-Host wall time per call with a device synchronize after each (median of --iters). Prints a
-table and writes JSON to --out. `--small` runs tiny shapes (a CPU smoke test). Each model's
+Host wall time per call, each call followed by the same wait for JAX and the bridge
+(`torch.cuda.synchronize()` on CUDA, which also waits for JAX's streams; on the CPU the JAX
+baseline blocks on its output, the bridge's output is ready when torch holds it); median of
+--iters. `jax_fwd_bur` is the baseline waited for with `block_until_ready` instead (JAX's own
+wait), for reference. `*_host` rows: host time per call of 32 back-to-back calls and one wait
+(what a pipelined model sees). Prints a table and writes JSON to --out. `--small` runs tiny shapes (a CPU smoke test). Each model's
 rows are written as soon as they exist; `--budget-s` stops starting new measurements.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_torch_bridge.py --out r.json
@@ -48,18 +52,16 @@ SMALL = {"qwen3": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8,
                          num_experts_per_tok=2)}
 
 
-def timed(fn: Callable[[], object], sync: Callable[[], None], iters: int,
-          warmup: int = 3) -> dict:
-  """Median / p10 / p90 host microseconds of fn() + sync()."""
+def timed(fn: Callable[[], object], sync: Callable[..., None], iters: int,
+          warmup: int = 3, per: int = 1) -> dict:
+  """Median / p10 / p90 host microseconds of fn() + sync(its result), divided by `per`."""
   for _ in range(warmup):
-    fn()
-    sync()
+    sync(fn())
   ts = []
   for _ in range(iters):
     t0 = time.perf_counter()
-    fn()
-    sync()
-    ts.append((time.perf_counter() - t0) * 1e6)
+    sync(fn())
+    ts.append((time.perf_counter() - t0) * 1e6 / per)
   ts.sort()
   return dict(median_us=statistics.median(ts), p10_us=ts[len(ts) // 10],
               p90_us=ts[(9 * len(ts)) // 10], iters=iters)
@@ -88,7 +90,7 @@ def build_block(name: str, small: bool, dtype: torch.dtype, device: torch.device
   return cfg, block
 
 
-def measure_model(name: str, args, device: torch.device, sync, deadline: float):
+def measure_model(name: str, args, device: torch.device, sync, jsync, deadline: float):
   """Yields one row per T (so a run stopped midway keeps what it measured)."""
   from jmoe.interop import torch as jt  # noqa: PLC0415
   from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
@@ -110,19 +112,28 @@ def measure_model(name: str, args, device: torch.device, sync, deadline: float):
     spec = tb.spec_of(ours.moe._op_key)
     jit = tb._jitted(spec)
     jargs = tb._convert(spec, tensors)
-    row["jax_fwd"] = timed(lambda: jit.forward(*jargs).block_until_ready(), lambda: None,
-                           iters)
+    row["jax_fwd"] = timed(lambda: jit.forward(*jargs), jsync, iters)
+    row["jax_fwd_bur"] = timed(lambda: jit.forward(*jargs).block_until_ready(),
+                               lambda _=None: None, iters)
     with torch.no_grad():
       row["bridge_fwd"] = timed(lambda: ours(x), sync, iters)
+      if t <= 64:
+        row["jax_fwd_host"] = timed(lambda: [jit.forward(*jargs) for _ in range(32)], jsync,
+                                    max(5, iters // 8), per=32)
+        row["bridge_fwd_host"] = timed(lambda: [ours(x) for _ in range(32)], sync,
+                                       max(5, iters // 8), per=32)
     row["overhead_fwd_us"] = row["bridge_fwd"]["median_us"] - row["jax_fwd"]["median_us"]
     row["overhead_fwd_pct"] = 100 * row["overhead_fwd_us"] / row["jax_fwd"]["median_us"]
+    if "bridge_fwd_host" in row:
+      row["overhead_fwd_host_us"] = (row["bridge_fwd_host"]["median_us"] -
+                                     row["jax_fwd_host"]["median_us"])
     g = jax.numpy.ones_like(jargs[0])
 
     def jax_fwd_bwd():
       out, vjp_fn = jit.forward_vjp(*jargs)
-      jax.block_until_ready(jit.backward(vjp_fn, g))
+      return jit.backward(vjp_fn, g)
 
-    row["jax_fwd_bwd"] = timed(jax_fwd_bwd, lambda: None, iters)
+    row["jax_fwd_bwd"] = timed(jax_fwd_bwd, jsync, iters)
     xr = x.clone().requires_grad_(True)
     gt = torch.ones_like(x)
 
@@ -162,15 +173,17 @@ def measure_model(name: str, args, device: torch.device, sync, deadline: float):
     yield row
 
 
-def breakdown(name: str, args, device: torch.device, sync) -> list[dict]:
-  """Where the bridge's per-call time goes (forward-only): each piece timed on its own."""
-  import jax.numpy as jnp  # noqa: PLC0415
+def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
+  """Where the bridge's per-call time goes (forward-only): each piece timed on its own, and
+  the import's ways of ordering streams side by side."""
   from jmoe.interop import torch as jt  # noqa: PLC0415
   from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
 
   dtype = getattr(torch, args.dtype)
   cfg, block = build_block(name, args.small, dtype, device, "grouped_mm")
   ours = jt.from_hf(block, cfg, runner_backend=args.backend)
+  fast = tb._fast()
+  index = tb._index(torch.empty(0, device=device))
   rows = []
   for t in args.tokens:
     x = torch.randn(t, cfg.hidden_size, device=device, dtype=dtype)
@@ -183,38 +196,86 @@ def breakdown(name: str, args, device: torch.device, sync) -> list[dict]:
     out = fwd(*jargs).block_until_ready()
     it = iter(range(10**9))
 
-    def import_without_stream(t_):  # no stream handshake: for this measurement only (synced)
-      from jax._src.lib import _jax, jaxlib_extension_version  # noqa: PLC0415
-      dl, i = t_.__dlpack_device__()
-      extra = (int(dl),) if jaxlib_extension_version >= 467 else ()
-      return _jax.dlpack_managed_tensor_to_buffer(t_.__dlpack__(), tb._jax_device(int(dl), i),
-                                                  None, False, *extra)
+    def import_mode(mode: str):
+      def f():
+        old, tb.STREAM_MODE = tb.STREAM_MODE, mode
+        try:
+          return tb.to_jax(x)
+        finally:
+          tb.STREAM_MODE = old
+      return f
 
-    none = lambda: None  # noqa: E731
+    def import_without_stream():  # no stream ordering: for this measurement only (synced)
+      extra = (1 if index < 0 else fast.gpu_dl,) if fast.new_sig else ()
+      return fast.to_buffer(torch._C._to_dlpack(x), fast.device(index), None, False, *extra)
+
+    def import_old():  # torch's __dlpack__ handshake (new ExternalStream + Event a call)
+      d = fast.device(index)
+      stream = None if index < 0 else d.get_stream_for_external_ready_events()
+      extra = (1 if index < 0 else fast.gpu_dl,) if fast.new_sig else ()
+      return fast.to_buffer(x.__dlpack__(stream=stream), d, stream, False, *extra)
+
+    none = lambda _=None: None  # noqa: E731
+    imports = {"public": lambda: jax.dlpack.from_dlpack(x), "old": import_old,
+               "torch": import_mode("torch"), "handshake": import_mode("handshake"),
+               "no_stream": import_without_stream}
     pieces = {
-        "jax_cached_x": (lambda: fwd(xj, *ws).block_until_ready(), none),
-        "jax_cached_x_torch_sync": (lambda: fwd(xj, *ws), sync),
-        "jax_other_jax_x": (lambda: fwd(others[next(it) % 8], *ws).block_until_ready(), none),
-        "jax_dlpack_x": (lambda: fwd(tb.to_jax(x), *ws).block_until_ready(), none),
-        "jax_public_dlpack_x": (lambda: fwd(jax.dlpack.from_dlpack(x), *ws).block_until_ready(),
-                                none),
-        "jax_dlpack_x_no_stream": (lambda: fwd(import_without_stream(x), *ws)
-                                   .block_until_ready(), none),
-        "jax_cached_x_to_torch": (lambda: tb.to_torch(fwd(xj, *ws)), sync),
-        "to_jax_alone": (lambda: tb.to_jax(x), none),
-        "to_torch_alone": (lambda: tb.to_torch(out), none),
+        "jax_cached_x": (lambda: fwd(xj, *ws), jsync),
+        "jax_cached_x_bur": (lambda: fwd(xj, *ws).block_until_ready(), none),
+        "jax_other_jax_x": (lambda: fwd(others[next(it) % 8], *ws), jsync),
+        **{f"jax_import_{k}_x": ((lambda f=f: fwd(f(), *ws)), jsync) for k, f in imports.items()},
+        **{f"import_{k}_alone": (f, none) for k, f in imports.items()},
+        "jax_cached_x_to_torch": (lambda: tb._to_torch(fwd(xj, *ws), index), sync),
+        "jax_cached_x_to_torch_public": (lambda: torch.from_dlpack(fwd(xj, *ws)), sync),
+        "to_torch_alone": (lambda: tb._to_torch(out, index), none),
+        "to_torch_public_alone": (lambda: torch.from_dlpack(out), none),
         "jax_dispatch_alone": (lambda: fwd(xj, *ws), none),
+        "convert_weights_alone": (lambda: [tb.CACHE.get(w) for w in tensors[1:]], none),
         "bridge": (lambda: ours(x), sync),
+        "bridge_moe_module": (lambda: ours.moe(x), sync),
         "bridge_host_only": (lambda: ours(x), none),
     }
-    row = dict(model=name, T=t, fast_dlpack=tb._FAST_DLPACK)
+    row = dict(model=name, T=t, fast_dlpack=tb._FAST_DLPACK, stream_mode=tb.STREAM_MODE)
     with torch.no_grad():
       for k, (fn, sy) in pieces.items():
-        row[k] = timed(fn, sy, args.iters)["median_us"]
+        try:
+          row[k] = timed(fn, sy, args.iters)["median_us"]
+        except Exception as e:  # noqa: BLE001  (a variant this jaxlib refuses: reported)
+          row[k] = f"{type(e).__name__}: {str(e)[:200]}"
         sync()
+    row["stream_mode_after"] = tb.STREAM_MODE
     rows.append(row)
     print(json.dumps(row), flush=True)
   return rows
+
+
+def capture(name: str, args, device: torch.device) -> dict:
+  """Whether a bridged call can be captured into a torch CUDA graph (and replayed)."""
+  from jmoe.interop import torch as jt  # noqa: PLC0415
+
+  dtype = getattr(torch, args.dtype)
+  cfg, block = build_block(name, args.small, dtype, device, "grouped_mm")
+  ours = jt.from_hf(block, cfg, runner_backend=args.backend)
+  x = torch.randn(1, cfg.hidden_size, device=device, dtype=dtype)
+  res: dict = dict(model=name)
+  with torch.no_grad():
+    want = ours(x).clone()
+    torch.cuda.synchronize()
+    for label, fn in (("eager", ours), ("compiled", torch.compile(ours, fullgraph=True))):
+      fn(x)  # warm (compiles)
+      torch.cuda.synchronize()
+      g = torch.cuda.CUDAGraph()
+      try:
+        with torch.cuda.graph(g):
+          y = fn(x)
+        g.replay()
+        torch.cuda.synchronize()
+        res[label] = dict(captured=True, max_err=float((y - want).abs().max()))
+      except Exception as e:  # noqa: BLE001  (the point: what fails, and how)
+        res[label] = dict(captured=False, error=f"{type(e).__name__}: {str(e)[:600]}")
+      torch.cuda.synchronize()
+  print("# capture", json.dumps(res), flush=True)
+  return res
 
 
 def _us(row: dict, k: str) -> str:
@@ -248,6 +309,8 @@ def main(argv=None) -> int:
   p.add_argument("--budget-s", type=float, default=1e9, help="start no measurement after this")
   p.add_argument("--breakdown", action="store_true",
                  help="time the bridge's pieces (forward-only) instead of the table")
+  p.add_argument("--capture", action="store_true",
+                 help="try capturing a call (eager, compiled) into a torch CUDA graph")
   p.add_argument("--out", default=None, help="JSON file")
   args = p.parse_args(argv)
   models = [m for m in args.models.split(",") if m]
@@ -255,7 +318,10 @@ def main(argv=None) -> int:
     if m not in MODELS:
       p.error(f"--models: {m!r} is not one of {', '.join(MODELS)}")
   device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-  sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+  if device.type == "cuda":
+    sync = jsync = lambda _=None: torch.cuda.synchronize()  # noqa: E731  all streams, JAX's too
+  else:  # torch holds the bridge's output only once it is computed; JAX's: block on it
+    sync, jsync = (lambda _=None: None), jax.block_until_ready
   deadline = time.time() + args.budget_s
   meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               jax=jax.__version__, torch=torch.__version__, jax_devices=str(jax.devices()))
@@ -266,11 +332,15 @@ def main(argv=None) -> int:
     print("transformers is needed", file=sys.stderr)
     return 2
   print("#", json.dumps(meta), flush=True)
-  if args.breakdown:
-    rows = [r for m in models for r in breakdown(m, args, device, sync)]
+  if args.breakdown or args.capture:
+    res: dict = dict(meta=meta)
+    if args.breakdown:
+      res["breakdown"] = [r for m in models for r in breakdown(m, args, device, sync, jsync)]
+    if args.capture and device.type == "cuda":
+      res["capture"] = [capture(m, args, device) for m in models]
     if args.out:
       with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, breakdown=rows), f, indent=1)
+        json.dump(res, f, indent=1)
     return 0
   print(HEAD, flush=True)
   rows = []
@@ -278,7 +348,7 @@ def main(argv=None) -> int:
     if time.time() > deadline:
       print(f"# budget spent: {m} not measured", flush=True)
       break
-    for row in measure_model(m, args, device, sync, deadline):
+    for row in measure_model(m, args, device, sync, jsync, deadline):
       rows.append(row)
       if args.out:
         with open(args.out, "w") as f:

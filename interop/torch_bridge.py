@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -64,14 +65,18 @@ def to_jax(t: torch.Tensor) -> jax.Array:
 
   One explicit copy, only when sharing is impossible: `t` non-contiguous (DLPack describes only
   dense row-major tensors to XLA) or, on the CPU, not 64-byte aligned (a view at an offset;
-  XLA rejects those). `t` is detached (the JAX array is outside autograd).
+  XLA rejects those). `t` is detached (the JAX array is outside autograd). On CUDA the JAX
+  computations using the array wait for the work queued on torch's current stream.
   """
   if not isinstance(t, torch.Tensor):
     raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
-  t = t.detach()
+  return _to_jax(t)
+
+
+def _to_jax(t: torch.Tensor) -> jax.Array:
   if not t.is_contiguous():
     t = t.contiguous()  # the one documented copy
-  elif t.device.type == "cpu" and t.data_ptr() % _CPU_ALIGN:
+  elif not t.is_cuda and t.data_ptr() % _CPU_ALIGN:
     t = t.clone()  # torch's CPU allocator aligns to 64 bytes
   try:
     return _from_dlpack(t)
@@ -84,35 +89,114 @@ def to_jax(t: torch.Tensor) -> jax.Array:
 # torch dtypes JAX canonicalizes on import (x64 off): they take the public, converting path
 _WIDE = (torch.int64, torch.float64, torch.uint64, torch.complex128)
 
+# How JAX waits for torch's current stream on import (CUDA):
+#  "torch": JAX records the array's definition event on torch's current stream itself (the
+#    stream argument of jaxlib's DLPack import is the stream the buffer becomes ready on): one
+#    event record in C++, no torch-side objects.
+#  "handshake": DLPack's protocol as `jax.dlpack.from_dlpack` runs it (torch makes JAX's
+#    external-ready stream wait for its current stream, JAX records on that stream), with the
+#    stream handle, torch's ExternalStream and one reused Event cached instead of made per call.
+# A failure of the "torch" mode falls back to "handshake", and that to the public function.
+STREAM_MODE = "torch"
 
-@functools.lru_cache(maxsize=None)
-def _jax_device(dl_type: int, device_id: int):
-  from jax._src import xla_bridge  # noqa: PLC0415
-  platform = {1: "cpu", 2: "cuda", 10: "rocm"}[dl_type]
-  return xla_bridge.get_backend(platform).device_from_local_hardware_id(device_id)
+
+class _Fast:
+  """jaxlib's and torch's DLPack entry points, resolved once (None: not available here)."""
+
+  def __init__(self) -> None:
+    from jax._src.lib import _jax, jaxlib_extension_version  # noqa: PLC0415
+    self.to_buffer = _jax.dlpack_managed_tensor_to_buffer
+    self.to_capsule = _jax.buffer_to_dlpack_managed_tensor
+    # jaxlib >= 467 takes the DLPack device type (CUDA / ROCm / CPU) as a 5th argument
+    self.new_sig = jaxlib_extension_version >= 467
+    self.gpu_dl = 10 if torch.version.hip else 2  # kDLROCM / kDLCUDA
+    self.raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    self.devices: dict[int, Any] = {}  # torch device index (-1: CPU) -> JAX device
+    self.handshake: dict[int, tuple] = {}  # CUDA index -> (JAX stream, ExternalStream, Event)
+    self.lock = threading.Lock()  # the reused event's record + wait are one step
+
+  def device(self, index: int):
+    d = self.devices.get(index)
+    if d is None:
+      from jax._src import xla_bridge  # noqa: PLC0415
+      platform = "cpu" if index < 0 else ("rocm" if torch.version.hip else "cuda")
+      d = self.devices[index] = xla_bridge.get_backend(platform).device_from_local_hardware_id(
+          max(index, 0))
+    return d
+
+  def torch_stream(self, index: int) -> int:
+    """torch's current stream on CUDA device `index`, as DLPack numbers it (1: legacy default)."""
+    return self.raw_stream(index) or 1
+
+  def import_(self, t: torch.Tensor, index: int) -> jax.Array:
+    device = self.device(index)
+    dl = 1 if index < 0 else self.gpu_dl
+    extra = (dl,) if self.new_sig else ()
+    if index < 0:
+      return self.to_buffer(torch._C._to_dlpack(t), device, None, False, *extra)
+    if STREAM_MODE == "torch":
+      return self.to_buffer(torch._C._to_dlpack(t), device, self.torch_stream(index), False,
+                            *extra)
+    hs = self.handshake.get(index)
+    if hs is None:
+      stream = device.get_stream_for_external_ready_events()
+      hs = self.handshake[index] = (stream, torch.cuda.ExternalStream(stream, device=index),
+                                    torch.cuda.Event())
+    stream, ext, event = hs
+    with self.lock:  # another thread's record between ours and the wait would be waited on
+      event.record(torch.cuda.current_stream(index))
+      ext.wait_event(event)
+    return self.to_buffer(torch._C._to_dlpack(t), device, stream, False, *extra)
+
+  def export(self, a: jax.Array, index: int) -> torch.Tensor:
+    """a (on torch's device `index`) -> torch; on CUDA torch's current stream waits for it."""
+    stream = None if index < 0 else self.torch_stream(index)
+    return torch._C._from_dlpack(self.to_capsule(a, stream=stream))
+
+
+_FAST: Optional[_Fast] = None
+_FAST_DLPACK = True  # False once the fast path failed: the public functions from then on
+
+
+def _fast() -> Optional[_Fast]:
+  global _FAST, _FAST_DLPACK
+  if _FAST is None and _FAST_DLPACK:
+    try:
+      _FAST = _Fast()
+    except (ImportError, AttributeError):
+      _FAST_DLPACK = False
+  return _FAST
+
+
+def _index(t: torch.Tensor) -> int:
+  """torch device index, -1 for the CPU; None where the fast path does not apply."""
+  if t.is_cuda:
+    return t.get_device()
+  return -1 if t.device.type == "cpu" and not t.is_pinned() else None
+
+
+_FAST_ERRORS = (ImportError, AttributeError, TypeError, KeyError, RuntimeError,
+                NotImplementedError)
 
 
 def _from_dlpack(t: torch.Tensor) -> jax.Array:
-  """`jax.dlpack.from_dlpack(t, copy=False)` minus its per-call Python (~20 us: backend
-  lookup and a `jnp.asarray` that is a no-op for canonical dtypes); the same stream
-  handshake. Falls back to the public function where jaxlib's internals differ."""
-  global _FAST_DLPACK
-  if _FAST_DLPACK and t.dtype not in _WIDE and not t.is_pinned():
-    try:
-      from jax._src.lib import _jax, jaxlib_extension_version  # noqa: PLC0415
-      dl_type, device_id = t.__dlpack_device__()
-      device = _jax_device(int(dl_type), device_id)
-      # JAX's stream waits (an event torch records on its current stream) for torch's work
-      stream = None if int(dl_type) == 1 else device.get_stream_for_external_ready_events()
-      capsule = t.__dlpack__(stream=stream)
-      extra = (int(dl_type),) if jaxlib_extension_version >= 467 else ()
-      return _jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, False, *extra)
-    except (ImportError, AttributeError, TypeError, KeyError, RuntimeError):
-      _FAST_DLPACK = False  # jaxlib internals differ (or UNIMPLEMENTED streams): public path
-  return jax.dlpack.from_dlpack(t, copy=False)
-
-
-_FAST_DLPACK = True
+  """`jax.dlpack.from_dlpack(t, copy=False)` minus its per-call Python (backend lookup,
+  torch's `__dlpack__` with a new ExternalStream and Event per call, a `jnp.asarray` no-op);
+  the stream ordering of `STREAM_MODE`. Falls back to the public function where jaxlib's or
+  torch's internals differ."""
+  global STREAM_MODE, _FAST_DLPACK
+  fast = _fast()
+  if fast is not None and t.dtype not in _WIDE and not t.is_conj():
+    index = _index(t)
+    if index is not None:
+      try:
+        return fast.import_(t, index)
+      except _FAST_ERRORS:
+        if index >= 0 and STREAM_MODE == "torch":
+          STREAM_MODE = "handshake"  # jaxlib refused torch's stream: the protocol's way
+          return _from_dlpack(t)
+        _FAST_DLPACK = False  # internals differ (or UNIMPLEMENTED streams): public path
+  return jax.dlpack.from_dlpack(t.detach(), copy=False)
 
 
 def to_torch(a: jax.Array) -> torch.Tensor:
@@ -121,6 +205,19 @@ def to_torch(a: jax.Array) -> torch.Tensor:
     raise TypeError(f"a must be a jax.Array, got {type(a).__name__}")
   if a.is_deleted():  # donated or deleted: its memory may already hold something else
     raise ValueError("a has been deleted or donated; torch cannot view its buffer")
+  return torch.from_dlpack(a)
+
+
+def _to_torch(a: jax.Array, index: int) -> torch.Tensor:
+  """`to_torch` of a fresh output of ours on torch device `index` (-1: CPU): no checks, no
+  `torch.from_dlpack` / `jax.Array.__dlpack__` Python (device lookup, kwarg retries)."""
+  global _FAST_DLPACK
+  fast = _fast()
+  if fast is not None:
+    try:
+      return fast.export(a, index)
+    except _FAST_ERRORS:
+      _FAST_DLPACK = False
   return torch.from_dlpack(a)
 
 
@@ -263,12 +360,32 @@ def spec_of(key: str) -> BridgeSpec:
 
 def _convert(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
   n = spec.uncached
-  return [to_jax(t) for t in tensors[:n]] + [CACHE.get(t) for t in tensors[n:]]
+  get = CACHE.get
+  return [to_jax(t) for t in tensors[:n]] + [get(t) for t in tensors[n:]]
 
 
 def _needs_grad(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> bool:
   return torch.is_grad_enabled() and any(
       d and t.requires_grad for d, t in zip(spec.diff, tensors))
+
+
+def _out(a: jax.Array, like: torch.Tensor) -> torch.Tensor:
+  """A fresh JAX output on `like`'s device -> torch (zero-copy, stream-ordered)."""
+  index = _index(like)
+  return to_torch(a) if index is None else _to_torch(a, index)
+
+
+# key -> (spec, its jitted functions): one dict lookup per call instead of spec_of's and
+# `_jitted`'s lru_cache (which hashes the whole frozen spec, config included, every call)
+_RESOLVED: dict[str, tuple[BridgeSpec, _Jitted]] = {}
+
+
+def _resolve(key: str) -> tuple[BridgeSpec, _Jitted]:
+  hit = _RESOLVED.get(key)
+  if hit is None:
+    spec = spec_of(key)
+    hit = _RESOLVED[key] = (spec, _jitted(spec))
+  return hit
 
 
 def run(key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -282,11 +399,11 @@ def run(key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
   """
   if torch.compiler.is_compiling():
     return torch.ops.jmoe.fused_moe(list(tensors), key)
-  spec = spec_of(key)
-  if _needs_grad(spec, tensors):
+  spec, jitted = _resolve(key)
+  if torch.is_grad_enabled() and _needs_grad(spec, tensors):
     return _BridgeFunction.apply(spec, *tensors)
   STATS["forwards"] += 1
-  return to_torch(_jitted(spec).forward(*_convert(spec, tensors)))
+  return _out(jitted.forward(*_convert(spec, tensors)), tensors[0])
 
 
 class _BridgeFunction(torch.autograd.Function):
@@ -296,7 +413,7 @@ class _BridgeFunction(torch.autograd.Function):
   def forward(ctx, spec: BridgeSpec, *tensors):
     STATS["vjp_forwards"] += 1
     out, vjp_fn = _jitted(spec).forward_vjp(*_convert(spec, tensors))
-    y = to_torch(out)
+    y = _out(out, tensors[0])
     ctx.spec, ctx.vjp_fn = spec, vjp_fn
     ctx.save_for_backward(y)  # version guard only (see `run`)
     return y
@@ -306,7 +423,7 @@ class _BridgeFunction(torch.autograd.Function):
     ctx.saved_tensors  # noqa: B018  raises if the output was modified in place
     grads = iter(_jitted(ctx.spec).backward(ctx.vjp_fn, to_jax(g)))
     ctx.vjp_fn = None  # residuals freed now, not when the graph goes
-    return (None, *[to_torch(next(grads)) if d else None for d in ctx.spec.diff])
+    return (None, *[_out(next(grads), g) if d else None for d in ctx.spec.diff])
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,9 +433,9 @@ class _BridgeFunction(torch.autograd.Function):
 @torch.library.custom_op("jmoe::fused_moe", mutates_args=())
 def _fused_moe_op(tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
   """The spec's forward on `tensors` -> [T, H] in tensors[0]'s dtype (a fresh tensor)."""
-  s = spec_of(spec)
+  s, jitted = _resolve(spec)
   STATS["op_calls"] += 1
-  return to_torch(_jitted(s).forward(*_convert(s, tensors)))
+  return _out(jitted.forward(*_convert(s, tensors)), tensors[0])
 
 
 @_fused_moe_op.register_fake
@@ -330,9 +447,9 @@ def _fused_moe_fake(tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
 def _fused_moe_backward_op(tensors: list[torch.Tensor], g: torch.Tensor,
                            spec: str) -> list[torch.Tensor]:
   """Gradients of the spec w.r.t. its differentiable tensors (forward recomputed in JAX)."""
-  s = spec_of(spec)
-  grads = _jitted(s).recompute_backward(to_jax(g), *_convert(s, tensors))
-  return [to_torch(gr) for gr in grads]
+  s, jitted = _resolve(spec)
+  grads = jitted.recompute_backward(to_jax(g), *_convert(s, tensors))
+  return [_out(gr, g) for gr in grads]
 
 
 @_fused_moe_backward_op.register_fake
@@ -455,5 +572,6 @@ class JmoeMoE(torch.nn.Module):
     if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[-1] != h:
       raise ValueError(f"x must be a torch tensor [..., {h}], got "
                        f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    tensors = [x.reshape(-1, h)] + [getattr(self, a) for a in self._attrs]
-    return run(self._op_key, tensors).reshape(x.shape)
+    flat = x if x.ndim == 2 else x.reshape(-1, h)  # a reshape is ~1 us a call each way
+    y = run(self._op_key, [flat] + [getattr(self, a) for a in self._attrs])
+    return y if x.ndim == 2 else y.reshape(x.shape)

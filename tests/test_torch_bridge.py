@@ -193,6 +193,39 @@ def test_to_torch_refuses_deleted_buffers_and_bad_types():
     tb.to_jax(np.ones(3))
 
 
+def test_fast_dlpack_path_and_its_fallback_share_memory(monkeypatch):
+  """The resolved-once jaxlib entry points (`_Fast`) and, where they fail, the public
+  functions: both zero-copy, and a failure switches to the public path for good."""
+  t = torch.randn(4, 16)
+  a = tb.to_jax(t)
+  assert tb._FAST_DLPACK and a.unsafe_buffer_pointer() == t.data_ptr()
+  out = tb._to_torch(a + 1, -1)  # the bridge's output path (no checks, no kwarg retries)
+  assert torch.equal(out, t + 1)
+  fast = tb._fast()
+
+  def refuse(*args, **kwargs):
+    raise TypeError("incompatible function arguments")  # what a changed jaxlib signature says
+
+  monkeypatch.setattr(fast, "to_buffer", refuse)
+  monkeypatch.setattr(fast, "to_capsule", refuse)
+  monkeypatch.setattr(tb, "_FAST_DLPACK", True)
+  b = tb.to_jax(t)
+  assert not tb._FAST_DLPACK and b.unsafe_buffer_pointer() == t.data_ptr()
+  monkeypatch.setattr(tb, "_FAST_DLPACK", True)
+  back = tb._to_torch(b, -1)
+  assert not tb._FAST_DLPACK and back.data_ptr() == t.data_ptr()
+
+
+def test_two_and_three_dimensional_inputs_give_the_same_rows():
+  hf_config, block, x = build("qwen3_moe")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  with torch.no_grad():
+    y3 = ours(x)
+    y2 = ours(x.reshape(-1, x.shape[-1]))
+  assert y3.shape == x.shape and y2.shape == (x.numel() // x.shape[-1], x.shape[-1])
+  torch.testing.assert_close(y2, y3.reshape(y2.shape))
+
+
 # --------------------------------------------------------------------------------------------
 # torch.compile: the jmoe::fused_moe custom op
 

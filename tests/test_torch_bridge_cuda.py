@@ -51,7 +51,15 @@ def test_zero_copy_on_cuda(name):
   assert tb.to_torch(a).data_ptr() == a.unsafe_buffer_pointer()
 
 
-def test_side_stream_work_before_and_after_the_call_is_ordered():
+@pytest.fixture(params=["torch", "handshake"])
+def stream_mode(request, monkeypatch):
+  """Both ways the import orders torch's stream before JAX (tb.STREAM_MODE)."""
+  monkeypatch.setattr(tb, "STREAM_MODE", request.param)
+  yield request.param
+  assert tb.STREAM_MODE == request.param, "the mode fell back: jaxlib refused it"
+
+
+def test_side_stream_work_before_and_after_the_call_is_ordered(stream_mode):
   ours, x = _block()
   with torch.no_grad():
     want = ours(x).clone()  # the reference, everything settled
@@ -75,7 +83,30 @@ def test_side_stream_work_before_and_after_the_call_is_ordered():
   torch.testing.assert_close(after, 2.0 * want, rtol=1e-5, atol=1e-5)
 
 
-def test_parameter_update_on_the_stream_is_seen():
+def test_reused_event_orders_every_call_on_alternating_streams(stream_mode):
+  """The cached handshake event is re-recorded each call: every call must still wait for its
+  own stream's work (two side streams taking turns, each held by a sleep)."""
+  ours, x = _block(t=2048)
+  scales = [1.0, 2.0, 3.0, 0.5, 1.5, 4.0]
+  with torch.no_grad():
+    want = [ours(x * k).clone() for k in scales]  # settled references
+  torch.cuda.synchronize()
+  sides = [torch.cuda.Stream(), torch.cuda.Stream()]
+  outs = []
+  with torch.no_grad():
+    for i, k in enumerate(scales):
+      with torch.cuda.stream(sides[i % 2]):
+        staged = torch.full_like(x, float("nan"))
+        torch.cuda._sleep(_SLEEP_CYCLES // 4)
+        staged.copy_(x * k)
+        outs.append(ours(staged))
+  torch.cuda.synchronize()
+  for y, w in zip(outs, want):
+    assert torch.isfinite(y).all(), "a call read its input before its stream wrote it"
+    torch.testing.assert_close(y, w, rtol=1e-5, atol=1e-5)
+
+
+def test_parameter_update_on_the_stream_is_seen(stream_mode):
   ours, x = _block(t=2048)
   with torch.no_grad():
     y0 = ours(x).clone()

@@ -460,3 +460,33 @@ def test_mxfp4_weights_with_fp8_activations(rng):
   out = jmoe.fused_moe(jnp.asarray(x), q13, q2, jnp.asarray(tw), jnp.asarray(ids))
   onp.assert_rel_close(np.asarray(out), _oracle(x, q13, q2, tw, ids, quant), 2e-2,
                        "mxfp4 x e4m3 vs NumPy oracle")
+
+
+def test_int4_checkpoint_words_and_per_channel_gptq(rng):
+  """GPTQ / AWQ int32 words: code j of word m at bits 4j (AWQ: column 8m + [0 2 4 6 1 3 5 7][j]);
+  a GPTQ checkpoint without groups (group_size -1: one scale row) loads per channel."""
+  from jmoe.quant import int4_checkpoints as i4
+  words = rng.integers(-2**31, 2**31, (3, 2)).astype(np.int32)
+  u = words.view(np.uint32)
+  rows = i4.unpack_int32(words, 0)  # [24, 2]
+  assert rows[8 * 2 + 5, 1] == (u[2, 1] >> 20) & 15
+  cols = i4.unpack_int32(words, 1, i4.AWQ_ORDER)  # [3, 16]
+  assert cols[1, 8 + 2] == (u[1, 1] >> 4) & 15 and cols[1, 8 + 1] == (u[1, 1] >> 16) & 15
+  with pytest.raises(TypeError, match=r"qweight must be int32"):
+    i4.unpack_int32(words.astype(np.int64), 0)
+  h, n = 64, 32
+  lins = []
+  for k, m in ((h, n), (h, n), (n, h)):
+    codes = rng.integers(0, 16, (k, m))
+    qw = np.zeros((k // 8, m), np.uint32)
+    for j in range(8):
+      qw |= codes[j::8].astype(np.uint32) << np.uint32(4 * j)
+    scales = rng.uniform(0.01, 0.02, (1, m)).astype(np.float16)
+    zeros = np.full((1, m // 8), 0x77777777, np.uint32).view(np.int32)  # v1 symmetric
+    lin = i4.gptq_linear(qw.view(np.int32), zeros, scales, k=k, n=m)
+    np.testing.assert_array_equal(lin.dequantize(), (codes - 8) * scales.astype(np.float32))
+    lins.append([lin])
+  w13, w2 = i4.int4_experts(*lins)
+  assert w13.scheme.weight_scale == "channel" and w13.zero is None and w13.scale.shape == (
+      1, 2 * n, 1)
+  np.testing.assert_array_equal(np.asarray(dequantize(w2))[0], lins[2][0].dequantize())

@@ -217,8 +217,9 @@ def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
 
     none = lambda _=None: None  # noqa: E731
     imports = {"public": lambda: jax.dlpack.from_dlpack(x), "old": import_old,
-               "torch": import_mode("torch"), "handshake": import_mode("handshake"),
-               "no_stream": import_without_stream}
+               "handshake": import_mode("handshake"), "no_stream": import_without_stream}
+    if "torch" in os.environ.get("JMOE_TEST_STREAM_MODES", "") or index < 0:  # --probe: ran
+      imports["torch"] = import_mode("torch")
     pieces = {
         "jax_cached_x": (lambda: fwd(xj, *ws), jsync),
         "jax_cached_x_bur": (lambda: fwd(xj, *ws).block_until_ready(), none),
@@ -278,6 +279,71 @@ def capture(name: str, args, device: torch.device) -> dict:
   return res
 
 
+PROBES = ("import_handshake", "export_fast", "import_torch")  # the riskiest last
+
+
+def probe_one(name: str, iters: int = 300) -> dict:
+  """One DLPack variant on CUDA, alone (run in its own process: a variant this jaxlib
+  mishandles may crash it): 300 crossings, values checked, median host us per crossing."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
+
+  dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke test of this code
+  index = 0 if dev == "cuda" else -1
+  x = torch.randn(64, 128, device=dev)
+  res: dict = dict(name=name)
+  if name.startswith("import_"):
+    tb.STREAM_MODE = name.removeprefix("import_")
+    fn = lambda: tb.to_jax(x)  # noqa: E731
+    check = lambda a: np.testing.assert_array_equal(np.asarray(a), x.cpu().numpy())  # noqa: E731
+  else:
+    a = jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128)
+    fn = lambda: tb._to_torch(a + 0, index)  # noqa: E731  a fresh output each call, as the bridge's
+    check = lambda t: np.testing.assert_array_equal(t.cpu().numpy(), np.asarray(a))  # noqa: E731
+  for _ in range(3):
+    check(fn())
+  res["median_us"] = timed(fn, lambda _=None: None, iters)["median_us"]
+  import gc  # noqa: PLC0415
+  gc.collect()
+  if dev == "cuda":
+    torch.cuda.synchronize()
+  res.update(ok=True, stream_mode_after=tb.STREAM_MODE, fast_dlpack=tb._FAST_DLPACK,
+             refused=len(tb._REFUSED))
+  return res
+
+
+def probe(out: str | None) -> int:
+  """PROBES in order in one child process (a variant this jaxlib mishandles may crash it:
+  those before it have reported); prints the shell exports picking the fastest variants that
+  ran clean (`eval $(... --probe)`), the details to stderr."""
+  import subprocess  # noqa: PLC0415
+  code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import bench_torch_bridge as b\n"
+          f"for n in {PROBES!r}:\n print('PROBE', json.dumps(b.probe_one(n)), flush=True)")
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+  results = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("PROBE ")]
+  done = {r["name"] for r in results}
+  for name in PROBES:
+    if name not in done:  # the first missing one crashed (or raised); the rest did not run
+      results.append(dict(name=name, ok=False, rc=p.returncode,
+                          tail=(p.stdout + p.stderr)[-1500:]))
+      break
+  for r in results:
+    print("#", json.dumps(r), file=sys.stderr, flush=True)
+  ok = {r["name"]: r for r in results if r.get("ok") and not r.get("refused")}
+  torch_ok = "import_torch" in ok and ok["import_torch"]["stream_mode_after"] == "torch"
+  mode = ("torch" if torch_ok and ok["import_torch"]["median_us"] <
+          ok.get("import_handshake", {}).get("median_us", 1e9) else
+          "handshake" if "import_handshake" in ok else "public")
+  export = "fast" if "export_fast" in ok else "public"
+  print(f"export JMOE_TORCH_BRIDGE_STREAM={mode} JMOE_TORCH_BRIDGE_EXPORT={export}"
+        f" JMOE_TEST_STREAM_MODES={'handshake,torch' if torch_ok else 'handshake'}")
+  if out:
+    with open(out, "w") as f:
+      json.dump(dict(probes=results, stream_mode=mode, export=export), f, indent=1)
+  return 0
+
+
 def _us(row: dict, k: str) -> str:
   v = row.get(k, {})
   return f"{v['median_us']:10.1f}" if "median_us" in v else f"{'-':>10}"
@@ -309,10 +375,14 @@ def main(argv=None) -> int:
   p.add_argument("--budget-s", type=float, default=1e9, help="start no measurement after this")
   p.add_argument("--breakdown", action="store_true",
                  help="time the bridge's pieces (forward-only) instead of the table")
+  p.add_argument("--probe", action="store_true",
+                 help="CUDA: try each DLPack variant in its own process, print the exports")
   p.add_argument("--capture", action="store_true",
                  help="try capturing a call (eager, compiled) into a torch CUDA graph")
   p.add_argument("--out", default=None, help="JSON file")
   args = p.parse_args(argv)
+  if args.probe:
+    return probe(args.out)
   models = [m for m in args.models.split(",") if m]
   for m in models:
     if m not in MODELS:

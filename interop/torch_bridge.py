@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 import threading
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -89,15 +90,21 @@ def _to_jax(t: torch.Tensor) -> jax.Array:
 # torch dtypes JAX canonicalizes on import (x64 off): they take the public, converting path
 _WIDE = (torch.int64, torch.float64, torch.uint64, torch.complex128)
 
-# How JAX waits for torch's current stream on import (CUDA):
-#  "torch": JAX records the array's definition event on torch's current stream itself (the
-#    stream argument of jaxlib's DLPack import is the stream the buffer becomes ready on): one
-#    event record in C++, no torch-side objects.
-#  "handshake": DLPack's protocol as `jax.dlpack.from_dlpack` runs it (torch makes JAX's
-#    external-ready stream wait for its current stream, JAX records on that stream), with the
-#    stream handle, torch's ExternalStream and one reused Event cached instead of made per call.
-# A failure of the "torch" mode falls back to "handshake", and that to the public function.
-STREAM_MODE = "torch"
+# How JAX waits for torch's current stream on import (CUDA), env JMOE_TORCH_BRIDGE_STREAM:
+#  "handshake" (default): DLPack's protocol as `jax.dlpack.from_dlpack` runs it (torch makes
+#    JAX's external-ready stream wait for its current stream, JAX records the array's
+#    definition event on that stream), with the stream handle, torch's ExternalStream and one
+#    reused Event cached instead of made per call (torch's `__dlpack__` makes new ones).
+#  "torch": JAX records the definition event on torch's current stream itself (jaxlib's import
+#    takes the stream the buffer becomes ready on): no torch-side event at all. Only where
+#    the jaxlib takes a foreign stream; a refusal switches to "handshake".
+#  "public": `jax.dlpack.from_dlpack` unchanged.
+# JMOE_TORCH_BRIDGE_EXPORT="public" sends outputs through `torch.from_dlpack` (default "fast").
+STREAM_MODE = os.environ.get("JMOE_TORCH_BRIDGE_STREAM", "handshake")
+EXPORT_MODE = os.environ.get("JMOE_TORCH_BRIDGE_EXPORT", "fast")
+# Capsules a jaxlib call refused: it may already have run their deleter, so their destructor
+# must never run (a double free); kept for the process' life (one per fallback, then no more).
+_REFUSED: list = []
 
 
 class _Fast:
@@ -133,10 +140,9 @@ class _Fast:
     dl = 1 if index < 0 else self.gpu_dl
     extra = (dl,) if self.new_sig else ()
     if index < 0:
-      return self.to_buffer(torch._C._to_dlpack(t), device, None, False, *extra)
+      return self._buffer(torch._C._to_dlpack(t), device, None, extra)
     if STREAM_MODE == "torch":
-      return self.to_buffer(torch._C._to_dlpack(t), device, self.torch_stream(index), False,
-                            *extra)
+      return self._buffer(torch._C._to_dlpack(t), device, self.torch_stream(index), extra)
     hs = self.handshake.get(index)
     if hs is None:
       stream = device.get_stream_for_external_ready_events()
@@ -146,12 +152,24 @@ class _Fast:
     with self.lock:  # another thread's record between ours and the wait would be waited on
       event.record(torch.cuda.current_stream(index))
       ext.wait_event(event)
-    return self.to_buffer(torch._C._to_dlpack(t), device, stream, False, *extra)
+    return self._buffer(torch._C._to_dlpack(t), device, stream, extra)
+
+  def _buffer(self, capsule, device, stream: Optional[int], extra: tuple) -> jax.Array:
+    try:
+      return self.to_buffer(capsule, device, stream, False, *extra)
+    except BaseException:
+      _REFUSED.append(capsule)  # see _REFUSED
+      raise
 
   def export(self, a: jax.Array, index: int) -> torch.Tensor:
     """a (on torch's device `index`) -> torch; on CUDA torch's current stream waits for it."""
     stream = None if index < 0 else self.torch_stream(index)
-    return torch._C._from_dlpack(self.to_capsule(a, stream=stream))
+    capsule = self.to_capsule(a, stream=stream)
+    try:
+      return torch._C._from_dlpack(capsule)
+    except BaseException:
+      _REFUSED.append(capsule)
+      raise
 
 
 _FAST: Optional[_Fast] = None
@@ -186,7 +204,7 @@ def _from_dlpack(t: torch.Tensor) -> jax.Array:
   torch's internals differ."""
   global STREAM_MODE, _FAST_DLPACK
   fast = _fast()
-  if fast is not None and t.dtype not in _WIDE and not t.is_conj():
+  if fast is not None and STREAM_MODE != "public" and t.dtype not in _WIDE and not t.is_conj():
     index = _index(t)
     if index is not None:
       try:
@@ -213,7 +231,7 @@ def _to_torch(a: jax.Array, index: int) -> torch.Tensor:
   `torch.from_dlpack` / `jax.Array.__dlpack__` Python (device lookup, kwarg retries)."""
   global _FAST_DLPACK
   fast = _fast()
-  if fast is not None:
+  if fast is not None and EXPORT_MODE == "fast":
     try:
       return fast.export(a, index)
     except _FAST_ERRORS:
@@ -573,5 +591,19 @@ class JmoeMoE(torch.nn.Module):
       raise ValueError(f"x must be a torch tensor [..., {h}], got "
                        f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     flat = x if x.ndim == 2 else x.reshape(-1, h)  # a reshape is ~1 us a call each way
-    y = run(self._op_key, [flat] + [getattr(self, a) for a in self._attrs])
+    y = run(self._op_key, [flat, *self._tensors()])
     return y if x.ndim == 2 else y.reshape(x.shape)
+
+  def _tensors(self) -> list[torch.Tensor]:
+    """The parameters and buffers in the spec's order, read from the module's own dicts each
+    call (so a reassigned parameter is seen) without `Module.__getattr__` (~0.7 us each)."""
+    params, buffers = self._parameters, self._buffers
+    out = []
+    for a in self._attrs:
+      t = params.get(a)
+      if t is None:
+        t = buffers.get(a)
+        if t is None:  # replaced by a plain attribute, or removed: the ordinary lookup
+          t = getattr(self, a)
+      out.append(t)
+    return out

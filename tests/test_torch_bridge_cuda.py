@@ -10,6 +10,7 @@ Run on a CUDA machine with `XLA_PYTHON_CLIENT_PREALLOCATE=false` (JAX and torch 
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -51,9 +52,10 @@ def test_zero_copy_on_cuda(name):
   assert tb.to_torch(a).data_ptr() == a.unsafe_buffer_pointer()
 
 
-@pytest.fixture(params=["torch", "handshake"])
+@pytest.fixture(params=os.environ.get("JMOE_TEST_STREAM_MODES", "handshake,torch").split(","))
 def stream_mode(request, monkeypatch):
-  """Both ways the import orders torch's stream before JAX (tb.STREAM_MODE)."""
+  """Each way the import orders torch's stream before JAX (tb.STREAM_MODE;
+  JMOE_TEST_STREAM_MODES picks which, e.g. one process per mode)."""
   monkeypatch.setattr(tb, "STREAM_MODE", request.param)
   yield request.param
   assert tb.STREAM_MODE == request.param, "the mode fell back: jaxlib refused it"

@@ -33,7 +33,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import jmoe  # noqa: E402
 from jmoe import timing  # noqa: E402
+from jmoe.kernels import decode_q8  # noqa: E402
 from jmoe.kernels import moe as pmoe  # noqa: E402
+from jmoe.kernels.activations import as_activation  # noqa: E402
 from jmoe.quant import quantize_activations, quantize_weights  # noqa: E402
 from check_common import top_kernels, torch_sorted_slots  # noqa: E402  (benchmarks/, the script's directory)
 
@@ -101,14 +103,16 @@ def floors(p, t, touched, per_expert_bytes, peak_tflops):
 # ----------------------------------------------------------------------------- blocks
 
 
-def quantized_block_fn(interpret, configs=(None, None)):
+def quantized_block_fn(interpret, configs=(None, None), layout="auto"):
   """The quantized block as PallasExperts.apply runs it (prepare's token quantization first);
-  configs: the fp8_block GEMMs' (config1, config2), None for the defaults."""
+  configs: the fp8_block GEMMs' (config1, config2), None for the defaults; layout:
+  fused_experts_quantized's (auto / sorted / decode)."""
   config1, config2 = configs
   def block(x, tw, ti, q13, q2):
     xq, xs = quantize_activations(x, q13.scheme)
     return pmoe.fused_experts_quantized(xq, xs, q13, q2, tw, ti, out_dtype=jnp.bfloat16,
-                                        interpret=interpret, config1=config1, config2=config2)
+                                        interpret=interpret, config1=config1, config2=config2,
+                                        layout=layout)
   return jax.jit(block)
 
 
@@ -122,16 +126,18 @@ def bf16_block_fn(interpret):
 BLOCK_VARIANTS = ("default", "1cta", "2cta", "ws", "ws-n128")
 
 
-def variants(schemes: dict, block_variants: list[str]):
-  """(label, scheme, fp8_block GEMM1 variant or None) to time: each scheme with the defaults,
-  fp8_block once per --block-variants entry (GEMM2 follows GEMM1's form)."""
+def variants(schemes: dict, block_variants: list[str], layouts=("auto",)):
+  """(label, scheme, fp8_block GEMM1 variant or None, layout) to time: each scheme with the
+  defaults once per --layouts entry, fp8_block once per --block-variants entry (GEMM2 follows
+  GEMM1's form)."""
   for scheme in schemes:
     if scheme != "fp8_block":
-      yield scheme, scheme, None
+      for lay in layouts:
+        yield (scheme if lay == "auto" else f"{scheme}/{lay}"), scheme, None, lay
       continue
     for v in block_variants:
       yield (scheme if v == "default" else f"{scheme}/{v}"), scheme, (
-          None if v == "default" else v)
+          None if v == "default" else v), "auto"
 
 
 def resolve_config(variant, p, t, gated=True):
@@ -182,10 +188,11 @@ def _np_expert(w, e: int) -> np.ndarray:
   return np.asarray(jax.device_get(_dequantized_expert(w.values[e], w.scale[e])), np.float64)
 
 
-def quantized_reference(x, tw, ti, q13, q2) -> np.ndarray:
+def quantized_reference(x, tw, ti, q13, q2, inter_group=None) -> np.ndarray:
   """float64 host reference of the scheme on these tokens: the tokens quantized per the
   scheme, the dequantized 8-bit weights of each slot's expert, the activation's output
-  re-quantized, the router-weighted sum. Independent of the device's conversions."""
+  re-quantized (per the scheme, or per inter_group columns: the decode kernel's 128), the
+  router-weighted sum. Independent of the device's conversions."""
   quant = q13.scheme
   group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
   xd = _np_quantize_rows(np.asarray(x, np.float64), quant.act_dtype, group)
@@ -197,8 +204,8 @@ def quantized_reference(x, tw, ti, q13, q2) -> np.ndarray:
       h = _np_expert(q13, e) @ xd[t_]
       n = h.shape[0] // 2
       a = (h[:n] / (1 + np.exp(-h[:n])) * h[n:])[None]
-      out[t_] += tw[t_, j] * (_np_expert(q2, e) @ _np_quantize_rows(a, quant.act_dtype,
-                                                                  group)[0])
+      out[t_] += tw[t_, j] * (_np_expert(q2, e) @ _np_quantize_rows(
+          a, quant.act_dtype, inter_group or group)[0])
   return out
 
 
@@ -266,18 +273,22 @@ def run_one(args, p, t, sets, w13, w2, qw, rec, torch_ok):
   out_bf16 = np.asarray(bf(*bsets[0])[:nchk], np.float32)
   touched = len(np.unique(np.asarray(sets[0][2])))
   rec["touched"] = touched
-  for label, scheme, cfg in variants(qw, args.block_variants):
+  for label, scheme, cfg, layout in variants(qw, args.block_variants, args.layouts):
     q13, q2 = qw[scheme]
     r = dict(scheme=label)
     rec["schemes"].append(r)
     try:
-      f = quantized_block_fn(interp, resolve_config(cfg, p, t))
+      f = quantized_block_fn(interp, resolve_config(cfg, p, t), layout)
       qsets = [s + (q13, q2) for s in sets]
       t0 = time.time()
       out = jax.block_until_ready(f(*qsets[0]))
       r["compile_s"] = time.time() - t0
       x, tw, ti = sets[0]
-      ref = quantized_reference(x[:nchk], tw[:nchk], ti[:nchk], q13, q2)
+      used = pmoe.quantized_layout(t, p["k"], p["E"], p["H"], p["N"], as_activation("silu"),
+                                   q13.scheme, layout)
+      r["layout"] = used
+      ref = quantized_reference(x[:nchk], tw[:nchk], ti[:nchk], q13, q2,
+                                inter_group=decode_q8.BN if used == "decode" else None)
       r["err_vs_dequant_ref"] = rel_err(out[:nchk].astype(jnp.float32), ref)
       r["err_vs_bf16"] = rel_err(out[:nchk].astype(jnp.float32), out_bf16)
       us, samples, pk = time_fn(f, qsets, args)
@@ -332,6 +343,9 @@ def parse_args(argv=None):
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_quant"))
   ap.add_argument("--block-variants", default="default",
                   help=f"fp8_block GEMM forms to time, of {BLOCK_VARIANTS}")
+  ap.add_argument("--layouts", default="auto",
+                  help="fused_experts_quantized layouts to time per scheme (auto, sorted, "
+                       "decode: the 8-bit decode kernel where it applies)")
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--no-bf16", action="store_true", help="skip timing the bf16 block")
   ap.add_argument("--interpret", action="store_true", help="CPU interpreter, tiny preset")
@@ -340,6 +354,10 @@ def parse_args(argv=None):
     if s not in SCHEMES:
       ap.error(f"--schemes: {s!r} is not one of {SCHEMES}")
   args.block_variants = args.block_variants.split(",")
+  args.layouts = args.layouts.split(",")
+  for v in args.layouts:
+    if v not in ("auto", "sorted", "decode"):
+      ap.error(f"--layouts: {v!r} is not one of auto, sorted, decode")
   for v in args.block_variants:
     if v not in BLOCK_VARIANTS:
       ap.error(f"--block-variants: {v!r} is not one of {BLOCK_VARIANTS}")

@@ -15,6 +15,7 @@ from jax import lax
 
 from jmoe.kernels import _compat
 from jmoe.kernels import decode as _decode
+from jmoe.kernels import decode_q8 as _decode_q8
 from jmoe.kernels import permute as _perm
 from jmoe.kernels import route as _route
 from jmoe.kernels.activations import Activation, as_activation
@@ -389,14 +390,30 @@ def _requant_rows(h: jax.Array, live: jax.Array, quant):
   return quantize_activations(h, quant)
 
 
+def quantized_layout(t: int, k: int, e: int, hdim: int, n: int, act: Activation, quant,
+                     layout: str = "auto") -> str:
+  """"decode" (jmoe.kernels.decode_q8: one kernel, no sort) or "sorted" (the grouped GEMMs).
+  auto: decode where its scheme and sizes are supported and the slots rarely share an expert
+  (4 T k <= E, as the bf16 block's decode rule: each slot streams its expert's weights)."""
+  if layout not in ("auto", "sorted", "decode"):
+    raise ValueError(f"layout={layout!r}: 'auto', 'sorted' or 'decode'")
+  ok = _decode_q8.supports(t, k, hdim, n, act, quant)
+  if layout == "decode" and not ok:
+    raise ValueError(f"layout='decode': the 8-bit decode kernel does not take {quant} at "
+                     f"T={t}, k={k}, H={hdim}, N={n}, {act.name} (decode_q8.supports)")
+  if layout == "auto":
+    return "decode" if ok and 4 * t * k <= e else "sorted"
+  return layout
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "interpret", "config1",
-                                             "config2"))
+                                             "config2", "layout"))
 def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
                             topk_weights: jax.Array, topk_ids: jax.Array, *,
                             activation: Activation | str = "silu",
                             w13_bias: jax.Array | None = None, w2_bias: jax.Array | None = None,
                             out_dtype=jnp.bfloat16, interpret: Any = False,
-                            config1=None, config2=None) -> jax.Array:
+                            config1=None, config2=None, layout: str = "auto") -> jax.Array:
   """fused_experts for 8-bit W8A8 weights (jmoe.quant.QuantizedWeights, K-major): the scheme's
   semantics of jmoe.experts.xla.quantized_expert_mlp_sorted on the 8-bit kernels.
 
@@ -409,7 +426,9 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
   the router weights are applied in the final gather-sum (f32), as in fused_experts.
   config1 / config2: the GEMMs' configs (GroupedGemmConfig for the per-token schemes,
   grouped_gemm_q8.BlockQ8Config for fp8_block, where GEMM2 takes GEMM1's block_m: it reads
-  GEMM1's per-task scales); None: the defaults. Returns [T, H] out_dtype.
+  GEMM1's per-task scales); None: the defaults. layout: quantized_layout's ("decode": the
+  one-kernel W8A8 decode block, whose intermediate scale is per 128 columns of a slot).
+  Returns [T, H] out_dtype.
   """
   from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
   act = as_activation(activation)
@@ -418,6 +437,10 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
   e, n13, hdim = w13.values.shape
   n = n13 // 2 if act.is_gated else n13
   m = t * k
+  if quantized_layout(t, k, e, hdim, n, act, quant, layout) == "decode":
+    return _decode_q8.fused_experts_decode_q8(
+        a_q, a_scale, w13, w2, topk_weights, topk_ids, activation=act, w13_bias=w13_bias,
+        w2_bias=w2_bias, out_dtype=out_dtype, interpret=interpret)
   block = quant.weight_scale == "block"
   if block:
     cfg1 = config1 or q8.block_config(m, n, hdim, e, gated=act.is_gated, quantize_output=True)

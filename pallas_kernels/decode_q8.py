@@ -1,0 +1,327 @@
+"""The 8-bit (W8A8) decode MoE block as one Mosaic GPU kernel: decode.py's design with 8-bit
+weights, tokens and intermediate (fp8_tensor / fp8_channel / int8 schemes).
+
+Per valid slot s (token t = s // k, expert e = topk_ids[s]) and block j of 128 intermediate
+columns, one work item:
+
+    a             = act(x_q[t] @ w13[e][gate rows of j]^T * sx[t] * sw13[gate rows] (+ b),
+                        the same for the up rows)                                [128]
+    a_q, sa       = a quantized (fp8 / int8) with one scale for the item's 128 values
+    part[j, s, :] = (a_q @ w2[e][:, cols of j]^T) * sa * sw2[e, :]                 [1, H] f32
+
+The weights stay as QuantizedWeights store them (K-major [E, N, K] values), which is the A
+operand 8-bit wgmma takes with no transpose; the token is the 8-column B operand (its row 8
+times, made in HBM by the wrapper: 8 x H bytes per token). Each step moves three TMA copies
+into one ring slot: GEMM1 steps a 128 x 128 gate tile, an up tile and the token's 8 x 128
+tile; GEMM2 steps two 128 x 128 tiles of w2 (256 output columns) and their 256 channel scales.
+So one CTA's loads are one stream (decode.py: the ring never drains between the GEMMs or
+between items), with 8-bit weights the only large bytes.
+
+The intermediate's scale is per item (128 columns of one slot) rather than per token: a
+token's scale would span every item (every CTA) of the slot. The item's GEMM2 partial is
+multiplied by it before the store, so this only makes the intermediate more accurate than a
+per-token scale (the XLA path's); the tests compare with a reference of the kernel's scheme.
+
+Launches: this kernel and decode.combine_parts' reduction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jmoe.kernels import _compat
+from jmoe.kernels.activations import Activation, as_activation
+from jmoe.kernels.decode import MAX_SLOTS, combine_parts, slot_item
+from jmoe.kernels.grouped_gemm import kernel_activation
+
+_N = 8  # wgmma's N: the token (or activation) row, 8 times
+BN = 128  # intermediate columns per item (GEMM1's M per gate / up, GEMM2's K)
+BK = 128  # GEMM1's contraction step: one 128-byte swizzle of 8-bit values
+BH = 256  # GEMM2's output columns per step (two 128-row A tiles)
+_ROWS = 64  # rows of the activation tile (its first 8 are GEMM2's B operand)
+_SMEM_BYTES = 232448 - 12 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
+_MAX_STAGES = 6
+QMAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.int8): 127.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeQ8Config:
+  """stages: ring slots of 34 KiB (None: as many as shared memory holds, up to 6)."""
+  stages: int | None = None
+
+  def __post_init__(self):
+    if self.stages is not None and self.stages < 2:
+      raise ValueError(f"stages={self.stages} must be >= 2")
+
+
+def _stage_bytes() -> int:
+  return 2 * BN * BK + _N * BK + BH * 4
+
+
+def max_stages(h: int, has_bias: bool) -> int:
+  """The deepest ring that fits shared memory (besides it: the activation tile and vector,
+  a GEMM2 output row, the item's scale / bias vectors)."""
+  fixed = _ROWS * BN + BN * 4 + BH * 4 + 2 * 4 * BN * 4 + _ROWS * 4 + 2 * BK * _N
+  return min(_MAX_STAGES, (_SMEM_BYTES - fixed) // _stage_bytes())
+
+
+def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool, num_sms,
+           interpret):
+  nb, k1, k2 = n // BN, h // BK, h // BH
+  spi = k1 + k2  # steps per item
+  if stages - 1 >= spi:
+    raise ValueError(f"stages={stages} must be at most {spi} (steps per item)")
+  integer = jnp.issubdtype(dtype, jnp.integer)
+  acc_dtype = jnp.int32 if integer else jnp.float32
+  qmax = QMAX[jnp.dtype(dtype)]
+  _cast = _compat.layout_cast(interpret)
+  tf = _compat.smem_transforms(BK, 1)
+  emulate_t = interpret is not None  # the interpreter's wgmma takes no transposed operand
+
+  def body(ids_ref, xs_ref, x_ref, w13_ref, ws13_ref, w2_ref, ws2_ref, *rest):
+    rest = list(rest)
+    b13_ref = rest.pop(0) if has_bias else None
+    part_ref, ring, xring, sring, a_smem, a_vec, s_vec, o_row, vec, bars, xbar = rest[:11]
+    t_b = rest[11] if emulate_t else None
+    sm = lax.axis_index("sm")
+
+    def rhs(tile):
+      """B = the tile's first 8 rows, [8, K] K-major, as the logical [K, 8] operand."""
+      rows = tile.at[pl.ds(0, _N)]
+      if emulate_t:
+        t_b[...] = rows[...].T
+        return t_b
+      return plgpu.transpose_ref(rows, (1, 0))
+
+    def item(it):
+      return slot_item(ids_ref, sm + it * num_sms, m=m, k=k, e=e, nb=nb)
+
+    count, info0 = item(jnp.int32(0))
+    my_items = jnp.maximum(lax.div(count * nb - sm + num_sms - 1, num_sms), 0)
+    total = my_items * spi
+
+    def fetch(g, i, cur, nxt):
+      """Loads the CTA's step g (item i's or item i + 1's) into slot g % stages: three copies
+      per step, whichever GEMM it belongs to (one barrier count)."""
+      @pl.when(g < total)
+      def _fetch():
+        it, r = lax.div(g, jnp.int32(spi)), lax.rem(g, jnp.int32(spi))
+        pick = it == i
+        _, ex, jb, tok = (jnp.where(pick, a, b) for a, b in zip(cur, nxt))
+        slot = lax.rem(g, jnp.int32(stages))
+        dst, bar = ring.at[slot], bars.at[slot]
+
+        @pl.when(r == 0)  # the item's weight scales (and biases) ride with its first step
+        def _vectors():
+          vb = lax.rem(it, 2)
+          for c, col in enumerate((jb * BN, n + jb * BN)):
+            plgpu.copy_gmem_to_smem(ws13_ref.at[ex, pl.ds(col, BN)], vec.at[vb, c], xbar.at[vb])
+            if has_bias:
+              plgpu.copy_gmem_to_smem(b13_ref.at[ex, pl.ds(col, BN)], vec.at[vb, 2 + c],
+                                      xbar.at[vb])
+
+        @pl.when(r < k1)
+        def _w13():
+          cols = pl.ds(r * BK, BK)
+          plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(jb * BN, BN), cols], dst.at[0], bar)
+          plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + jb * BN, BN), cols], dst.at[1], bar)
+          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), cols], xring.at[slot], bar)
+
+        @pl.when(r >= k1)
+        def _w2():
+          c = r - k1
+          for half in range(2):
+            rows = pl.ds(c * BH + half * (BH // 2), BH // 2)
+            plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(jb * BN, BN)], dst.at[half], bar)
+          plgpu.copy_gmem_to_smem(ws2_ref.at[ex, pl.ds(c * BH, BH)], sring.at[slot], bar)
+
+    for g in range(stages - 1):  # the first stages - 1 steps all belong to item 0
+      fetch(jnp.int32(g), jnp.int32(0), info0, info0)
+
+    def column(acc):
+      """An accumulator's column 0 as f32 (its 8 columns are equal)."""
+      return jnp.max(acc[...].astype(jnp.float32), axis=1)
+
+    def one_item(i, cur):
+      _, nxt = item(i + 1)
+      slot_id, _, jb, tok = cur
+      vb = lax.rem(i, 2)
+      base = i * spi
+      plgpu.barrier_wait(xbar.at[vb])
+
+      def gemm1(acc_g, acc_u):
+        @pl.loop(0, k1)
+        def _step(r):
+          g = base + r
+          slot = lax.rem(g, jnp.int32(stages))
+          plgpu.barrier_wait(bars.at[slot])
+          x_t = rhs(xring.at[slot])
+          plgpu.wgmma(acc_g, ring.at[slot, 0], x_t)
+          plgpu.wgmma(acc_u, ring.at[slot, 1], x_t)
+          plgpu.wgmma_wait(2)  # step g - 1's pair is done: its slot takes step g + stages - 1
+          fetch(g + stages - 1, i, cur, nxt)
+
+        plgpu.wgmma_wait(0)
+        sx = xs_ref[tok]
+        vals = []
+        for c, acc in enumerate((acc_g, acc_u)):  # [BN, 8]: rows = intermediate columns
+          ws = _cast(vec.at[vb, c][...], plgpu.Layout.WGMMA.reduce(1))
+          v = acc[...].astype(jnp.float32) * lax.broadcast_in_dim(ws * sx, (BN, _N), [0])
+          if has_bias:
+            b = _cast(vec.at[vb, 2 + c][...], plgpu.Layout.WGMMA.reduce(1))
+            v = v + lax.broadcast_in_dim(b, (BN, _N), [0])
+          vals.append(v)
+        a_vec[...] = jnp.max(kernel_activation(act, *vals), axis=1)
+        plgpu.commit_smem()
+        # the item's scale: every row of the broadcast tile holds the 128 values, so a
+        # per-row max is the amax (a cross-row reduction has no cheap form here)
+        a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
+        tile = lax.broadcast_in_dim(a, (_ROWS, BN), [1])
+        amax = jnp.max(jnp.abs(tile), axis=1)
+        sa = jnp.where(amax > 0.0, amax / qmax, 1.0)
+        q = tile / lax.broadcast_in_dim(sa, (_ROWS, BN), [0])
+        if integer:
+          q = jnp.round(q)
+        a_smem[...] = jnp.clip(q, -qmax, qmax).astype(dtype)
+        s_vec[...] = sa
+        plgpu.commit_smem()
+
+      pl.run_scoped(gemm1, plgpu.ACC((BN, _N), acc_dtype), plgpu.ACC((BN, _N), acc_dtype))
+
+      @pl.loop(0, k2)
+      def _gemm2(c):
+        g = base + k1 + c
+        slot = lax.rem(g, jnp.int32(stages))
+        plgpu.barrier_wait(bars.at[slot])
+
+        def mma(acc_a, acc_b):
+          a_t = rhs(a_smem)
+          plgpu.wgmma(acc_a, ring.at[slot, 0], a_t)
+          plgpu.wgmma(acc_b, ring.at[slot, 1], a_t)
+          plgpu.wgmma_wait(0)
+          return column(acc_a), column(acc_b)
+
+        ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), acc_dtype),
+                           plgpu.ACC((BH // 2, _N), acc_dtype))
+        sa = s_vec[0]
+        scales = [_cast(sring.at[slot, pl.ds(half * (BH // 2), BH // 2)][...],
+                        plgpu.Layout.WGMMA.reduce(1)) for half in range(2)]
+        fetch(g + stages - 1, i, cur, nxt)  # after the scales' read: the slot is reloaded
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's store read o_row
+        for half, (y, s2) in enumerate(zip(ys, scales)):
+          o_row.at[0, pl.ds(half * (BH // 2), BH // 2)][...] = y * s2 * sa
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_row, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
+
+      return nxt
+
+    lax.fori_loop(0, my_items, one_item, info0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  scratch = [
+      plgpu.SMEM((stages, 2, BN, BK), dtype, transforms=tf),  # the weight ring
+      plgpu.SMEM((stages, _N, BK), dtype, transforms=tf),  # GEMM1 steps' token tiles
+      plgpu.SMEM((stages, BH), jnp.float32),  # GEMM2 steps' w2 channel scales
+      plgpu.SMEM((_ROWS, BN), dtype, transforms=tf),  # the quantized activation: GEMM2's B
+      plgpu.SMEM((BN,), jnp.float32),  # the activation vector
+      plgpu.SMEM((_ROWS,), jnp.float32),  # the item's activation scale (every entry)
+      plgpu.SMEM((1, BH), jnp.float32),  # a GEMM2 step's output row
+      plgpu.SMEM((2, 4, BN), jnp.float32),  # per item: gate / up scales (and biases)
+      plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=4 if has_bias else 2, num_barriers=2),
+  ]
+  if emulate_t:
+    scratch.append(plgpu.SMEM((BK, _N), dtype))
+  return _compat.kernel(
+      body, out_type=jax.ShapeDtypeStruct((nb, m, h), jnp.float32), scratch_types=scratch,
+      grid=(num_sms,), grid_names=("sm",),
+      compiler_params=_compat.compiler_params(approx_math=True), interpret=interpret,
+      name="jmoe_moe_decode_q8")
+
+
+def supports(t: int, k: int, h: int, n: int, act: Activation | str, quant) -> bool:
+  """Whether fused_experts_decode_q8 takes this problem: a gated activation, <= 128 slots, H a
+  multiple of 256, N of 128, and a scheme whose scales are constant along K (per tensor /
+  channel weights, per-token or per-tensor dynamic activations)."""
+  return (as_activation(act).is_gated and t * k <= MAX_SLOTS and h % BH == 0 and n % BN == 0
+          and quant.weight_scale in ("tensor", "channel")
+          and quant.act_scale in ("dynamic_token", "dynamic_tensor")
+          and jnp.dtype(quant.act_dtype) in QMAX)
+
+
+def _channel_scales(s: jax.Array, e: int, rows: int, argname: str) -> jax.Array:
+  """QuantizedWeights.scale [E, 1, 1] / [E, rows, 1] -> f32 [E, rows]."""
+  if s.shape not in ((e, 1, 1), (e, rows, 1)):
+    raise ValueError(f"{argname} must be per-tensor [E, 1, 1] or per-channel [E, {rows}, 1] "
+                     f"(K-major values), got {s.shape}")
+  return jnp.broadcast_to(s[:, :, 0].astype(jnp.float32), (e, rows))
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "config", "out_dtype", "interpret"))
+def fused_experts_decode_q8(x_q: jax.Array, x_scale: jax.Array, w13, w2,
+                            topk_weights: jax.Array, topk_ids: jax.Array, *,
+                            activation: Activation | str = "silu",
+                            w13_bias: jax.Array | None = None,
+                            w2_bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
+                            config: DecodeQ8Config | None = None,
+                            interpret: Any = False) -> jax.Array:
+  """The W8A8 decode block: out[t] = sum_j topk_weights[t, j] * (act(dq(x[t]) @ dq(w13[e]) +
+  b13[e]) @ dq(w2[e]) + b2[e]), e = topk_ids[t, j], with the intermediate quantized per 128
+  columns of each slot (module docstring).
+
+  x_q [T, H] fp8 e4m3 / int8 (prepare's quantized tokens), x_scale [T, 1] (or [1, 1]) f32;
+  w13 / w2 jmoe.quant.QuantizedWeights (K-major values [E, 2N, H] / [E, H, N] of x_q's dtype,
+  per-tensor or per-channel scales); topk_weights / topk_ids [T, k] (-1 or >= E: empty slot),
+  T * k <= 128; H a multiple of 256, N of 128; biases f32 [E, 2N] / [E, H]. Returns [T, H].
+  """
+  act = as_activation(activation)
+  if not act.is_gated:
+    raise ValueError(f"activation={act.name!r}: the decode kernel takes gated activations")
+  cfg = config or DecodeQ8Config()
+  t, k = topk_ids.shape
+  e, n2, h = w13.values.shape
+  n = n2 // 2
+  if x_q.shape != (t, h) or w2.values.shape != (e, h, n):
+    raise ValueError(f"shapes: x_q {x_q.shape} (want ({t}, {h})), w2 values "
+                     f"{w2.values.shape} (want K-major ({e}, {h}, {n}))")
+  if topk_weights.shape != (t, k):
+    raise ValueError(f"topk_weights must have shape ({t}, {k}) like topk_ids, got "
+                     f"{topk_weights.shape}")
+  dt = jnp.dtype(x_q.dtype)
+  if dt not in QMAX or w13.values.dtype != dt or w2.values.dtype != dt:
+    raise ValueError(f"dtypes: x_q {x_q.dtype}, w13 {w13.values.dtype}, w2 {w2.values.dtype}: "
+                     "one 8-bit type (float8_e4m3fn or int8)")
+  if h % BH or n % BN:
+    raise ValueError(f"H={h} must be a multiple of {BH} and N={n} of {BN}")
+  if t * k > MAX_SLOTS:
+    raise ValueError(f"topk_ids has {t * k} slots; the decode kernel takes at most {MAX_SLOTS}")
+  if x_scale.shape not in ((t, 1), (1, 1)):
+    raise ValueError(f"x_scale must be per-token [{t}, 1] or per-tensor [1, 1], got "
+                     f"{x_scale.shape}")
+  if w13_bias is not None and w13_bias.shape != (e, n2):
+    raise ValueError(f"w13_bias must have shape ({e}, {n2}), got {w13_bias.shape}")
+  has_bias = w13_bias is not None
+  stages = cfg.stages or min(max_stages(h, has_bias), h // BK + h // BH)
+  if stages > max_stages(h, has_bias):
+    raise ValueError(f"stages={stages} does not fit shared memory (at most "
+                     f"{max_stages(h, has_bias)})")
+  m = t * k
+  ids = topk_ids.reshape(m).astype(jnp.int32)
+  interp, nsm = _compat.launch_params(interpret)
+  kern = _build(h=h, n=n, m=m, k=k, e=e, dtype=dt, act=act, stages=stages, has_bias=has_bias,
+                num_sms=nsm, interpret=interp)
+  xs = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (t,))
+  x8 = jnp.broadcast_to(x_q[:, None, :], (t, _N, h)).reshape(t * _N, h)  # B: the row 8 times
+  args = [ids, xs, x8, w13.values, _channel_scales(w13.scale, e, n2, "w13.scale"), w2.values,
+          _channel_scales(w2.scale, e, h, "w2.scale")]
+  if has_bias:
+    args.append(w13_bias.astype(jnp.float32))
+  part = kern(*args)  # [N / 128, m, H]
+  return combine_parts(part, ids, topk_weights, w2_bias, num_experts=e, out_dtype=out_dtype)

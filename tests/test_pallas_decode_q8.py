@@ -1,0 +1,121 @@
+"""The 8-bit decode kernel (jmoe.kernels.decode_q8) in Mosaic GPU interpret mode with race
+detection, against a float64 NumPy oracle of its scheme (tokens per row, the intermediate per
+128 columns of each slot), and its GPU lowering at a preset's full size."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmoe
+import oracle_np as onp
+from jmoe.kernels import _compat
+from jmoe.kernels import decode_q8
+from jmoe.kernels import moe as pmoe
+from jmoe.kernels.activations import as_activation
+from jmoe.quant import quantize_activations, quantize_weights
+
+pytestmark = pytest.mark.skipif(
+    not _compat.interpret_available(),
+    reason="Mosaic GPU interpret mode (private jax API) unavailable in this jax version")
+
+TOL = 2e-2
+S = jax.ShapeDtypeStruct
+
+
+def _problem(rng, scheme, t, h, n, e, k, bias=False):
+  quant = jmoe.QuantConfig(scheme)
+  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.float32)
+  w13 = rng.standard_normal((e, h, 2 * n)) / np.sqrt(h)
+  w13.reshape(-1)[rng.choice(w13.size, 3, replace=False)] *= 30  # outliers the scales follow
+  q13 = quantize_weights(jnp.asarray(w13, jnp.float32), quant)
+  q2 = quantize_weights(jnp.asarray(rng.standard_normal((e, n, h)) / np.sqrt(n), jnp.float32),
+                        quant)
+  tw, ids = onp.random_topk(rng, t, e, k)
+  b13 = jnp.asarray(0.1 * rng.standard_normal((e, 2 * n)), jnp.float32) if bias else None
+  b2 = jnp.asarray(0.1 * rng.standard_normal((e, h)), jnp.float32) if bias else None
+  return quant, x, q13, q2, tw, ids, b13, b2
+
+
+def _oracle(x, q13, q2, tw, ids, quant, b13=None, b2=None):
+  """float64: tokens quantized per row, the intermediate per 128 columns of each slot."""
+  w13, w2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (q13, q2))
+  xq = onp.quantize_rows(np.asarray(x, np.float32), quant.act_dtype, None)
+  requant = lambda a: onp.quantize_rows(a, quant.act_dtype, decode_q8.BN)  # noqa: E731
+  kw = {}
+  if b13 is not None:
+    kw = dict(w13_bias=np.asarray(b13, np.float64), w2_bias=np.asarray(b2, np.float64))
+  return onp.fused_moe(xq, w13, w2, tw, ids, activation="silu", requant=requant, **kw)
+
+
+def _run(x, q13, q2, tw, ids, quant, **kw):
+  xq, xs = quantize_activations(x, quant)
+  try:
+    out = jax.block_until_ready(decode_q8.fused_experts_decode_q8(
+        xq, xs, q13, q2, jnp.asarray(tw), jnp.asarray(ids), out_dtype=jnp.float32,
+        interpret=_compat.interpret_params(detect_races=True), **kw))
+  except Exception:
+    _compat.reset_interpret_state()
+    raise
+  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
+  return np.asarray(out)
+
+
+@pytest.mark.parametrize("scheme,bias", [("fp8_channel", True), ("int8", False)])
+def test_decode_q8_matches_oracle(scheme, bias, rng):
+  """Two items per slot (N = 256), an empty slot (-1), an expert no slot uses, T = 3."""
+  quant, x, q13, q2, tw, ids, b13, b2 = _problem(rng, scheme, 3, 256, 256, 4, 2, bias=bias)
+  ids[1, 1] = -1
+  ids[:, :] = np.where(ids == 3, 2, ids)
+  out = _run(x, q13, q2, tw, ids, quant, w13_bias=b13, w2_bias=b2)
+  assert out.shape == (3, 256) and np.isfinite(out).all()
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, quant, b13, b2), TOL,
+                       f"{scheme} decode_q8 vs oracle")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ("fp8_tensor", "fp8_channel", "int8"))
+def test_decode_q8_one_token_all_schemes(scheme, rng):
+  quant, x, q13, q2, tw, ids, _, _ = _problem(rng, scheme, 1, 512, 128, 8, 2)
+  out = _run(x, q13, q2, tw, ids, quant)
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, quant), TOL, f"{scheme} T=1")
+
+
+def test_quantized_block_takes_the_decode_kernel_and_refuses_bad_input():
+  """The layout rule (decode where slots rarely share an expert and the scheme's scales are
+  constant along K), the explicit layout's errors, and the kernel's shape checks."""
+  silu = as_activation("silu")
+  ch, blk = jmoe.QuantConfig("fp8_channel"), jmoe.QuantConfig("fp8_block")
+  assert pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, ch) == "decode"
+  assert pmoe.quantized_layout(64, 8, 128, 2048, 768, silu, ch) == "sorted"
+  assert pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, blk) == "sorted"
+  with pytest.raises(ValueError, match="does not take"):
+    pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, blk, layout="decode")
+  with pytest.raises(ValueError, match="layout="):
+    pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, ch, layout="fast")
+  qw = quantize_weights(jnp.ones((2, 256, 128), jnp.float32), ch)  # H = 256, N = 64
+  q2 = quantize_weights(jnp.ones((2, 64, 256), jnp.float32), ch)
+  xq = jnp.ones((1, 256), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="N=64 of 128"):
+    decode_q8.fused_experts_decode_q8(xq, jnp.ones((1, 1)), qw, q2, jnp.ones((1, 2)),
+                                      jnp.zeros((1, 2), jnp.int32))
+
+
+def test_decode_q8_lowers_for_gpu(monkeypatch):
+  """qwen3-30b-a3b's block at 1 token through fused_experts_quantized: one decode kernel."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  quant = jmoe.QuantConfig("fp8_channel")
+  e, k, h, n, t = 128, 8, 2048, 768, 1
+  dt = jnp.float8_e4m3fn
+
+  def qw(n_out, n_in):
+    return jmoe.quant.QuantizedWeights(values=S((e, n_out, n_in), dt),
+                                       scale=S((e, n_out, 1), jnp.float32), scheme=quant)
+
+  text = jax.jit(lambda x, s, w13, w2, tw, ti: pmoe.fused_experts_quantized(
+      x, s, w13, w2, tw, ti)).trace(
+          S((t, h), dt), S((t, 1), jnp.float32), qw(2 * n, h), qw(h, n),
+          S((t, k), jnp.float32), S((t, k), jnp.int32)).lower(
+              lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_q8"}

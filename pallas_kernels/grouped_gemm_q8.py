@@ -18,9 +18,9 @@ Two kernels:
   groups, DeepSeek-V3 / DeepGEMM): the scales vary along K, so each K step of 128 is one wgmma
   into a fresh accumulator that is promoted into the f32 total with
   ``a_scale[r, kb] * w_scale[e, n_blk, kb]`` (DeepGEMM's two-level accumulation: the fp8 wgmma's
-  limited-precision accumulator never sums more than 128 products). Its own kernel (one
-  warpgroup, software pipeline with the total as the pipeline's carry) because the K loop's body
-  differs. Its epilogue can write the output already quantized for the next GEMM
+  limited-precision accumulator never sums more than 128 products). Its own kernel (the total is
+  the pipeline's carry) because the K loop's body differs; prefill sizes run it warp specialized
+  (two compute warpgroups: one promotes while the other's wgmma runs). Its epilogue can write the output already quantized for the next GEMM
   (``quantize_output``): per row per 128 columns, fp8 values + f32 scales, so GEMM1's
   activation output never makes a bf16 round trip through HBM before GEMM2. Those scales are
   written per task ([T, N/128, block_m], each task owns its slot: a row's scale needs no store
@@ -28,22 +28,8 @@ Two kernels:
 
 Rows past sum(group_sizes) are not written (as grouped_gemm). Forward only.
 
-H200 (jax 0.11.2, 2026-12-01, benchmarks/bench_quant.py, the whole quantized block: token
-quantization, routing, both GEMMs, gather-sum; CUPTI kernel sum, 3 rotating inputs):
-  qwen3-30b-a3b 4096 tokens: fp8_channel 540 µs (bf16 block ~700, torch._scaled_grouped_mm
-    row-wise ~3860), fp8_tensor 545, fp8_block 841 (GEMM1 459 + GEMM2 256, one CTA per SM),
-    int8 586 (before the row scatter); 256 tokens: fp8_channel 205 (bf16 304, torch 503),
-    fp8_block 239, int8 205; 1 token: fp8_block 46, int8 38 (bf16's one-kernel decode 25).
-  mixtral-8x7b 4096: fp8_channel 2511 µs (bf16 ~4185, torch ~6124).
-  deepseek-v3 4096: fp8_channel 4794 µs (bf16 8328), fp8_block 8060 one CTA / 7531 two CTAs
-    per SM (GEMM1 5396, GEMM2 1808).
-Error vs a host float64 reference of each scheme: 1.3e-2 .. 1.8e-2 (fp8: the f32 vs f64
-intermediate flips some e4m3 roundings of the re-quantized activation; int8 0.8e-2); the
-schemes' own error vs the bf16 block: fp8 6-7 %, int8 2.7 %.
-What the figures say: the per-token schemes run on the bf16 kernel's warp-specialized schedule
-at ~570-1150 TFLOP/s; the block kernel (one warpgroup, a wgmma wait per 128-deep K step) is
-the slow one: GEMM1 2x the per-channel kernel's time. Next: two consumer warpgroups
-(DeepGEMM's split: one promotes while the other's wgmma runs) and a tuned table.
+H200 figures: BENCHMARKS.md ("Quantized experts"); design notes and what was tried:
+docs/kernels.md ("8-bit grouped GEMMs").
 """
 from __future__ import annotations
 
@@ -207,8 +193,8 @@ class BlockQ8Config:
   refitted), so one CTA's wgmma runs while the other waits on its promotion or epilogue (each
   K step ends in a wgmma wait: one warpgroup alone leaves the tensor cores idle there).
   warp_specialized: a TMA warpgroup and two compute warpgroups of 64 rows each (block_m=128)
-  over the same B tiles: one's promotion overlaps the other's wgmma (DeepGEMM's layout).
-  Interpret-tested and lowered; not yet timed on a GPU (hence not the default)."""
+  over the same B tiles: one's promotion overlaps the other's wgmma (DeepGEMM's layout); the
+  default where experts get more than 64 rows (block_config)."""
 
   block_m: int = 64
   block_n: int = 128

@@ -16,11 +16,13 @@ torch's in-place version counter, so an optimizer step is seen by the next call)
   implementation for shapes); its registered autograd recomputes the forward inside the jitted
   VJP in backward (a custom op can return only tensors, so it cannot hand a VJP closure on).
 
-CUDA stream ordering is DLPack's stream protocol, no device synchronize: `jax.dlpack.from_dlpack`
-calls `tensor.__dlpack__(stream=<JAX's stream>)`, so torch makes JAX's stream wait for the
-work queued on torch's *current* stream; `torch.from_dlpack(array)` calls
-`array.__dlpack__(stream=<torch's current stream>)`, so torch's stream waits for the JAX
-computation. Cached parameters do not cross again, but the activations always do, and their
+CUDA stream ordering is DLPack's stream protocol, no device synchronize: on import JAX's
+external-ready stream waits (an event recorded on torch's *current* stream) for the work queued
+there, as `jax.dlpack.from_dlpack` would have torch's `__dlpack__` arrange; on export jaxlib
+makes torch's current stream wait for the JAX computation, as `torch.from_dlpack(array)`
+would. Both run through jaxlib's and torch's C entry points resolved once (`_Fast`), with the
+stream handle, torch's ExternalStream and one Event cached; any failure there falls back to
+the public functions. Cached parameters do not cross again, but the activations always do, and their
 crossing orders everything queued before on torch's current stream (an optimizer step too).
 
 Rules that keep the zero-copy sound: nothing here donates a JAX buffer, so a torch view of one
@@ -95,9 +97,7 @@ _WIDE = (torch.int64, torch.float64, torch.uint64, torch.complex128)
 #    JAX's external-ready stream wait for its current stream, JAX records the array's
 #    definition event on that stream), with the stream handle, torch's ExternalStream and one
 #    reused Event cached instead of made per call (torch's `__dlpack__` makes new ones).
-#  "torch": JAX records the definition event on torch's current stream itself (jaxlib's import
-#    takes the stream the buffer becomes ready on): no torch-side event at all. Only where
-#    the jaxlib takes a foreign stream; a refusal switches to "handshake".
+#    Handing jaxlib torch's stream itself (no torch-side event) is refused by jaxlib 0.11.2.
 #  "public": `jax.dlpack.from_dlpack` unchanged.
 # JMOE_TORCH_BRIDGE_EXPORT="public" sends outputs through `torch.from_dlpack` (default "fast").
 STREAM_MODE = os.environ.get("JMOE_TORCH_BRIDGE_STREAM", "handshake")
@@ -141,8 +141,6 @@ class _Fast:
     extra = (dl,) if self.new_sig else ()
     if index < 0:
       return self._buffer(torch._C._to_dlpack(t), device, None, extra)
-    if STREAM_MODE == "torch":
-      return self._buffer(torch._C._to_dlpack(t), device, self.torch_stream(index), extra)
     hs = self.handshake.get(index)
     if hs is None:
       stream = device.get_stream_for_external_ready_events()
@@ -200,9 +198,9 @@ _FAST_ERRORS = (ImportError, AttributeError, TypeError, KeyError, RuntimeError,
 def _from_dlpack(t: torch.Tensor) -> jax.Array:
   """`jax.dlpack.from_dlpack(t, copy=False)` minus its per-call Python (backend lookup,
   torch's `__dlpack__` with a new ExternalStream and Event per call, a `jnp.asarray` no-op);
-  the stream ordering of `STREAM_MODE`. Falls back to the public function where jaxlib's or
+  the same stream ordering (`STREAM_MODE`). Falls back to the public function where jaxlib's or
   torch's internals differ."""
-  global STREAM_MODE, _FAST_DLPACK
+  global _FAST_DLPACK
   fast = _fast()
   if fast is not None and STREAM_MODE != "public" and t.dtype not in _WIDE and not t.is_conj():
     index = _index(t)
@@ -210,9 +208,6 @@ def _from_dlpack(t: torch.Tensor) -> jax.Array:
       try:
         return fast.import_(t, index)
       except _FAST_ERRORS:
-        if index >= 0 and STREAM_MODE == "torch":
-          STREAM_MODE = "handshake"  # jaxlib refused torch's stream: the protocol's way
-          return _from_dlpack(t)
         _FAST_DLPACK = False  # internals differ (or UNIMPLEMENTED streams): public path
   return jax.dlpack.from_dlpack(t.detach(), copy=False)
 

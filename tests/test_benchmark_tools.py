@@ -105,3 +105,22 @@ def test_check_tgmm_problem_layout():
     assert np.count_nonzero(gs) <= 32  # 4 tokens x top-8 touch at most 32 experts
   with pytest.raises(ValueError, match="not one of"):
     check_tgmm.make_problem("qwen3 dW3")
+
+
+def test_bench_train_step_tiny_smoke(tmp_path):
+  """bench_train_step.py --tiny on the CPU: the reference model's donated training step runs,
+  its losses are finite and the JSON is written (no timing assertions)."""
+  import math
+
+  import bench_train_step
+  rc = bench_train_step.main(["--tiny", "--layers", "1", "--backends", "xla", "--steps", "1",
+                              "--rotate", "1", "--out", str(tmp_path)])
+  assert rc == 0
+  with open(tmp_path / "train_step.json") as fh:
+    result = json.load(fh)
+  (run,) = result["runs"]
+  assert "error" not in run, run.get("error")
+  assert run["backend"] == "xla" and run["tokens_per_step"] == 4 * 16
+  assert len(run["losses"]) == 4 and all(math.isfinite(x) for x in run["losses"])
+  assert run["flops_per_token"] > 6 * run["active_params"] > 0
+  assert result["agreement"]["tiny"]["checked"] is False

@@ -231,7 +231,8 @@ def cmd_tune(args) -> int:
   tables = args.tables.split(",") if args.tables else None
   timed: list[dict] = []  # every candidate's time, for --log
   out_dir = args.out or tune.default_config_dir()
-  note = f"jmoe tune --preset {args.preset}, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}"
+  note = (f"jmoe tune --preset {args.preset}{' --quant ' + args.quant if args.quant else ''}, "
+          f"{time.strftime('%Y-%m-%d')}, jax {jax.__version__}")
 
   def write_log():
     if args.log:
@@ -250,18 +251,28 @@ def cmd_tune(args) -> int:
         written.append(path)
     write_log()
 
-  total = tune.num_candidates(e, k, args.tokens, training=args.train,
-                             max_candidates=args.max_candidates, tables=tables)
+  if args.quant:
+    tune.quant_problems(args.quant)  # an unsupported scheme stops here, before any timing
+    total = tune.num_quant_candidates(e, k, args.tokens, args.quant,
+                                      max_candidates=args.max_candidates)
+  else:
+    total = tune.num_candidates(e, k, args.tokens, training=args.train,
+                               max_candidates=args.max_candidates, tables=tables)
   console.print(f"[bold]jmoe tune[/] {args.preset}: E={e} k={k} H={h} N={n} tokens={args.tokens} "
+                f"{'quant=' + args.quant + ' ' if args.quant else ''}"
                 f"jax={jax.__version__} device={jax.devices()[0].device_kind}")
   try:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as prog:
       task = prog.add_task("timing candidates", total=total)
-      results = tune.tune(e, k, h, n, cfg.act, args.tokens, iters=args.iters,
-                          interpret=args.interpret, max_candidates=args.max_candidates,
-                          progress=lambda: prog.advance(task), training=args.train,
-                          tables=tables, draws=args.draws, report=report, on_result=save)
+      common = dict(iters=args.iters, interpret=args.interpret,
+                    max_candidates=args.max_candidates, progress=lambda: prog.advance(task),
+                    draws=args.draws, report=report, on_result=save)
+      if args.quant:
+        results = tune.tune_quantized(e, k, h, n, cfg.act, args.tokens, args.quant, **common)
+      else:
+        results = tune.tune(e, k, h, n, cfg.act, args.tokens, training=args.train,
+                            tables=tables, **common)
   finally:
     write_log()
   table = Table(title="best configs")
@@ -383,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--log", default=None,
                  help="write every candidate's time to this JSON file (first per key: the "
                       "config in use before the run)")
+  t.add_argument("--quant", default=None,
+                 help="tune the 8-bit kernels of this W8A8 scheme instead (fp8_tensor, "
+                      "fp8_channel, int8: GEMM1 / GEMM2 under the 8-bit dtype's keys; fp8_block: "
+                      "the block, table grouped_gemm_fp8_block)")
   t.add_argument("--keep-existing", action="store_true",
                  help="only add the keys the tables lack (entries from earlier runs or checks "
                       "stay, even where this run timed the same key)")

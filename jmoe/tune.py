@@ -223,3 +223,136 @@ def write_tables(results: Sequence[TuneResult], out_dir: str, note: str, *,
 def default_config_dir() -> str:
   from jmoe.kernels import grouped_gemm as gg  # noqa: PLC0415
   return gg._CONFIG_DIR
+
+
+def quant_problems(scheme: str) -> tuple[str, ...]:
+  """The tables tune_quantized fills for a scheme, in order: the per-token schemes' GEMM1 and
+  GEMM2 (the grouped-GEMM tables, keyed by the 8-bit dtype), fp8_block's block (GEMM1's
+  BlockQ8Config; GEMM2 follows its form)."""
+  from jmoe.config import QuantConfig  # noqa: PLC0415
+  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  quant = QuantConfig(scheme)
+  if quant.act_dtype is None or jnp.dtype(quant.weight_dtype) not in q8.Q8_DTYPES:
+    raise ValueError(f"--quant {scheme}: tuning covers the 8-bit W8A8 schemes the Pallas "
+                     "kernels run (fp8_tensor, fp8_channel, fp8_block, int8)")
+  if quant.weight_scale == "block":
+    return (q8.BLOCK_TABLE,)
+  return ("grouped_gemm_gated", "grouped_gemm")
+
+
+def _quant_candidates(table: str, num_experts: int, m: int) -> tuple:
+  from jmoe.kernels import tuning  # noqa: PLC0415
+  if table.endswith("fp8_block"):
+    return tuning.SWEEP_FP8_BLOCK
+  return _candidates("gemm1" if table.endswith("gated") else "gemm2", num_experts, m)
+
+
+def num_quant_candidates(num_experts: int, top_k: int, tokens: Sequence[int], scheme: str, *,
+                         max_candidates: Optional[int] = None) -> int:
+  """tune_quantized()'s progress steps: its candidates plus the config in use, per problem."""
+  counts = [len(_quant_candidates(tb, num_experts, t * top_k)) + 1
+            for t in tokens for tb in quant_problems(scheme)]
+  return sum(min(c, max_candidates or c) for c in counts)
+
+
+def tune_quantized(num_experts: int, top_k: int, hidden: int, intermediate: int, activation,
+                   tokens: Sequence[int], scheme: str, *, iters: int = 5,
+                   interpret: bool = False, max_candidates: Optional[int] = None,
+                   progress=None, seed: int = 0, draws: int = 3,
+                   report: Optional[Callable[[int, str, str, Any, Optional[float]], None]] = None,
+                   on_result: Optional[Callable[[TuneResult], None]] = None
+                   ) -> list[TuneResult]:
+  """`python -m jmoe tune --quant SCHEME`: time the 8-bit kernels' candidate configs on
+  quantized random weights and routings (arguments as tune()).
+
+  Per-token schemes (fp8_tensor / fp8_channel / int8): GEMM1 (gated, activation fused) and
+  GEMM2 separately with grouped_gemm_q8, winners into grouped_gemm_gated / grouped_gemm under
+  the 8-bit dtype's key (what grouped_gemm_q8.q8_config reads). fp8_block: the whole block
+  (fused_experts_quantized, sorted layout) per GEMM1 BlockQ8Config, GEMM2 following its form
+  (it reads GEMM1's per-task scales), the winner into grouped_gemm_fp8_block (what
+  block_config reads). The config in use competes too, so a run never writes a slower one.
+  """
+  from jmoe.config import QuantConfig  # noqa: PLC0415
+  from jmoe.kernels import grouped_gemm as gg  # noqa: PLC0415
+  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  from jmoe.kernels import moe as pmoe  # noqa: PLC0415
+  from jmoe.kernels import permute  # noqa: PLC0415
+  from jmoe.kernels.activations import as_activation  # noqa: PLC0415
+  from jmoe.quant import quantize_activations, quantize_weights  # noqa: PLC0415
+
+  tables = quant_problems(scheme)
+  quant = QuantConfig(scheme)
+  act = as_activation(activation)
+  e, h, n = num_experts, hidden, intermediate
+  dt = jnp.dtype(quant.weight_dtype)
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q13 = quantize_weights(jax.random.normal(ks[0], (e, h, 2 * n), jnp.float32) / math.sqrt(h),
+                         quant)
+  q2 = quantize_weights(jax.random.normal(ks[1], (e, n, h), jnp.float32) / math.sqrt(n), quant)
+  device = "interpret" if interpret else jax.devices()[0].device_kind
+
+  def draw(t: int, key):
+    """One routing of t tokens: (block args, GEMM1 args, GEMM2 args)."""
+    kd = jax.random.split(key, 3)
+    x = jax.random.normal(kd[0], (t, h), jnp.float32)
+    tw, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(kd[1], (t, e))), top_k)
+    ids = ids.astype(jnp.int32)
+    xq, xs = quantize_activations(x, quant)
+    order, gs, _ = permute.moe_align(ids, e)
+    tok = order // top_k
+    rows, row_scale = jnp.take(xq, tok, axis=0), jnp.take(xs, tok, axis=0)
+    hq, hs = quantize_activations(jax.random.normal(kd[2], (t * top_k, n), jnp.float32), quant)
+    return ((xq, xs, q13, q2, tw, ids), (rows, gs, row_scale, q13.values, q13.scale),
+            (hq, gs, hs, q2.values, q2.scale))
+
+  def build(table, cfg):
+    if table == q8.BLOCK_TABLE:
+      return jax.jit(lambda xq, xs, w13, w2, tw, ids: pmoe.fused_experts_quantized(
+          xq, xs, w13, w2, tw, ids, activation=act, config1=cfg, layout="sorted",
+          interpret=interpret))
+    gated = table.endswith("gated")
+    return jax.jit(lambda a, g, s, v, ws: q8.grouped_gemm_q8(
+        a, v, g, s, ws, activation=act if gated else None, config=cfg, interpret=interpret))
+
+  results = []
+  for t in tokens:
+    m = t * top_k
+    per_draw = [draw(t, jax.random.fold_in(ks[2], d)) for d in range(max(1, draws))]
+    for table in tables:
+      if table == q8.BLOCK_TABLE:
+        i, n_out, k_in = 0, n, h
+        now = q8.block_config(m, n, h, e, gated=act.is_gated, quantize_output=True)
+      else:
+        gated = table.endswith("gated")
+        i, n_out, k_in = (1, n, h) if gated else (2, h, n)
+        now = q8.q8_config(m, n_out, k_in, e, gated=gated, dtype=dt)
+      sweep = _quant_candidates(table, e, m)
+      if table != q8.BLOCK_TABLE:  # the 8-bit kernels run 128-deep K steps
+        sweep = tuple(dict.fromkeys(dataclasses.replace(c, block_k=q8.BLOCK_K) for c in sweep))
+      cands = (now,) + tuple(c for c in sweep if c != now)
+      if max_candidates:
+        cands = cands[:max_candidates]
+      if progress is not None:
+        for _ in range(min(len(sweep) + 1, max_candidates or len(sweep) + 1) - len(cands)):
+          progress()
+      key = gg._tuned_key(e, n_out, k_in, dt, device, gg._m_bucket(m))
+      arg_sets = [args[i] for args in per_draw]
+      best, failed = None, 0
+      for cfg in cands:
+        try:
+          us = _device_time_us(build(table, cfg), arg_sets, iters, interpret)
+          if best is None or us < best[1]:
+            best = (cfg, us)
+        except Exception:  # a candidate that does not fit this problem (smem, registers)
+          failed += 1
+          us = None
+        if report is not None:
+          report(t, table, key, cfg, us)
+        if progress is not None:
+          progress()
+      if best is None:
+        raise RuntimeError(f"every candidate failed for {table} ({scheme}) at T={t}")
+      results.append(TuneResult(table, key, best[0].to_json(), best[1], len(cands), failed))
+      if on_result is not None:
+        on_result(results[-1])
+  return results

@@ -128,12 +128,17 @@ def column_scale_matrix(w_scale: jax.Array, e: int, n_total: int, *,
 # ============================================================================ per-tensor / channel
 
 
-def q8_config(m: int, n_out: int, k: int, num_groups: int, *, gated: bool
-              ) -> gg.GroupedGemmConfig:
-  """The bf16 heuristic's schedule with block_k = 128: an 8-bit stage of 128 elements holds the
-  same bytes as a bf16 stage of 64, so its tiles, stage counts and shared memory carry over."""
-  cfg = gg.heuristic_config(m, n_out, k, num_groups, jnp.bfloat16, gated=gated,
-                            out_dtype=jnp.bfloat16)
+def q8_config(m: int, n_out: int, k: int, num_groups: int, *, gated: bool,
+              dtype=jnp.float8_e4m3fn) -> gg.GroupedGemmConfig:
+  """The config tuned for this 8-bit problem (`python -m jmoe tune --quant`: the grouped_gemm
+  (_gated) tables, keyed by the 8-bit dtype), else the bf16 heuristic's schedule with block_k
+  = 128: an 8-bit stage of 128 elements holds the same bytes as a bf16 stage of 64, so its
+  tiles, stage counts and shared memory carry over."""
+  table = "grouped_gemm_gated" if gated else "grouped_gemm"
+  cfg = gg.tuned_config(table, gg.GroupedGemmConfig, m, n_out, k, num_groups, dtype)
+  if cfg is None:
+    cfg = gg.heuristic_config(m, n_out, k, num_groups, jnp.bfloat16, gated=gated,
+                              out_dtype=jnp.bfloat16)
   return dataclasses.replace(cfg, block_k=BLOCK_K)
 
 
@@ -146,7 +151,7 @@ def q8_run(lhs, rhs, group_sizes, a_scale_vec, w_scale_mat, *, act, gated, bias=
   e, n_total, _ = rhs.shape
   n_out = n_total // 2 if gated else n_total
   if config is None:
-    config = q8_config(m, n_out, k, e, gated=gated)
+    config = q8_config(m, n_out, k, e, gated=gated, dtype=lhs.dtype)
   if config.block_k != BLOCK_K:
     config = dataclasses.replace(config, block_k=BLOCK_K)
   return gg._run(lhs, rhs, group_sizes, row_scale, bias, out_dtype, config, interpret, gated, act,
@@ -216,11 +221,18 @@ class BlockQ8Config:
       raise ValueError("warp_specialized=True needs block_m=128 (64 rows per compute "
                        "warpgroup) and ctas_per_sm=1 (registers)")
 
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+BLOCK_TABLE = "grouped_gemm_fp8_block"  # tuned GEMM1 configs of the fp8_block block
+
 
 def block_config(m: int, n_out: int, k: int, num_groups: int, *, gated: bool,
                  quantize_output: bool = False) -> BlockQ8Config:
-  """Default tiles, 128 columns (64 where N needs it; a quantized output's row scale spans one
-  128-column group). Experts with more than 64 rows on average: warp specialized, 128-row
+  """The tuned entry (`python -m jmoe tune --quant fp8_block`, table grouped_gemm_fp8_block)
+  if one matches, else: 128 columns (64 where N needs it; a quantized output's row scale spans
+  one 128-column group). Experts with more than 64 rows on average: warp specialized, 128-row
   tiles, 64 per compute warpgroup, one promoting while the other's wgmma runs. H200, jax
   0.11.2, the whole fp8_block block against 64-row tiles on two CTAs per SM: deepseek-v3 16384
   tokens 24229 -> 13939 µs (GEMM1 17261 -> 8116), 4096: 7437 -> 4873; qwen3-30b-a3b 4096:
@@ -228,6 +240,10 @@ def block_config(m: int, n_out: int, k: int, num_groups: int, *, gated: bool,
   slower: deepseek-v3 16384 tokens 8548 vs 4622 µs.) Fewer rows (decode): 64-row tiles on two
   CTAs per SM (deepseek-v3 4096 tokens, before the warp-specialized form: 8060 -> 7531 µs
   against one CTA)."""
+  tuned = gg.tuned_config(BLOCK_TABLE, BlockQ8Config, m, n_out, k, num_groups,
+                          jnp.float8_e4m3fn)
+  if tuned is not None and (n_out % tuned.block_n == 0 or quantize_output):
+    return tuned
   rows = m / gg.expected_groups(m, num_groups)
   bn = 128 if (n_out % 128 == 0 or quantize_output) else 64
   if rows > 64:

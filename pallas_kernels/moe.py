@@ -452,8 +452,9 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
     cfg2 = config2 or q8.gemm2_block_config(cfg1, hdim)
     cfg2 = q8.fit_block_stages(dataclasses.replace(cfg2, block_m=cfg1.block_m), 1, n)
   else:
-    cfg1 = config1 or q8.q8_config(m, n, hdim, e, gated=act.is_gated)
-    cfg2 = config2 or q8.q8_config(m, hdim, n, e, gated=False)
+    dt = w13.values.dtype
+    cfg1 = config1 or q8.q8_config(m, n, hdim, e, gated=act.is_gated, dtype=dt)
+    cfg2 = config2 or q8.q8_config(m, hdim, n, e, gated=False, dtype=dt)
   bms = sorted({cfg1.block_m, cfg2.block_m})
   m_alloc = gg.row_alloc(m, *bms)
   sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)

@@ -4,6 +4,7 @@ kernel wrapper (block_k / block_n shrink to divide K / N, stages fitted to share
 from __future__ import annotations
 
 from jmoe.kernels.grouped_gemm import GroupedGemmConfig as C
+from jmoe.kernels.grouped_gemm_q8 import BlockQ8Config as BQ
 from jmoe.kernels.tgmm import TgmmConfig as TC
 
 SWEEP_G1 = (  # gated GEMM1, large M
@@ -124,3 +125,17 @@ def candidates(gemm: str, rows_per_expert: float) -> tuple:
     # qwen3's GEMM2 winner at 1024 tokens (64 rows per expert)
     return SWEEP_SMALL + ((SWEEP_G1[0],) if gemm == "gemm1" else (SWEEP_G2[1], SWEEP_G2[-1]))
   return SWEEP_G1 if gemm == "gemm1" else SWEEP_G2
+
+
+# fp8_block's GEMM1 (GEMM2 follows its form: grouped_gemm_q8.gemm2_block_config), timed as
+# the whole block: warp specialized 128-row tiles (the prefill default) and 64-row tiles on one
+# or two CTAs per SM (the decode default), stages as shared memory allows
+SWEEP_FP8_BLOCK = (
+    BQ(block_m=128, block_n=128, num_stages=4, warp_specialized=True),
+    BQ(block_m=128, block_n=128, num_stages=2, warp_specialized=True),
+    BQ(block_m=64, block_n=128, num_stages=6, ctas_per_sm=2),
+    BQ(block_m=64, block_n=128, num_stages=4, ctas_per_sm=2),
+    BQ(block_m=64, block_n=128, num_stages=6),
+    # (one warpgroup on 128-row gated tiles: two 128 x 128 f32 totals plus a step's accumulator
+    # do not fit its registers)
+)

@@ -352,3 +352,49 @@ def test_module_entry_point_help():
   assert r.returncode == 0
   for cmd in ("bench", "check", "profile", "tune", "eplb"):
     assert cmd in r.stdout
+
+
+@pytest.mark.parametrize("scheme,tables", [
+    pytest.param("fp8_channel", ("grouped_gemm_gated", "grouped_gemm"), marks=pytest.mark.slow),
+    ("fp8_block", ("grouped_gemm_fp8_block",))])
+def test_tune_quant_writes_8bit_tables_the_kernels_read(scheme, tables, tmp_path, monkeypatch):
+  """`tune --quant`: the 8-bit problems' winners under the 8-bit dtype's keys, and
+  q8_config / block_config read them back."""
+  import jax.numpy as jnp
+  from jmoe.kernels import _compat
+  from jmoe.kernels import grouped_gemm as gg
+  from jmoe.kernels import grouped_gemm_q8 as q8
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
+  rc = cli.main(["tune", "--shape", "4,2,128,128", "--tokens", "8", "--interpret", "--quant",
+                 scheme, "--max-candidates", "2", "--iters", "1", "--draws", "1",
+                 "--out", str(tmp_path), "--log", str(tmp_path / "log.json")])
+  assert rc == 0
+  log = json.loads((tmp_path / "log.json").read_text())["candidates"]
+  assert [c["table"] for c in log] == [tb for tb in tables for _ in range(2)]
+  for tb in tables:
+    (key, entry), = json.loads((tmp_path / f"{tb}.json").read_text()).items()
+    assert ",dtype=float8_e4m3fn," in key and entry["us"] > 0 and "--quant" in entry["note"]
+  # the kernels' config functions read these tables (device kind as the tuning run wrote it)
+  monkeypatch.setattr(gg, "_CONFIG_DIR", str(tmp_path))
+  monkeypatch.setattr(_compat, "device_kind", lambda: "interpret")
+  gg._load_tuned.cache_clear()
+  try:
+    if scheme == "fp8_block":
+      entry = next(iter(json.loads((tmp_path / f"{tables[0]}.json").read_text()).values()))
+      got = q8.block_config(16, 128, 128, 4, gated=True, quantize_output=True)
+      assert got == q8.BlockQ8Config(**{f: entry[f] for f in got.to_json()})
+    else:
+      entry = next(iter(json.loads((tmp_path / "grouped_gemm_gated.json").read_text()).values()))
+      got = q8.q8_config(16, 128, 128, 4, gated=True, dtype=jnp.float8_e4m3fn)
+      assert (got.block_m, got.block_n, got.block_k) == (entry["block_m"], entry["block_n"], 128)
+      assert q8.q8_config(16, 128, 128, 4, gated=True, dtype=jnp.int8) == q8.q8_config(
+          16, 128, 128, 3, gated=True, dtype=jnp.int8)  # no int8 entry: the heuristic
+  finally:
+    gg._load_tuned.cache_clear()
+
+
+def test_tune_quant_refuses_schemes_it_cannot_time():
+  with pytest.raises(ValueError, match="8-bit W8A8"):
+    cli.main(["tune", "--shape", "4,2,128,128", "--tokens", "8", "--interpret", "--quant",
+              "w8a16"])

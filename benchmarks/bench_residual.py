@@ -88,19 +88,21 @@ def kernels_launched(compiled_text: str) -> int:
 def run_case(c, params, t: int, backend: str, args, rows: list) -> None:
   h_dim = c.hidden_size
   key = jax.random.key(t)
-  sets = [tuple(jax.random.normal(jax.random.fold_in(key, i), (t, h_dim), jnp.bfloat16)
-                for _ in range(2)) for i in range(args.rotate)]  # (h, x) pairs
+  # (h, x, params): the weights are an argument, not a closure (closed over, jit would bake
+  # GBs of weights into the executable as constants: minutes of compile per variant on a GPU)
+  sets = [tuple(jax.random.normal(jax.random.fold_in(key, 2 * i + j), (t, h_dim), jnp.bfloat16)
+                for j in range(2)) + (params,) for i in range(args.rotate)]
 
-  def fused(h, x):
-    return jmoe.moe_block(x, params, c, runner_backend=backend, residual=h)
+  def fused(h, x, p):
+    return jmoe.moe_block(x, p, c, runner_backend=backend, residual=h)
 
-  def separate(h, x):
-    return h + jmoe.moe_block(x, params, c, runner_backend=backend)
+  def separate(h, x, p):
+    return h + jmoe.moe_block(x, p, c, runner_backend=backend)
 
   def chain(block):
-    def f(h, x):
+    def f(h, x, p):
       for i in range(args.chain):
-        h = block(h, x if i == 0 else (x * (1.0 + 0.01 * i)).astype(x.dtype))
+        h = block(h, x if i == 0 else (x * (1.0 + 0.01 * i)).astype(x.dtype), p)
       return h
     return f
 
@@ -110,16 +112,16 @@ def run_case(c, params, t: int, backend: str, args, rows: list) -> None:
     rows.append(rec)
     try:
       jf, js = jax.jit(f_fused), jax.jit(f_sep)
-      h0, x0 = sets[0]
-      a, b = jf(h0, x0), js(h0, x0)
+      h0, x0, p0 = sets[0]
+      a, b = jf(h0, x0, p0), js(h0, x0, p0)
       err = float(jnp.linalg.norm((a - b).astype(jnp.float32))
                   / jnp.maximum(jnp.linalg.norm(b.astype(jnp.float32)), 1e-30))
       rec["rel_err"] = err
-      donated = jax.jit(f_fused, donate_argnums=0).lower(h0, x0).compile()
+      donated = jax.jit(f_fused, donate_argnums=0).lower(h0, x0, p0).compile()
       rec["alias_bytes"] = int(donated.memory_analysis().alias_size_in_bytes) \
           if donated.memory_analysis() is not None else -1
-      rec["kernels_fused"] = kernels_launched(jf.lower(h0, x0).compile().as_text())
-      rec["kernels_separate"] = kernels_launched(js.lower(h0, x0).compile().as_text())
+      rec["kernels_fused"] = kernels_launched(jf.lower(h0, x0, p0).compile().as_text())
+      rec["kernels_separate"] = kernels_launched(js.lower(h0, x0, p0).compile().as_text())
       if args.interpret:
         rec["us_fused"] = timing.wall_time(jf, sets, iters=args.iters)
         rec["us_separate"] = timing.wall_time(js, sets, iters=args.iters)

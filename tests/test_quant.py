@@ -195,10 +195,10 @@ def test_quantized_experts_match_oracle(scheme, backend, rng):
   assert onp.rel_err(np.asarray(out), dense) < 0.1, "the scheme's error vs unquantized"
 
 
-@pytest.mark.parametrize("scheme", ("fp8_block", "int8"))
-def test_quantized_edge_cases_under_jit(scheme, rng):
-  """T=1, every token on one expert, an expert_map, biases and swigluoai, jitted."""
-  quant = jmoe.QuantConfig(scheme)
+def check_quantized_edge_cases_under_jit(quant: jmoe.QuantConfig, rng, label: str) -> None:
+  """T=1, every token on one expert, an expert_map, biases and swigluoai, jitted (the XLA
+  experts against the float64 oracle of the dequantized weights). Shared with
+  test_quant_formats (the 4-bit and mx formats)."""
   h, n, e = 128, 128, 3
   w13, w2 = _weights(rng, e, h, 2 * n), _weights(rng, e, n, h)
   q13, q2 = quantize_weights(jnp.asarray(w13), quant), quantize_weights(jnp.asarray(w2), quant)
@@ -216,7 +216,12 @@ def test_quantized_edge_cases_under_jit(scheme, rng):
     out = f(jnp.asarray(x), q13, q2, jnp.asarray(tw), jnp.asarray(ids), jnp.asarray(emap))
     ref = _oracle(x, q13, q2, tw, ids, quant, activation="swigluoai", w13_bias=b13,
                   w2_bias=b2, expert_map=emap)
-    onp.assert_rel_close(np.asarray(out), ref, 2e-2, f"{scheme} T={t}")
+    onp.assert_rel_close(np.asarray(out), ref, 2e-2, f"{label} T={t}")
+
+
+@pytest.mark.parametrize("scheme", ("fp8_block", "int8"))
+def test_quantized_edge_cases_under_jit(scheme, rng):
+  check_quantized_edge_cases_under_jit(jmoe.QuantConfig(scheme), rng, scheme)
 
 
 def test_moe_block_runs_quantized_weights(rng):

@@ -17,6 +17,7 @@ import jmoe
 import oracle_np as onp
 from jmoe.quant import QuantizedWeights, check_quantized, dequantize, quantize_weights
 from jmoe.quant import packing
+from test_quant import check_quantized_edge_cases_under_jit
 
 # id -> QuantConfig fields
 FORMATS = {
@@ -301,25 +302,7 @@ def test_experts_match_oracle_exhaustive(fid, backend, t, h, n, rng):
 @pytest.mark.slow
 @pytest.mark.parametrize("fid", list(FORMATS))
 def test_quantized_formats_under_jit_with_biases_and_expert_map(fid, rng):
-  """T=1, every token on one expert, an expert_map, biases and swigluoai, jitted."""
-  quant = _quant(fid)
-  h, n, e = 128, 128, 3
-  w13, w2 = _weights(rng, e, h, 2 * n), _weights(rng, e, n, h)
-  q13, q2 = quantize_weights(jnp.asarray(w13), quant), quantize_weights(jnp.asarray(w2), quant)
-  b13 = (0.1 * rng.standard_normal((e, 2 * n))).astype(np.float32)
-  b2 = (0.1 * rng.standard_normal((e, h))).astype(np.float32)
-  f = jax.jit(lambda x, q13, q2, tw, ids, emap: jmoe.fused_moe(
-      x, q13, q2, tw, ids, activation="swigluoai", w13_bias=jnp.asarray(b13),
-      w2_bias=jnp.asarray(b2), expert_map=emap, runner_backend="xla"))
-  emap = np.asarray([2, -1, 0, 1, -1], np.int32)
-  for t, ids in ((1, [[0, 3]]), (6, [[2, 0]] * 6), (4, [[1, 4], [4, 1], [-1, 2], [3, -1]])):
-    ids = np.asarray(ids, np.int32)
-    tw = rng.uniform(0.1, 1, ids.shape).astype(np.float32)
-    x = rng.standard_normal((t, h)).astype(np.float32)
-    out = f(jnp.asarray(x), q13, q2, jnp.asarray(tw), jnp.asarray(ids), jnp.asarray(emap))
-    ref = _oracle(x, q13, q2, tw, ids, quant, activation="swigluoai", w13_bias=b13,
-                  w2_bias=b2, expert_map=emap)
-    onp.assert_rel_close(np.asarray(out), ref, 2e-2, f"{fid} T={t}")
+  check_quantized_edge_cases_under_jit(_quant(fid), rng, fid)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ interpret mode (tests) from the wall clock, which says nothing about speed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -38,6 +39,36 @@ def _device_time_us(fn: Callable, arg_sets: list, iters: int, interpret: bool) -
   if interpret:
     return timing.wall_time(fn, arg_sets[:1], iters=1)
   return timing.device_time(fn, arg_sets, iters=iters)[0]
+
+
+def _pick(t: int, table: str, key: str, now, sweep: tuple, build: Callable, arg_sets: list, *,
+          iters: int, interpret: bool, max_candidates: Optional[int], progress, report
+          ) -> TuneResult:
+  """Times the config in use (`now`) and the sweep's other candidates on arg_sets; returns the
+  fastest as the table entry `key`. A candidate that does not fit the problem (shared memory,
+  registers, layout) counts as failed; every one failing raises."""
+  cands = (now,) + tuple(c for c in sweep if c != now)  # a tuned entry is often a candidate
+  if max_candidates:
+    cands = cands[:max_candidates]
+  if progress is not None:  # the step count (num_candidates) counts the config in use + sweep
+    for _ in range(min(len(sweep) + 1, max_candidates or len(sweep) + 1) - len(cands)):
+      progress()
+  best, failed = None, 0
+  for cfg in cands:
+    try:
+      us = _device_time_us(build(cfg), arg_sets, iters, interpret)
+      if best is None or us < best[1]:
+        best = (cfg, us)
+    except Exception:  # a candidate that does not fit this problem
+      failed += 1
+      us = None
+    if report is not None:
+      report(t, table, key, cfg, us)
+    if progress is not None:
+      progress()
+  if best is None:
+    raise RuntimeError(f"every candidate failed for {table} at T={t}")
+  return TuneResult(table, key, best[0].to_json(), best[1], len(cands), failed)
 
 
 def problems(training: bool) -> tuple[tuple[str, str], ...]:
@@ -170,30 +201,10 @@ def tune(num_experts: int, top_k: int, hidden: int, intermediate: int, activatio
       # config slower than the one it would replace
       now = (get_tgmm_config(m_rows, k_in, n_out, e, dtype) if kernel == "tgmm" else
              gg.get_config(kernel, m, n_out, k_in, e, dtype, gated=kernel.endswith("gated")))
-      sweep = _candidates(gemm, e, m)
-      cands = (now,) + tuple(c for c in sweep if c != now)  # a tuned entry is often a candidate
-      if max_candidates:
-        cands = cands[:max_candidates]
-      if progress is not None:  # num_candidates counts the config in use and every candidate
-        for _ in range(min(len(sweep) + 1, max_candidates or len(sweep) + 1) - len(cands)):
-          progress()
       key = gg._tuned_key(e, n_out, k_in, dtype, device, gg._m_bucket(m_rows))
-      best, failed = None, 0
-      for cfg in cands:
-        try:
-          us = _device_time_us(build(cfg), arg_sets, iters, interpret)
-          if best is None or us < best[1]:
-            best = (cfg, us)
-        except Exception:  # a candidate that does not fit this problem (smem, layout)
-          failed += 1
-          us = None
-        if report is not None:
-          report(t, kernel, key, cfg, us)
-        if progress is not None:
-          progress()
-      if best is None:
-        raise RuntimeError(f"every candidate failed for {kernel} at T={t}")
-      results.append(TuneResult(kernel, key, best[0].to_json(), best[1], len(cands), failed))
+      results.append(_pick(t, kernel, key, now, _candidates(gemm, e, m), build, arg_sets,
+                           iters=iters, interpret=interpret, max_candidates=max_candidates,
+                           progress=progress, report=report))
       if on_result is not None:
         on_result(results[-1])
   return results
@@ -329,30 +340,10 @@ def tune_quantized(num_experts: int, top_k: int, hidden: int, intermediate: int,
       sweep = _quant_candidates(table, e, m)
       if table != q8.BLOCK_TABLE:  # the 8-bit kernels run 128-deep K steps
         sweep = tuple(dict.fromkeys(dataclasses.replace(c, block_k=q8.BLOCK_K) for c in sweep))
-      cands = (now,) + tuple(c for c in sweep if c != now)
-      if max_candidates:
-        cands = cands[:max_candidates]
-      if progress is not None:
-        for _ in range(min(len(sweep) + 1, max_candidates or len(sweep) + 1) - len(cands)):
-          progress()
       key = gg._tuned_key(e, n_out, k_in, dt, device, gg._m_bucket(m))
-      arg_sets = [args[i] for args in per_draw]
-      best, failed = None, 0
-      for cfg in cands:
-        try:
-          us = _device_time_us(build(table, cfg), arg_sets, iters, interpret)
-          if best is None or us < best[1]:
-            best = (cfg, us)
-        except Exception:  # a candidate that does not fit this problem (smem, registers)
-          failed += 1
-          us = None
-        if report is not None:
-          report(t, table, key, cfg, us)
-        if progress is not None:
-          progress()
-      if best is None:
-        raise RuntimeError(f"every candidate failed for {table} ({scheme}) at T={t}")
-      results.append(TuneResult(table, key, best[0].to_json(), best[1], len(cands), failed))
+      results.append(_pick(t, table, key, now, sweep, functools.partial(build, table),
+                           [args[i] for args in per_draw], iters=iters, interpret=interpret,
+                           max_candidates=max_candidates, progress=progress, report=report))
       if on_result is not None:
         on_result(results[-1])
   return results

@@ -107,6 +107,7 @@ def test_check_tgmm_problem_layout():
     check_tgmm.make_problem("qwen3 dW3")
 
 
+@pytest.mark.slow
 def test_bench_train_step_tiny_smoke(tmp_path):
   """bench_train_step.py --tiny on the CPU: the reference model's donated training step runs,
   its losses are finite and the JSON is written (no timing assertions)."""

@@ -354,9 +354,9 @@ def test_module_entry_point_help():
     assert cmd in r.stdout
 
 
-@pytest.mark.parametrize("scheme,tables", [
-    pytest.param("fp8_channel", ("grouped_gemm_gated", "grouped_gemm"), marks=pytest.mark.slow),
-    ("fp8_block", ("grouped_gemm_fp8_block",))])
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,tables", [("fp8_channel", ("grouped_gemm_gated", "grouped_gemm")),
+                                           ("fp8_block", ("grouped_gemm_fp8_block",))])
 def test_tune_quant_writes_8bit_tables_the_kernels_read(scheme, tables, tmp_path, monkeypatch):
   """`tune --quant`: the 8-bit problems' winners under the 8-bit dtype's keys, and
   q8_config / block_config read them back."""

@@ -300,7 +300,8 @@ def test_bad_packed_tensors_name_the_tensor_and_shapes(rng):
     hf.from_hf_state_dict("gpt_oss", gcfg, sd, "")
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
 def test_torch_module_takes_packed_weights(scheme):
   """JmoeMoE: packed uint8 values, e4m3 / e8m0 scales and nvfp4's global scale cross DLPack
   as buffers, as stored, and the module computes what jmoe does."""

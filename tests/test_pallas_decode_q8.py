@@ -62,7 +62,8 @@ def _run(x, q13, q2, tw, ids, quant, **kw):
   return np.asarray(out)
 
 
-@pytest.mark.parametrize("scheme,bias", [("fp8_channel", True), ("int8", False)])
+@pytest.mark.parametrize("scheme,bias", [("fp8_channel", True),
+                                         pytest.param("int8", False, marks=pytest.mark.slow)])
 def test_decode_q8_matches_oracle(scheme, bias, rng):
   """Two items per slot (N = 256), an empty slot (-1), an expert no slot uses, T = 3."""
   quant, x, q13, q2, tw, ids, b13, b2 = _problem(rng, scheme, 3, 256, 256, 4, 2, bias=bias)

@@ -244,7 +244,8 @@ def test_grouped_gemm_edge_cases(rng, case):
   assert _rel(out[:tot], ref[:tot]) < TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("cfg", [CFG_XI, CFG_XI_2CTA, CFG_XI_WS,
+@pytest.mark.parametrize("cfg", [CFG_XI, pytest.param(CFG_XI_2CTA, marks=pytest.mark.slow),
+                                 pytest.param(CFG_XI_WS, marks=pytest.mark.slow),
                                  pytest.param(CFG_XI_WS_M, marks=pytest.mark.slow)],
                          ids=["one_cta", "two_ctas", "warp_specialized", "ws_split_m_bands"])
 def test_grouped_gemm_cross_item_pipeline(rng, cfg):
@@ -650,6 +651,7 @@ def test_per_slot_with_cross_item_configs_runs_per_item(rng):
   assert _rel(out, ref) < 2e-2
 
 
+@pytest.mark.slow
 @given(st.integers(1, 5), st.integers(1, 3), st.integers(0, 2**31 - 1))
 @settings(max_examples=5, deadline=None)
 def test_per_slot_layout_property(t, k, seed):
@@ -715,6 +717,7 @@ def test_fused_decode_all_slots_empty(rng):
   np.testing.assert_array_equal(out, np.zeros((2, h), np.float32))
 
 
+@pytest.mark.slow
 @given(st.integers(1, 5), st.integers(1, 3), st.integers(0, 2**31 - 1))
 @settings(max_examples=4, deadline=None)
 def test_fused_decode_property(t, k, seed):

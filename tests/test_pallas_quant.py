@@ -306,6 +306,7 @@ def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
   assert found == gemms | ({"jmoe_scatter_rows"} if m * k >= 1024 else set()), found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ("fp8_block",))
 def test_pallas_experts_rows_by_the_scatter_kernel(scheme, rng, monkeypatch):
   """The 8-bit token rows moved by the Pallas row scatter (as 4-byte words; large batches)."""

@@ -172,6 +172,7 @@ def test_gather_sum_residual():
     perm.gather_sum(jnp.asarray(y), jnp.asarray(inv), residual=jnp.zeros((4, 7)))
 
 
+@_slow
 def test_layer_and_capacity_path():
   c, _, x, h = _problem(7, 12, shared=True)
   layer = jmoe.layers.MoE(c, rngs=nnx.Rngs(0))
@@ -188,6 +189,7 @@ def test_layer_and_capacity_path():
     layer(x3, residual=h)
 
 
+@_slow
 def test_model_decoder_layer_passes_its_residual():
   """The decoder layer's MoE half is x + ffn(norm(x)) computed as ffn(norm(x), residual=x)."""
   cfg = jmoe.models.tiny_preset("qwen3-moe", vocab_size=32, hidden_size=32, num_layers=1)
@@ -225,7 +227,8 @@ def test_bad_residual():
     jmoe.moe_block(x, p, c, residual=h.astype(jnp.int32))
 
 
-@pytest.mark.parametrize("backends", ["xla", pytest.param("pallas_mosaic", marks=_slow)])
+@_slow
+@pytest.mark.parametrize("backends", ["xla", "pallas_mosaic"])
 def test_benchmark_script_runs(backends, tmp_path):
   """benchmarks/bench_residual.py --interpret (the tiny preset on the CPU) runs, checks and
   records every variant (a crash test: CPU timings mean nothing)."""

@@ -95,7 +95,7 @@ def test_route_matches_jnp_path(rng, t, k, e, h, block_ms, case):
   assert nv == int(((ids >= 0) & (ids < e)).sum())
 
 
-@pytest.mark.parametrize("one_kernel_blocks", [0, 8])
+@pytest.mark.parametrize("one_kernel_blocks", [0, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", ["random", "one_expert", "all_empty", "last_expert_only"])
 def test_route_one_and_two_kernels(rng, one_kernel_blocks, case):
   # 3 blocks: two kernels (block counts, then scatter) or one (a block program compares its
@@ -301,6 +301,7 @@ def test_route_one_kernel_at_the_default_limit(rng, case, monkeypatch):
   _check_route(_tokens(rng, t, 2048), ids, e, (128, 64))
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(st.data())
 def test_route_property(data):

@@ -243,6 +243,7 @@ def test_tune_in_interpret_mode_writes_tables(tmp_path, capsys):
   assert all({"block_k", "block_n", "block_r", "num_stages"} <= set(v) for v in tg.values())
 
 
+@pytest.mark.slow
 def test_tune_train_adds_training_gemm_tables(tmp_path, capsys):
   from jmoe.kernels import _compat
   if not _compat.interpret_available():

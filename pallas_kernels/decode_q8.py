@@ -40,6 +40,7 @@ from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import MAX_SLOTS, combine_parts, slot_item
 from jmoe.kernels.grouped_gemm import kernel_activation
+from jmoe.kernels.grouped_gemm_q8 import Q8_MAX
 
 _N = 8  # wgmma's N: the token (or activation) row, 8 times
 BN = 128  # intermediate columns per item (GEMM1's M per gate / up, GEMM2's K)
@@ -48,7 +49,6 @@ BH = 256  # GEMM2's output columns per step (two 128-row A tiles)
 _ROWS = 64  # rows of the activation tile (its first 8 are GEMM2's B operand)
 _SMEM_BYTES = 232448 - 12 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 6
-QMAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.int8): 127.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
     raise ValueError(f"stages={stages} must be at most {spi} (steps per item)")
   integer = jnp.issubdtype(dtype, jnp.integer)
   acc_dtype = jnp.int32 if integer else jnp.float32
-  qmax = QMAX[jnp.dtype(dtype)]
+  qmax = Q8_MAX[jnp.dtype(dtype)]
   _cast = _compat.layout_cast(interpret)
   tf = _compat.smem_transforms(BK, 1)
   emulate_t = interpret is not None  # the interpreter's wgmma takes no transposed operand
@@ -253,7 +253,7 @@ def supports(t: int, k: int, h: int, n: int, act: Activation | str, quant) -> bo
   return (as_activation(act).is_gated and t * k <= MAX_SLOTS and h % BH == 0 and n % BN == 0
           and quant.weight_scale in ("tensor", "channel")
           and quant.act_scale in ("dynamic_token", "dynamic_tensor")
-          and jnp.dtype(quant.act_dtype) in QMAX)
+          and jnp.dtype(quant.act_dtype) in Q8_MAX)
 
 
 def _channel_scales(s: jax.Array, e: int, rows: int, argname: str) -> jax.Array:
@@ -295,7 +295,7 @@ def fused_experts_decode_q8(x_q: jax.Array, x_scale: jax.Array, w13, w2,
     raise ValueError(f"topk_weights must have shape ({t}, {k}) like topk_ids, got "
                      f"{topk_weights.shape}")
   dt = jnp.dtype(x_q.dtype)
-  if dt not in QMAX or w13.values.dtype != dt or w2.values.dtype != dt:
+  if dt not in Q8_MAX or w13.values.dtype != dt or w2.values.dtype != dt:
     raise ValueError(f"dtypes: x_q {x_q.dtype}, w13 {w13.values.dtype}, w2 {w2.values.dtype}: "
                      "one 8-bit type (float8_e4m3fn or int8)")
   if h % BH or n % BN:

@@ -51,6 +51,7 @@ from jmoe.kernels.activations import Activation, as_activation
 Q8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
 BLOCK_K = 128  # one 128-byte swizzle row of 8-bit elements, and the fp8_block scale group
 FP8_MAX = 448.0
+Q8_MAX = {jnp.dtype(jnp.float8_e4m3fn): FP8_MAX, jnp.dtype(jnp.int8): 127.0}  # largest finite
 
 
 # ============================================================================ validation

@@ -34,9 +34,9 @@ def test_short_run_learns_and_resumes_exactly(tmp_path):
   assert m["final_loss"] < h - 0.5, (m["final_loss"], h)
   assert m["val_loss"] < h - 0.4, (m["val_loss"], h)
   assert m["dropped"] == 0
-  # max / mean expert load is at most E = 8 for any routing; the load-balancing loss must keep
-  # it near 1 (1.43 in this short run, 1.33 in the full one)
-  assert 1.0 <= m["final_balance"] < 2.0, m["final_balance"]
+  # max / mean expert load lies in [1, E = 8] for any routing; the load-balancing loss must
+  # keep it near 1 (1.43 in this short run, 1.33 in the full one)
+  assert m["final_balance"] < 2.0, m["final_balance"]
   assert m["resume_step"] == 30
   assert m["resume_abs_diff"] == 0.0, (m["resume_loss"], m["continuous_loss"])
   assert (tmp_path / "run" / "loss_curve.png").stat().st_size > 10_000

@@ -20,7 +20,8 @@ Two kernels:
   ``a_scale[r, kb] * w_scale[e, n_blk, kb]`` (DeepGEMM's two-level accumulation: the fp8 wgmma's
   limited-precision accumulator never sums more than 128 products). Its own kernel (the total is
   the pipeline's carry) because the K loop's body differs; prefill sizes run it warp specialized
-  (two compute warpgroups: one promotes while the other's wgmma runs). Its epilogue can write the output already quantized for the next GEMM
+  (two compute warpgroups: one promotes while the other's wgmma runs). Its epilogue can write
+  the output already quantized for the next GEMM
   (``quantize_output``): per row per 128 columns, fp8 values + f32 scales, so GEMM1's
   activation output never makes a bf16 round trip through HBM before GEMM2. Those scales are
   written per task ([T, N/128, block_m], each task owns its slot: a row's scale needs no store
@@ -243,7 +244,7 @@ def block_config(m: int, n_out: int, k: int, num_groups: int, *, gated: bool,
   against one CTA)."""
   tuned = gg.tuned_config(BLOCK_TABLE, BlockQ8Config, m, n_out, k, num_groups,
                           jnp.float8_e4m3fn)
-  if tuned is not None and (n_out % tuned.block_n == 0 or quantize_output):
+  if tuned is not None and n_out % tuned.block_n == 0:
     return tuned
   rows = m / gg.expected_groups(m, num_groups)
   bn = 128 if (n_out % 128 == 0 or quantize_output) else 64

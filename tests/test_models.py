@@ -30,11 +30,11 @@ def test_rotary_matches_float64_and_is_relative():
   np.testing.assert_allclose(dots[0], dots[1], rtol=1e-4)
 
 
-# deepseek-v3 crosses the most features (grouped sigmoid routing, the correction bias, a shared
-# expert, a dense first layer); the other two presets are the slow tier
-@pytest.mark.parametrize("family", [f if f == "deepseek-v3" else
-                                    pytest.param(f, marks=pytest.mark.slow)
-                                    for f in PRESET_FAMILIES])
+# ~20 s a family (deepseek-v3 crosses the most features: grouped sigmoid routing, the correction
+# bias, a shared expert, a dense first layer): the slow tier; the lean tier trains the model in
+# test_train_example
+@pytest.mark.slow
+@pytest.mark.parametrize("family", PRESET_FAMILIES)
 def test_presets_are_causal_and_train(family):
   cfg = tiny_preset(family, vocab_size=64, hidden_size=32)
   model = MoETransformer(cfg, rngs=nnx.Rngs(0), runner_backend="xla")

@@ -380,7 +380,7 @@ def test_xla_route_with_scatter_copy_equals_route_kernels(rng):
   _check_metas(got[3], np.asarray(want[2]), m_alloc, bms)
 
 
-@pytest.mark.parametrize("t", [5, 150])
+@pytest.mark.parametrize("t", [5, pytest.param(150, marks=pytest.mark.slow)])
 def test_fused_experts_route_kernels_equal_xla_route(rng, t):
   """Both routings feed the GEMMs the same rows in the same order: outputs are identical."""
   from jmoe.kernels import _compat

@@ -340,6 +340,7 @@ def test_empty_batch(a2a):
 # fp8 dispatch (ParallelConfig.dispatch_dtype="fp8")
 
 
+@pytest.mark.slow
 @given(st.integers(1, 6), st.sampled_from([96, 128, 384]), st.floats(1e-3, 1e3),
        st.integers(0, 2**31 - 1))
 @settings(max_examples=25, deadline=None)
@@ -676,7 +677,8 @@ def test_placement_maps(kind):
 
 
 @pytest.mark.parametrize("mesh,direct", [("e8", True), ("e8", False), ("d2e4", True),
-                                         ("e4t2", True), ("e4t2", False)])
+                                         pytest.param("e4t2", True, marks=pytest.mark.slow),
+                                         ("e4t2", False)])
 def test_ragged_dedup_row_sources(monkeypatch, mesh, direct):
   """Rows sent straight from the token array (one piece per (destination, token)) or packed
   per destination first: both equal the reference, forward and gradients, and with fp8 rows."""

@@ -221,6 +221,7 @@ def test_eplb_simulation(tmp_path, capsys):
   assert png.exists()
 
 
+@pytest.mark.slow
 def test_tune_in_interpret_mode_writes_tables(tmp_path, capsys):
   from jmoe.kernels import _compat
   if not _compat.interpret_available():

@@ -93,6 +93,7 @@ def worker(process_id: int, port: int) -> None:
   jax.distributed.shutdown()
 
 
+@pytest.mark.slow  # 17-24 s; CI's .ci/run runs the slow tier too
 def test_two_processes_four_devices_each():
   port = _free_port()
   env = dict(os.environ)

@@ -63,7 +63,7 @@ def test_expert_map_non_local_experts_contribute_nothing():
   assert _rel(out, ref) < 2e-2
 
 
-@pytest.mark.parametrize("backward", ["pallas", "xla"])
+@pytest.mark.parametrize("backward", [pytest.param("pallas", marks=pytest.mark.slow), "xla"])
 def test_grad_matches_xla_backend(backward, monkeypatch):
   monkeypatch.setenv("JMOE_PALLAS_BACKWARD", backward)
   x, w13, w2, tw, ids, b13, b2 = _problem(2, "silu", bias=True)
@@ -119,6 +119,7 @@ def test_expert_parallel_dispatch_with_pallas_experts(a2a):
   assert _rel(out, ref) < 2e-2
 
 
+@pytest.mark.slow
 def test_batched_pallas_experts_forward_and_grad():
   from jmoe.experts.pallas import PallasBatchedExperts
   from jmoe.modular import ExpertWeights, ModularKernel

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(ROOT, "examples", "train_tiny_moe.py")
@@ -26,6 +28,7 @@ def run_example(tmp_path, *extra: str, env_extra=None) -> dict:
     return json.load(f)
 
 
+@pytest.mark.slow  # 25-38 s on 2 cores; CI's .ci/run runs the slow tier too
 def test_short_run_learns_and_resumes_exactly(tmp_path):
   m = run_example(tmp_path)
   assert m["devices"] == 8 and m["mesh"] == {"data": 2, "expert": 4, "tensor": 1}

@@ -56,27 +56,37 @@ def log(*a):
 # ----------------------------------------------------------------------------- problems
 
 
-def make_weights(p, key, chunk: int = 32):
+def _unit_noise(key, shape, dist: str):
+  """f32 noise of unit variance: "normal", or "student-t" (4 degrees of freedom, scaled to
+  variance 1: heavier tails, closer to trained weights' outliers)."""
+  if dist == "normal":
+    return jax.random.normal(key, shape, jnp.float32)
+  if dist == "student-t":
+    return jax.random.t(key, 4.0, shape, jnp.float32) * (0.5 ** 0.5)
+  raise ValueError(f"weight distribution {dist!r} is not one of normal, student-t")
+
+
+def make_weights(p, key, chunk: int = 32, std: float | None = None, dist: str = "normal"):
   """bf16 w13 [E, H, 2N], w2 [E, N, H], generated in expert chunks (deepseek-v3's w13 in f32
-  would be 30 GB at once)."""
+  would be 30 GB at once). std None: 1 / sqrt(fan_in); else that standard deviation."""
   e, h, n = p["E"], p["H"], p["N"]
   parts13, parts2 = [], []
   for i, c0 in enumerate(range(0, e, chunk)):
     c = min(chunk, e - c0)
     k1, k2 = jax.random.split(jax.random.fold_in(key, i))
-    parts13.append((jax.random.normal(k1, (c, h, 2 * n), jnp.float32) * h ** -0.5)
+    parts13.append((_unit_noise(k1, (c, h, 2 * n), dist) * (std or h ** -0.5))
                    .astype(jnp.bfloat16))
-    parts2.append((jax.random.normal(k2, (c, n, h), jnp.float32) * n ** -0.5)
+    parts2.append((_unit_noise(k2, (c, n, h), dist) * (std or n ** -0.5))
                   .astype(jnp.bfloat16))
   return jnp.concatenate(parts13), jnp.concatenate(parts2)
 
 
-def quantize_chunked(w, scheme: str, chunk: int = 32):
-  """quantize_weights over expert chunks (its f32 temporaries stay a chunk's size)."""
+def quantize_chunked(w, scheme, chunk: int = 32):
+  """quantize_weights over expert chunks (its f32 temporaries stay a chunk's size); every
+  array of the result (values, scales, zero points, global scales) is joined."""
   q = jax.jit(quantize_weights, static_argnums=1)
   parts = [q(w[c0:c0 + chunk], scheme) for c0 in range(0, w.shape[0], chunk)]
-  return dataclasses.replace(parts[0], values=jnp.concatenate([p_.values for p_ in parts]),
-                             scale=jnp.concatenate([p_.scale for p_ in parts]))
+  return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
 def make_inputs(p, t, key):

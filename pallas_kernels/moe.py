@@ -16,6 +16,7 @@ from jax import lax
 from jmoe.kernels import _compat
 from jmoe.kernels import decode as _decode
 from jmoe.kernels import decode_q8 as _decode_q8
+from jmoe.kernels import decode_wq as _decode_wq
 from jmoe.kernels import permute as _perm
 from jmoe.kernels import route as _route
 from jmoe.kernels.activations import Activation, as_activation
@@ -483,3 +484,45 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
                   gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,
                   interpret=interpret, meta=metas[cfg2.block_m], keep_rows=True)
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=out_dtype)
+
+
+def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
+                       layout: str = "auto") -> str:
+  """"decode" (jmoe.kernels.decode_wq: the packed codes are the only weight bytes read) or
+  "dequantize" (every expert's weights dequantized in the graph per call, then the bf16
+  kernels: the form for what decode_wq does not take, prefill and the microscaling formats).
+  auto: decode wherever decode_wq takes the problem (<= 128 slots), even when slots share
+  experts: re-streaming a packed expert per slot reads fewer bytes than dequantizing them all."""
+  if layout not in ("auto", "decode", "dequantize"):
+    raise ValueError(f"layout={layout!r}: 'auto', 'decode' or 'dequantize'")
+  why = _decode_wq.unsupported(t, k, h, n, act, w13, w2)
+  if layout == "decode" and why is not None:
+    raise ValueError(f"layout='decode': the weight-only decode kernel does not take this "
+                     f"call: {why}")
+  if layout == "auto":
+    return "decode" if why is None else "dequantize"
+  return layout
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "interpret", "layout"))
+def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
+                              topk_ids: jax.Array, *, activation: Activation | str = "silu",
+                              w13_bias: jax.Array | None = None,
+                              w2_bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
+                              interpret: Any = False, layout: str = "auto") -> jax.Array:
+  """fused_experts for weight-only quantized experts (w4a16, w8a16, mxfp4, nvfp4 with bf16
+  tokens): x [T, H] bf16 / f16, w13 / w2 jmoe.quant.QuantizedWeights (logical [E, H, 2N] /
+  [E, N, H]), topk_weights / topk_ids [T, k]; layout: weight_only_layout's. Returns [T, H]
+  out_dtype."""
+  act = as_activation(activation)
+  t, k = topk_ids.shape
+  _, h, n13 = w13.shape
+  n = n13 // 2 if act.is_gated else n13
+  if weight_only_layout(t, k, h, n, act, w13, w2, layout) == "decode":
+    return _decode_wq.fused_experts_decode_wq(
+        x, w13, w2, topk_weights, topk_ids, activation=act, w13_bias=w13_bias,
+        w2_bias=w2_bias, out_dtype=out_dtype, interpret=interpret)
+  out = fused_experts(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), topk_weights,
+                      topk_ids, activation=act, w13_bias=w13_bias, w2_bias=w2_bias,
+                      interpret=interpret)
+  return out.astype(out_dtype)

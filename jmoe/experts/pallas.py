@@ -30,16 +30,18 @@ _Q8 = ("float8_e4m3fn", "int8")
 
 
 def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
-  """Why the Pallas 8-bit kernels cannot run `quant` (None: they can): W8A8 with scales that
-  factor out of K (fp8_tensor / fp8_channel / int8, per-token or per-tensor dynamic activation
-  scales) and fp8_block (128 x 128 weight blocks, 1 x 128 activation groups)."""
+  """Why the Pallas kernels cannot run `quant` (None: they can): W8A8 with scales that factor
+  out of K (fp8_tensor / fp8_channel / int8, per-token or per-tensor dynamic activation
+  scales), fp8_block (128 x 128 weight blocks, 1 x 128 activation groups), and every
+  weight-only format (jmoe.kernels.moe.fused_experts_weight_only: the int4 / int8 decode
+  kernel where it applies, else the weights dequantized per call into the bf16 kernels)."""
   if quant is None or not quant.is_quantized:
     return None
   name = quant.name
+  if quant.act_dtype is None:  # weight-only: fused_experts_weight_only takes every format
+    return None
   if quant.weight_dtype not in _Q8:
     return f"{name}: {quant.weight_dtype} weights (the Pallas kernels take fp8 e4m3 / int8)"
-  if quant.act_dtype is None:
-    return f"{name}: weight-only (bf16 activations) is not implemented in the Pallas kernels"
   if quant.zero_point:
     return f"{name}: zero points (asymmetric weights) are not implemented in the Pallas kernels"
   if quant.scale_dtype != "float32":
@@ -193,16 +195,30 @@ class PallasExperts(Experts):
     why = pallas_quant_support(quant)
     if why is not None:
       raise ValueError(f"runner_backend='pallas_mosaic' cannot run {why}")
-    _check_quantized_problem(inp, weights, activation)
-    from jmoe.kernels.moe import fused_experts_quantized  # noqa: PLC0415
     local = local_expert_ids(inp.topk_ids, weights.num_experts, expert_map)
     dt = jnp.dtype(out_dtype)
     kernel_out = dt if dt in _DTYPES else jnp.dtype(jnp.bfloat16)
+    if quant.act_dtype is None:
+      return self._apply_weight_only(inp, weights, activation, local, kernel_out).astype(dt)
+    _check_quantized_problem(inp, weights, activation)
+    from jmoe.kernels.moe import fused_experts_quantized  # noqa: PLC0415
     out = fused_experts_quantized(inp.a, inp.a_scale, weights.w13, weights.w2, inp.topk_weights,
                                   local, activation=activation, w13_bias=weights.w13_bias,
                                   w2_bias=weights.w2_bias, out_dtype=kernel_out,
                                   interpret=self.interpret)
     return out.astype(out_dtype)
+
+
+  def _apply_weight_only(self, inp, weights, activation, local, out_dtype):
+    check_weights_for_activation(weights, activation)
+    if jnp.dtype(inp.a.dtype) not in _DTYPES:
+      raise ValueError(f"runner_backend='pallas_mosaic' takes bf16/f16 hidden_states with "
+                       f"weight-only {weights_quant(weights)}, got {inp.a.dtype}")
+    from jmoe.kernels.moe import fused_experts_weight_only  # noqa: PLC0415
+    return fused_experts_weight_only(inp.a, weights.w13, weights.w2, inp.topk_weights, local,
+                                     activation=activation, w13_bias=weights.w13_bias,
+                                     w2_bias=weights.w2_bias, out_dtype=out_dtype,
+                                     interpret=self.interpret)
 
 
 def _batched_forward(act, interpret, a, ent, w13, w2, b13, b2):

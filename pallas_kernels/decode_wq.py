@@ -1,0 +1,501 @@
+"""The weight-only decode MoE block (w4a16 / w8a16: int4 or int8 weights, bf16 tokens) as one
+Mosaic GPU kernel: decode_q8.py's design with the weights dequantized in registers.
+
+Per valid slot s (token t = s // k, expert e = topk_ids[s]) and block j of 128 intermediate
+columns, one work item:
+
+    a             = act(x[t] @ dq(w13[e])[:, gate cols of j] (+ b), the same for up)    [128]
+    part[j, s, :] = a @ q2[e][rows of j, :]                     [1, H] f32 (unscaled codes)
+
+The weights stay as QuantizedWeights store them (K-major [E, N, K] codes, int4 packed two a
+byte): TMA brings 128 x 128 code tiles into SMEM, each is loaded into registers, its codes
+made signed (int4: the nibble's top bit flipped, u - 8) and converted to bf16, and that
+register tile is wgmma's A operand; the token is the 8-column B operand. So 4-bit weights are
+the only large bytes read from HBM.
+
+Scales per group of 128 along K (w4a16 / grouped w8a16) are applied after the MMA, without a
+second accumulator per group: column j of the B tile holds the token masked to the groups
+g with g % 8 == j (the wrapper builds it, 8 x H values per token), so over 8 consecutive
+steps (a window) the accumulator's column j is group (8w + j)'s partial sum, and the window's
+[128, 8] scale tile (one TMA per item brings the item's [128, H / 128] scale rows) multiplies
+it before the sum over columns. Zero points subtract (z - 8) * sum(x over the group) in the
+same place (the sums come with the token). Per-channel scales (w8a16) multiply once per item.
+
+GEMM2's scales (per output row, per group of 128 intermediate columns = one item) are applied
+by the final reduction (XLA), which reads them for the touched experts in their stored layout:
+a per-item row scale has no TMA box (4 bytes a row), and it multiplies a whole part row. With
+w2 zero points the kernel also writes each item's activation sum, which that reduction needs.
+
+Launches: the token-tile fusion, this kernel and the reduction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jmoe.kernels import _compat
+from jmoe.kernels.activations import Activation, as_activation
+from jmoe.kernels.decode import MAX_SLOTS, combine_parts, slot_item
+from jmoe.kernels.grouped_gemm import kernel_activation
+from jmoe.quant.weights import check_quantized
+
+_N = 8  # wgmma's N: the token's (masked) rows, and the window length in steps
+BN = 128  # intermediate columns per item (GEMM1's M per gate / up, GEMM2's K)
+BK = 128  # GEMM1's contraction step = the scale group
+BH = 256  # GEMM2's output columns per step (two 128-row A tiles)
+GROUP = 128  # the one group size the kernel takes (a step is one group)
+_SMEM_PER_SM = 233472  # sm_90: 228 KiB of shared memory per SM
+_SMEM_SLACK = 14 * 1024 + 1024  # per CTA: each buffer's 1 KiB alignment, the reserved 1 KiB
+_MAX_STAGES = 8
+_CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeWQConfig:
+  """stages: ring slots (int4: 18 KiB, int8: 34 KiB; None: as many as shared memory holds, up
+  to 8); ctas_per_sm: CTAs resident on each SM, sharing its shared memory (each is one
+  warpgroup, and one warpgroup cannot both dequantize and keep HBM busy)."""
+  stages: int | None = None
+  ctas_per_sm: int = 1
+
+  def __post_init__(self):
+    if self.stages is not None and self.stages < 2:
+      raise ValueError(f"stages={self.stages} must be >= 2")
+    if self.ctas_per_sm not in (1, 2, 3, 4):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 to 4")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What one build of the kernel reads: static facts of the weights."""
+  code: Any  # jnp.int4 / jnp.int8 (the codes' dtype in the kernel)
+  grouped: bool  # w13 scales per 128 along K (else per channel)
+  zero13: bool
+  zero2: bool
+  has_bias: bool
+
+  @property
+  def int4(self) -> bool:
+    return self.code == jnp.dtype(jnp.int4)
+
+
+def _stage_bytes(plan: _Plan) -> int:
+  code_bytes = BN * BK // 2 if plan.int4 else BN * BK
+  return 2 * code_bytes + _N * BK * 2
+
+
+def _fixed_bytes(plan: _Plan, h: int) -> int:
+  g1 = h // GROUP
+  rows_a = 64  # the activation tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
+  fixed = rows_a * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 64 * 4
+  if plan.grouped:
+    fixed += 2 * BN * g1 * 4
+    if plan.zero13:
+      fixed += 2 * BN * g1 + g1 * 4
+  return fixed
+
+
+def max_stages(plan: _Plan, h: int, ctas_per_sm: int = 1) -> int:
+  """The deepest ring that fits a CTA's share of shared memory beside the per-item buffers."""
+  budget = min(232448, _SMEM_PER_SM // ctas_per_sm) - _SMEM_SLACK
+  return min(_MAX_STAGES, (budget - _fixed_bytes(plan, h)) // _stage_bytes(plan))
+
+
+def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
+           interpret):
+  nb, k1, k2 = n // BN, h // BK, h // BH
+  spi = k1 + k2  # steps per item
+  g1 = h // GROUP
+  if stages - 1 >= spi:
+    raise ValueError(f"stages={stages} must be at most {spi} (steps per item)")
+  _cast = _compat.layout_cast(interpret)
+  bits = 4 if plan.int4 else 8
+  swz = plgpu.find_swizzle(BK * bits)
+  tf_w = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
+  tf_x = _compat.smem_transforms(BK, 2)
+  emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
+  rows_a = 64  # the activation tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
+  use_vec = plan.has_bias or not plan.grouped
+  window = _N if plan.grouped else k1  # steps whose partials share one accumulator
+  n_windows = k1 // window
+
+  def body(*refs):
+    refs = list(refs)
+    ids_ref, x_ref, w13_ref, w2_ref = refs[:4]
+    del refs[:4]
+    s13_ref = refs.pop(0) if plan.grouped else None
+    c13_ref = refs.pop(0) if not plan.grouped else None
+    z13_ref, xs_ref = (refs.pop(0), refs.pop(0)) if plan.zero13 else (None, None)
+    b13_ref = refs.pop(0) if plan.has_bias else None
+    part_ref = refs.pop(0)
+    asum_ref = refs.pop(0) if plan.zero2 else None
+    ring, xring, a_smem, a_vec, gvec, o_row, asum_smem, vec = refs[:8]
+    del refs[:8]
+    sblk = refs.pop(0) if plan.grouped else None
+    zblk, xsblk = (refs.pop(0), refs.pop(0)) if plan.zero13 else (None, None)
+    bars1, bars2, vbar, sbar = refs[:4]
+    t_a, t_b = refs[4:6] if emulate else (None, None)
+    sm = lax.axis_index("sm")
+
+    def dequantized(tile, which):
+      """A code tile [128, 128] in SMEM -> the bf16 register tile wgmma takes as A."""
+      codes = tile[...]
+      if plan.int4:  # unsigned nibble u read as signed: flipping bit 3 gives u - 8
+        codes = codes ^ jnp.asarray(-8, codes.dtype)
+      a = codes.astype(xdt)
+      if emulate:
+        t_a.at[which][...] = a
+        return t_a.at[which]
+      return a
+
+    def rhs(tile):
+      """B = the tile's first 8 rows, [8, K] K-major, as the logical [K, 8] operand."""
+      rows = tile.at[pl.ds(0, _N)]
+      if emulate:
+        t_b[...] = rows[...].T
+        return t_b
+      return plgpu.transpose_ref(rows, (1, 0))
+
+    def item(it):
+      return slot_item(ids_ref, sm + it * num_sms, m=m, k=k, e=e, nb=nb)
+
+    count, info0 = item(jnp.int32(0))
+    my_items = jnp.maximum(lax.div(count * nb - sm + num_sms - 1, num_sms), 0)
+    total = my_items * spi
+
+    def fetch(g, i, cur, nxt):
+      """Loads the CTA's step g (item i's or item i + 1's) into slot g % stages: GEMM1 steps a
+      gate, an up and a token tile (bars1), GEMM2 steps two w2 tiles (bars2)."""
+      @pl.when(g < total)
+      def _fetch():
+        it, r = lax.div(g, jnp.int32(spi)), lax.rem(g, jnp.int32(spi))
+        pick = it == i
+        _, ex, jb, tok = (jnp.where(pick, a, b) for a, b in zip(cur, nxt))
+        slot = lax.rem(g, jnp.int32(stages))
+        dst = ring.at[slot]
+
+        if use_vec:
+          @pl.when(r == 0)  # per-channel scales and biases ride with the item's first step
+          def _vectors():
+            vb = lax.rem(it, 2)
+            for c, col in enumerate((jb * BN, n + jb * BN)):
+              if not plan.grouped:
+                plgpu.copy_gmem_to_smem(c13_ref.at[ex, pl.ds(col, BN)], vec.at[vb, c],
+                                        vbar.at[vb])
+              if plan.has_bias:
+                plgpu.copy_gmem_to_smem(b13_ref.at[ex, pl.ds(col, BN)], vec.at[vb, 2 + c],
+                                        vbar.at[vb])
+
+        @pl.when(r < k1)
+        def _w13():
+          cols, bar = pl.ds(r * BK, BK), bars1.at[slot]
+          plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(jb * BN, BN), cols], dst.at[0], bar)
+          plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + jb * BN, BN), cols], dst.at[1], bar)
+          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), cols], xring.at[slot], bar)
+
+        @pl.when(r >= k1)
+        def _w2():
+          c, bar = r - k1, bars2.at[slot]
+          for half in range(2):
+            rows = pl.ds(c * BH + half * (BH // 2), BH // 2)
+            plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(jb * BN, BN)], dst.at[half], bar)
+
+    def load_blocks(info):
+      """The item's scale rows [128, H / 128] for gate and up (and zero rows, token sums)."""
+      _, ex, jb, tok = info
+      for c, row in enumerate((jb * BN, n + jb * BN)):
+        plgpu.copy_gmem_to_smem(s13_ref.at[ex, pl.ds(row, BN)], sblk.at[c], sbar.at[0])
+        if plan.zero13:
+          plgpu.copy_gmem_to_smem(z13_ref.at[ex, pl.ds(row, BN)], zblk.at[c], sbar.at[0])
+      if plan.zero13:
+        plgpu.copy_gmem_to_smem(xs_ref.at[tok], xsblk, sbar.at[0])
+
+    if plan.grouped:
+      @pl.when(my_items > 0)
+      def _first_blocks():
+        load_blocks(info0)
+
+    for g in range(stages - 1):  # the first stages - 1 steps all belong to item 0
+      fetch(jnp.int32(g), jnp.int32(0), info0, info0)
+
+    def window_partials(c, acc, w, vb):
+      """Window w's accumulator [128, 8] (column j: group 8w + j) -> its scaled row sums."""
+      v = acc[...]
+      if not plan.grouped:  # one window: column 0 holds the whole dot product
+        sc = _cast(vec.at[vb, c][...], plgpu.Layout.WGMMA.reduce(1))
+        return jnp.sum(v, axis=1) * sc
+      cols = pl.ds(w * _N, _N)
+      if plan.zero13:
+        z = zblk.at[c, :, cols][...].astype(jnp.float32)
+        if plan.int4:
+          z = z - 8.0  # the codes were made signed (u - 8): so is the zero
+        xsum = _cast(xsblk.at[cols][...], plgpu.Layout.WGMMA.reduce(0))
+        v = v - z * lax.broadcast_in_dim(xsum, (BN, _N), [1])
+      return jnp.sum(v * sblk.at[c, :, cols][...], axis=1)
+
+    def one_item(i, cur):
+      _, nxt = item(i + 1)
+      slot_id, _, jb, _ = cur
+      vb = lax.rem(i, 2)
+      base = i * spi
+      if use_vec:
+        plgpu.barrier_wait(vbar.at[vb])
+      if plan.grouped:
+        plgpu.barrier_wait(sbar.at[0])
+      def run_window(w, accumulate: bool):
+        def mma(acc_g, acc_u):
+          @pl.loop(0, window)
+          def _step(r8):
+            g = base + w * window + r8
+            slot = lax.rem(g, jnp.int32(stages))
+            plgpu.barrier_wait(bars1.at[slot])
+            x_t = rhs(xring.at[slot])
+            plgpu.wgmma(acc_g, dequantized(ring.at[slot, 0], 0), x_t)
+            plgpu.wgmma(acc_u, dequantized(ring.at[slot, 1], 1), x_t)
+            # the register tiles are read: the slot takes a new step (waiting for one step
+            # fewer measured the same on the H200: the MMAs' issue is what bounds a step)
+            plgpu.wgmma_wait(0)
+            fetch(g + stages - 1, i, cur, nxt)
+
+          for c, acc in enumerate((acc_g, acc_u)):
+            p = window_partials(c, acc, w, vb)
+            gvec.at[c][...] = gvec.at[c][...] + p if accumulate else p
+          plgpu.commit_smem()
+
+        pl.run_scoped(mma, plgpu.ACC((BN, _N), jnp.float32), plgpu.ACC((BN, _N), jnp.float32))
+
+      run_window(jnp.int32(0), accumulate=False)  # stores, so gvec needs no zeroing
+      if n_windows > 1:
+        @pl.loop(1, n_windows)
+        def _window(w):
+          run_window(w, accumulate=True)
+
+      if plan.grouped:  # the scale rows are read: the next item's may land
+        @pl.when(i + 1 < my_items)
+        def _next_blocks():
+          load_blocks(nxt)
+
+      vals = []
+      for c in range(2):
+        v = _cast(gvec.at[c][...], plgpu.Layout.WGMMA.reduce(1))
+        if plan.has_bias:
+          v = v + _cast(vec.at[vb, 2 + c][...], plgpu.Layout.WGMMA.reduce(1))
+        vals.append(lax.broadcast_in_dim(v, (BN, _N), [0]))
+      a_vec[...] = jnp.max(kernel_activation(act, *vals), axis=1)
+      plgpu.commit_smem()
+      a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
+      tile = lax.broadcast_in_dim(a, (rows_a, BN), [1]).astype(xdt)
+      a_smem[...] = tile
+      if plan.zero2:  # sum(a) over the item's group, for the w2 zero points' term
+        asum_smem[...] = jnp.sum(tile.astype(jnp.float32), axis=1)
+      plgpu.commit_smem()
+      if plan.zero2:
+        plgpu.copy_smem_to_gmem(asum_smem.at[pl.ds(0, _N)], asum_ref.at[jb, slot_id])
+
+      @pl.loop(0, k2)
+      def _gemm2(c):
+        g = base + k1 + c
+        slot = lax.rem(g, jnp.int32(stages))
+        plgpu.barrier_wait(bars2.at[slot])
+
+        def mma(acc_a, acc_b):
+          a_t = rhs(a_smem)
+          plgpu.wgmma(acc_a, dequantized(ring.at[slot, 0], 0), a_t)
+          plgpu.wgmma(acc_b, dequantized(ring.at[slot, 1], 1), a_t)
+          plgpu.wgmma_wait(0)
+          return jnp.max(acc_a[...], axis=1), jnp.max(acc_b[...], axis=1)  # columns equal
+
+        ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
+                           plgpu.ACC((BH // 2, _N), jnp.float32))
+        fetch(g + stages - 1, i, cur, nxt)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's store read o_row
+        for half, y in enumerate(ys):
+          o_row.at[0, pl.ds(half * (BH // 2), BH // 2)][...] = y
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_row, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
+
+      return nxt
+
+    lax.fori_loop(0, my_items, one_item, info0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  n_vec = (0 if plan.grouped else 2) + (2 if plan.has_bias else 0)
+  scratch = [
+      plgpu.SMEM((stages, 2, BN, BK), plan.code, transforms=tf_w),  # the code ring
+      plgpu.SMEM((stages, _N, BK), xdt, transforms=tf_x),  # GEMM1 steps' token tiles
+      plgpu.SMEM((rows_a, BN), xdt, transforms=tf_x),  # the activation: GEMM2's B
+      plgpu.SMEM((BN,), jnp.float32),  # the activation vector
+      plgpu.SMEM((2, BN), jnp.float32),  # gate / up dot products, summed over windows
+      plgpu.SMEM((1, BH), jnp.float32),  # a GEMM2 step's output row
+      plgpu.SMEM((64,), jnp.float32),  # the activation's sum (every entry)
+      plgpu.SMEM((2, 4, BN), jnp.float32),  # per item: channel scales, biases
+  ]
+  if plan.grouped:
+    scratch.append(plgpu.SMEM((2, BN, g1), jnp.float32))
+  if plan.zero13:
+    scratch += [plgpu.SMEM((2, BN, g1), jnp.dtype(jnp.uint8) if plan.int4 else plan.code),
+                plgpu.SMEM((g1,), jnp.float32)]
+  n_blk = 2 + (3 if plan.zero13 else 0)
+  scratch += [plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=max(n_vec, 1), num_barriers=2),
+              plgpu.Barrier(num_arrivals=n_blk, num_barriers=1)]
+  if emulate:
+    scratch += [plgpu.SMEM((2, BN, BK), xdt), plgpu.SMEM((BK, _N), xdt)]
+  out_type = [jax.ShapeDtypeStruct((nb, m, h), jnp.float32)]
+  if plan.zero2:
+    out_type.append(jax.ShapeDtypeStruct((nb, m, _N), jnp.float32))
+  return _compat.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(num_sms,),
+      grid_names=("sm",), compiler_params=_compat.compiler_params(approx_math=True),
+      interpret=interpret, name="jmoe_moe_decode_wq")
+
+
+def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) -> str | None:
+  """Why fused_experts_decode_wq cannot take this problem (None: it can): a gated
+  activation, <= 128 slots, weight-only int4 / int8 codes with float32 scales per channel or
+  per 128 along K, no act-order permutation, H a multiple of 1024 (grouped; 256 per channel)
+  and N of 128, and scale / zero rows whose bytes a TMA copy can move."""
+  q = w13.scheme
+  if q is None or q.act_dtype is not None or q.weight_dtype not in _CODE_DTYPES:
+    return f"{q}: the weight-only decode kernel takes int4 / int8 weights with bf16 tokens"
+  if w2.scheme != q:
+    return "w13 and w2 must share one scheme"
+  if q.scale_dtype != "float32":
+    return f"{q.name}: {q.scale_dtype} scales (the kernel takes float32)"
+  grouped = q.weight_scale == "group"
+  if not (q.weight_scale == "channel" or (grouped and q.group_size == GROUP)):
+    return f"{q.name}: scales per {q.weight_scale} (the kernel takes per-channel or per-128)"
+  if q.zero_point and not grouped:
+    return f"{q.name}: per-channel zero points"
+  if w13.perm is not None or w2.perm is not None:
+    return "act-order (perm): the kernel reads K in stored order"
+  if w13.global_scale is not None or w2.global_scale is not None:
+    return "a global scale"
+  if not (w13.k_major and w2.k_major):
+    return "values must be K-major"
+  if not as_activation(act).is_gated:
+    return f"{as_activation(act).name}: the decode kernel takes gated activations"
+  if t * k > MAX_SLOTS:
+    return f"{t * k} slots (the decode kernel takes at most {MAX_SLOTS})"
+  if n % BN or h % (GROUP * _N if grouped else BH):
+    return (f"H={h} must be a multiple of {GROUP * _N if grouped else BH} and N={n} "
+            f"of {BN}")
+  if q.zero_point and (h // GROUP) % 16:
+    return f"zero points need H / 128 = {h // GROUP} a multiple of 16 (their TMA rows)"
+  return None
+
+
+def _plan(w13, w2, has_bias: bool) -> _Plan:
+  q = w13.scheme
+  return _Plan(code=_CODE_DTYPES[q.weight_dtype], grouped=q.weight_scale == "group",
+               zero13=w13.zero is not None, zero2=w2.zero is not None, has_bias=has_bias)
+
+
+def _codes(w, code) -> jax.Array:
+  """values as the kernel's code array [E, N, K] (int4: the packed bytes viewed as nibbles,
+  low nibble first, as jmoe.quant.packing stores them)."""
+  if code == jnp.dtype(jnp.int4):
+    e, r, half = w.values.shape
+    return lax.bitcast_convert_type(w.values, jnp.int4).reshape(e, r, 2 * half)
+  return w.values
+
+
+def _token_tiles(x: jax.Array, grouped: bool) -> jax.Array:
+  """x [T, H] -> the B rows [T * 8, H]: row j of a token keeps the columns of the groups g
+  with g % 8 == j (grouped), or row 0 keeps all (per channel)."""
+  t, h = x.shape
+  j = jnp.arange(_N)[:, None]
+  keep = (jnp.arange(h)[None, :] // GROUP) % _N == j if grouped else jnp.broadcast_to(
+      j == 0, (_N, h))
+  return jnp.where(keep[None], x[:, None, :], 0).reshape(t * _N, h)
+
+
+def _w2_scaled(part, asum, ids, w2, plan: _Plan, e: int) -> jax.Array:
+  """part [NB, m, H] (unscaled w2 codes' dot products) -> scaled by w2's scales (and its zero
+  points' term), read for each slot's expert in their stored [E, H, N / 128] layout."""
+  safe = jnp.where((ids >= 0) & (ids < e), ids, 0)
+  s2 = jnp.moveaxis(w2.scale.astype(jnp.float32)[safe], 2, 0)  # [G2, m, H]
+  if not plan.grouped:
+    return part * s2  # [1, m, H] broadcast over the blocks
+  if plan.zero2:
+    z = jnp.moveaxis(w2.zero.astype(jnp.float32)[safe], 2, 0)
+    if plan.int4:
+      z = z - 8.0
+    part = part - z * asum[:, :, :1]
+  return part * s2
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "config", "out_dtype", "interpret"))
+def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
+                            topk_ids: jax.Array, *, activation: Activation | str = "silu",
+                            w13_bias: jax.Array | None = None,
+                            w2_bias: jax.Array | None = None, out_dtype=None,
+                            config: DecodeWQConfig | None = None,
+                            interpret: Any = False) -> jax.Array:
+  """The weight-only decode block: out[t] = sum_j topk_weights[t, j] * (act(x[t] @ dq(w13[e])
+  + b13[e]) @ dq(w2[e]) + b2[e]), e = topk_ids[t, j], dq = jmoe.quant.dequantize.
+
+  x [T, H] bf16 / f16; w13 / w2 jmoe.quant.QuantizedWeights of one weight-only int4 / int8
+  scheme (w4a16, w8a16, grouped w8a16; K-major values [E, 2N, H] / [E, H, N], int4 packed
+  [E, 2N, H/2] / [E, H, N/2]; float32 scales per channel or per 128 along K; zero points
+  with grouped scales); topk_weights / topk_ids [T, k] (-1 or >= E: empty slot),
+  T * k <= 128; biases f32 [E, 2N] / [E, H]. `unsupported` says which sizes. Returns [T, H]
+  (out_dtype, default x.dtype).
+  """
+  act = as_activation(activation)
+  cfg = config or DecodeWQConfig()
+  t, k = topk_ids.shape
+  e, n2, h = w13.shape[0], w13.shape[2], w13.shape[1]
+  n = n2 // 2
+  if x.shape != (t, h) or tuple(w2.shape) != (e, n, h):
+    raise ValueError(f"shapes: x {x.shape} (want ({t}, {h})), w2 {tuple(w2.shape)} "
+                     f"(want ({e}, {n}, {h}))")
+  if topk_weights.shape != (t, k):
+    raise ValueError(f"topk_weights must have shape ({t}, {k}) like topk_ids, got "
+                     f"{topk_weights.shape}")
+  if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"x dtype {x.dtype}: bfloat16 or float16")
+  why = unsupported(t, k, h, n, act, w13, w2)
+  if why is not None:
+    raise ValueError(f"fused_experts_decode_wq: {why}")
+  if w13_bias is not None and w13_bias.shape != (e, n2):
+    raise ValueError(f"w13_bias must have shape ({e}, {n2}), got {w13_bias.shape}")
+  if w2_bias is not None and w2_bias.shape != (e, h):
+    raise ValueError(f"w2_bias must have shape ({e}, {h}), got {w2_bias.shape}")
+  for name, w in (("w13", w13), ("w2", w2)):
+    check_quantized(w, argname=name)
+  plan = _plan(w13, w2, w13_bias is not None)
+  cap = max_stages(plan, h, cfg.ctas_per_sm)
+  stages = cfg.stages or min(cap, h // BK + h // BH)
+  if stages > cap or stages < 2:
+    raise ValueError(f"stages={stages} does not fit shared memory with {cfg.ctas_per_sm} "
+                     f"CTAs per SM (at most {cap})")
+  m = t * k
+  ids = topk_ids.reshape(m).astype(jnp.int32)
+  interp, nsm = _compat.launch_params(interpret)
+  nsm *= cfg.ctas_per_sm
+  kern = _build(h=h, n=n, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
+                num_sms=nsm, interpret=interp)
+  args = [ids, _token_tiles(x, plan.grouped), _codes(w13, plan.code), _codes(w2, plan.code)]
+  if plan.grouped:
+    args.append(w13.scale.astype(jnp.float32))
+  else:
+    args.append(w13.scale[:, :, 0].astype(jnp.float32))
+  if plan.zero13:
+    xg = x.astype(jnp.float32).reshape(t, h // GROUP, GROUP).sum(-1)  # [T, H / 128]
+    args += [w13.zero, xg]
+  if plan.has_bias:
+    args.append(w13_bias.astype(jnp.float32))
+  outs = kern(*args)
+  part, asum = (outs[0], outs[1]) if plan.zero2 else (outs[0], None)
+  part = _w2_scaled(part, asum, ids, w2, plan, e)
+  return combine_parts(part, ids, topk_weights, w2_bias, num_experts=e,
+                       out_dtype=out_dtype or x.dtype)

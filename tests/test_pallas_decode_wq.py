@@ -1,0 +1,153 @@
+"""The weight-only decode kernel (jmoe.kernels.decode_wq: int4 / int8 codes dequantized in
+registers, bf16 tokens) in Mosaic GPU interpret mode with race detection, against a float64
+oracle on the NumPy unpacking of the stored bytes; the weight-only path of the Pallas experts
+(the kernel, and the dequantized fallback) through the public API; its GPU lowering at
+qwen3-30b-a3b's full size."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmoe
+import oracle_np as onp
+from jmoe.kernels import _compat
+from jmoe.kernels import decode_wq
+from jmoe.kernels import moe as pmoe
+from jmoe.kernels.activations import as_activation
+from jmoe.quant import QuantizedWeights, quantize_weights
+from test_quant_formats import np_dequant
+
+pytestmark = pytest.mark.skipif(
+    not _compat.interpret_available(),
+    reason="Mosaic GPU interpret mode (private jax API) unavailable in this jax version")
+
+TOL = 2e-2
+S = jax.ShapeDtypeStruct
+# id -> QuantConfig fields
+SCHEMES = {
+    "w4a16-zp": dict(format="w4a16", zero_point=True),
+    "w4a16": dict(format="w4a16"),
+    "w8a16": dict(format="w8a16"),
+    "w8a16-g128-zp": dict(format="w8a16", weight_scale="group", group_size=128,
+                          zero_point=True),
+}
+
+
+def _problem(rng, sid, t, h, n, e, k, bias=False):
+  quant = jmoe.QuantConfig(**SCHEMES[sid])
+  w13 = rng.standard_normal((e, h, 2 * n)) / np.sqrt(h)
+  w13.reshape(-1)[rng.choice(w13.size, 3, replace=False)] *= 30  # outliers the scales follow
+  q13 = quantize_weights(jnp.asarray(w13, jnp.float32), quant)
+  q2 = quantize_weights(jnp.asarray(rng.standard_normal((e, n, h)) / np.sqrt(n), jnp.float32),
+                        quant)
+  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
+  tw, ids = onp.random_topk(rng, t, e, k)
+  b13 = jnp.asarray(0.1 * rng.standard_normal((e, 2 * n)), jnp.float32) if bias else None
+  b2 = jnp.asarray(0.1 * rng.standard_normal((e, h)), jnp.float32) if bias else None
+  return x, q13, q2, tw, ids, b13, b2
+
+
+def _oracle(x, q13, q2, tw, ids, b13=None, b2=None, activation="silu"):
+  """float64 on the NumPy unpacking of the stored bytes; the activation rounded to bf16 as
+  GEMM2's operand is."""
+  kw = {}
+  if b13 is not None:
+    kw = dict(w13_bias=np.asarray(b13, np.float64), w2_bias=np.asarray(b2, np.float64))
+  bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731
+  return onp.fused_moe(np.asarray(x, np.float64), np_dequant(q13), np_dequant(q2), tw, ids,
+                       activation=activation, requant=bf16, **kw)
+
+
+def _run(x, q13, q2, tw, ids, **kw):
+  try:
+    out = jax.block_until_ready(decode_wq.fused_experts_decode_wq(
+        x, q13, q2, jnp.asarray(tw), jnp.asarray(ids), out_dtype=jnp.float32,
+        interpret=_compat.interpret_params(detect_races=True), **kw))
+  except Exception:
+    _compat.reset_interpret_state()
+    raise
+  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
+  return np.asarray(out)
+
+
+@pytest.mark.parametrize("sid,h,bias,activation", [
+    ("w4a16", 1024, True, "silu"),
+    ("w8a16", 1024, False, "swigluoai"),
+    pytest.param("w4a16-zp", 2048, True, "silu", marks=pytest.mark.slow),
+    pytest.param("w8a16-g128-zp", 2048, True, "silu", marks=pytest.mark.slow),
+])
+def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
+  """Two items per slot (N = 256), an empty slot (-1), an expert no slot uses, T = 3; two
+  windows of 8 groups at H = 2048."""
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 3, h, 256, 4, 2, bias=bias)
+  ids[1, 1] = -1
+  ids[:, :] = np.where(ids == 3, 2, ids)
+  out = _run(x, q13, q2, tw, ids, w13_bias=b13, w2_bias=b2, activation=activation)
+  assert out.shape == (3, h) and np.isfinite(out).all()
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, b13, b2, activation), TOL,
+                       f"{sid} decode_wq vs oracle")
+
+
+def test_weight_only_pallas_experts_match_xla(rng, monkeypatch):
+  """The public API with runner_backend='pallas_mosaic': one token (the decode kernel) and a
+  problem it does not take (H = 256: the weights dequantized into the bf16 kernels), each
+  against the XLA experts and the oracle."""
+  monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
+  for t, h in ((1, 1024), (5, 256)):
+    x, q13, q2, tw, ids, _, _ = _problem(rng, "w4a16", t, h, 128, 4, 2)
+    layout = pmoe.weight_only_layout(t, 2, h, 128, as_activation("silu"), q13, q2)
+    assert layout == ("decode" if h == 1024 else "dequantize")
+    out = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                    runner_backend="pallas_mosaic"), np.float32)
+    assert not _compat.races_found()
+    xla = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                    runner_backend="xla"), np.float32)
+    onp.assert_rel_close(out, xla, TOL, f"T={t} {layout}: pallas vs xla")
+    onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids), TOL, f"T={t} {layout} vs oracle")
+
+
+def test_decode_wq_says_what_it_does_not_take(rng):
+  """unsupported() names the first reason; the kernel raises it; an explicit decode layout
+  that cannot run raises before tracing a kernel."""
+  silu = as_activation("silu")
+  w = lambda scheme, e, k, n, **kw: quantize_weights(  # noqa: E731
+      jnp.ones((e, k, n), jnp.float32), jmoe.QuantConfig(scheme, **kw))
+  q13, q2 = w("w4a16", 2, 1024, 256), w("w4a16", 2, 128, 1024)
+  assert decode_wq.unsupported(1, 2, 1024, 128, silu, q13, q2) is None
+  assert "129 slots" in decode_wq.unsupported(129, 1, 1024, 128, silu, q13, q2)
+  assert "gated" in decode_wq.unsupported(1, 2, 1024, 128, "gelu_no_mul", q13, q2)
+  g32 = w("w4a16", 2, 1024, 256, group_size=32)
+  assert "per-128" in decode_wq.unsupported(1, 2, 1024, 128, silu, g32, g32)
+  mx = w("mxfp4", 2, 1024, 256)
+  assert "int4 / int8" in decode_wq.unsupported(1, 2, 1024, 128, silu, mx, mx)
+  zp13, zp2 = w("w4a16", 2, 1024, 256, zero_point=True), w("w4a16", 2, 128, 1024,
+                                                           zero_point=True)
+  assert "multiple of 16" in decode_wq.unsupported(1, 2, 1024, 128, silu, zp13, zp2)
+  with pytest.raises(ValueError, match="multiple of 16"):
+    decode_wq.fused_experts_decode_wq(jnp.ones((1, 1024), jnp.bfloat16), zp13, zp2,
+                                      jnp.ones((1, 2)), jnp.zeros((1, 2), jnp.int32))
+  with pytest.raises(ValueError, match="layout='decode'"):
+    pmoe.weight_only_layout(1, 2, 1024, 128, silu, g32, g32, layout="decode")
+  with pytest.raises(ValueError, match="ctas_per_sm"):
+    decode_wq.DecodeWQConfig(ctas_per_sm=5)
+
+
+def test_decode_wq_lowers_for_gpu(monkeypatch):
+  """qwen3-30b-a3b's block at 1 token, w4a16 with zero points, through the weight-only entry:
+  one decode kernel."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  quant = jmoe.QuantConfig("w4a16", zero_point=True)
+  e, k, h, n, t = 128, 8, 2048, 768, 1
+
+  def qw(rows, kk):
+    return QuantizedWeights(values=S((e, rows, kk // 2), jnp.uint8),
+                            scale=S((e, rows, kk // 128), jnp.float32),
+                            zero=S((e, rows, kk // 128), jnp.uint8), scheme=quant)
+
+  text = jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
+      x, w13, w2, tw, ti)).trace(
+          S((t, h), jnp.bfloat16), qw(2 * n, h), qw(h, n), S((t, k), jnp.float32),
+          S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}

@@ -18,8 +18,9 @@ second accumulator per group: column j of the B tile holds the token masked to t
 g with g % 8 == j (the wrapper builds it, 8 x H values per token), so over 8 consecutive
 steps (a window) the accumulator's column j is group (8w + j)'s partial sum, and the window's
 [128, 8] scale tile (one TMA per item brings the item's [128, H / 128] scale rows) multiplies
-it before the sum over columns. Zero points subtract (z - 8) * sum(x over the group) in the
-same place (the sums come with the token). Per-channel scales (w8a16) multiply once per item.
+it before the sum over columns. Zero points subtract sum_g (z - 8) * s * sum(x over g) once
+per item, from the item's whole zero / scale rows (the token's group sums come with it).
+Per-channel scales (w8a16) multiply once per item.
 
 GEMM2's scales (per output row, per group of 128 intermediate columns = one item) are applied
 by the final reduction (XLA), which reads them for the touched experts in their stored layout:
@@ -231,14 +232,20 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       if not plan.grouped:  # one window: column 0 holds the whole dot product
         sc = _cast(vec.at[vb, c][...], plgpu.Layout.WGMMA.reduce(1))
         return jnp.sum(v, axis=1) * sc
-      cols = pl.ds(w * _N, _N)
-      if plan.zero13:
-        z = zblk.at[c, :, cols][...].astype(jnp.float32)
+      return jnp.sum(v * sblk.at[c, :, pl.ds(w * _N, _N)][...], axis=1)
+
+    def zero_terms():
+      """gvec -= sum over groups g of (zero - 8) * scale * sum(x over g), per row: the zero
+      points' part of every group at once (whole [128, H / 128] blocks: a window's 8 bytes a
+      row have no conflict-free SMEM load)."""
+      xsum = lax.broadcast_in_dim(_cast(xsblk[...], plgpu.Layout.WGMMA.reduce(0)), (BN, g1),
+                                  [1])
+      for c in range(2):
+        z = zblk.at[c][...].astype(jnp.float32)
         if plan.int4:
           z = z - 8.0  # the codes were made signed (u - 8): so is the zero
-        xsum = _cast(xsblk.at[cols][...], plgpu.Layout.WGMMA.reduce(0))
-        v = v - z * lax.broadcast_in_dim(xsum, (BN, _N), [1])
-      return jnp.sum(v * sblk.at[c, :, cols][...], axis=1)
+        gvec.at[c][...] = gvec.at[c][...] - jnp.sum(z * sblk.at[c][...] * xsum, axis=1)
+      plgpu.commit_smem()
 
     def one_item(i, cur):
       _, nxt = item(i + 1)
@@ -277,6 +284,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         def _window(w):
           run_window(w, accumulate=True)
 
+      if plan.zero13:
+        zero_terms()
       if plan.grouped:  # the scale rows are read: the next item's may land
         @pl.when(i + 1 < my_items)
         def _next_blocks():

@@ -289,12 +289,15 @@ def test_oracle_walks_candidates_with_reasons(no_backend_env):
   pf, experts, why = jmoe.select_backend(quant=jmoe.QuantConfig("fp8_block"))
   assert experts.name == "xla" and "pallas_mosaic skipped: platform=cpu" in why
   assert "for QuantConfig(fp8_block)" in why
-  for scheme in FOUR_BIT:  # no 4-bit Pallas kernel yet: XLA, with the Pallas reason on CPU too
+  from jmoe.experts.pallas import pallas_quant_support
+  for scheme in FOUR_BIT:  # on the CPU: XLA; the Pallas experts take them (weight-only)
     _, experts, why = jmoe.select_backend(quant=jmoe.QuantConfig(scheme))
     assert experts.name == "xla" and f"for QuantConfig({scheme})" in why
-    from jmoe.experts.pallas import pallas_quant_support
-    assert "weights (the Pallas kernels take fp8 e4m3 / int8)" in pallas_quant_support(
-        jmoe.QuantConfig(scheme))
+    assert pallas_quant_support(jmoe.QuantConfig(scheme)) is None
+  assert "fp8 e4m3 / int8" in pallas_quant_support(
+      jmoe.QuantConfig("custom", weight_dtype="float4_e2m1fn", weight_scale="group",
+                       group_size=32, act_dtype="float8_e4m3fn", act_scale="dynamic_group",
+                       act_group_size=32))
   static = jmoe.QuantConfig("fp8_tensor", act_scale="static_tensor")
   with pytest.raises(ValueError, match=r"cannot run with runner_backend='xla'.*static per-tensor"):
     jmoe.select_backend(quant=static)

@@ -69,8 +69,9 @@ def np_dequant(qw: QuantizedWeights) -> np.ndarray:
   assert qw.k_major
   s = qw.scheme
   v = np.asarray(qw.values)
-  if s.weight_dtype == "int4":
-    q = np_unpack_nibbles(v, 2).astype(np.float64)
+  if s.weight_dtype == "int4":  # signed nibbles q = u - 8; w = (u - zero) * scale
+    nib = np_unpack_nibbles(v, 2).astype(np.int64)
+    q = np.where(nib >= 8, nib - 16, nib).astype(np.float64) + 8.0
     z = 8.0 if qw.zero is None else np.asarray(qw.zero).astype(np.float64)
   elif s.weight_dtype == "float4_e2m1fn":
     q = np_unpack_nibbles(v, 2).view(ml_dtypes.float4_e2m1fn).astype(np.float64)

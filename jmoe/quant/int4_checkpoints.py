@@ -152,7 +152,7 @@ def int4_experts(gates: Sequence[Int4Linear], ups: Sequence[Int4Linear],
   import jax.numpy as jnp  # noqa: PLC0415
 
   from jmoe.config import QuantConfig  # noqa: PLC0415
-  from jmoe.quant.packing import pack_nibbles  # noqa: PLC0415
+  from jmoe.quant.packing import INT4_SIGN_FLIP, pack_nibbles  # noqa: PLC0415
   from jmoe.quant.weights import QuantizedWeights, check_quantized  # noqa: PLC0415
 
   e = len(gates)
@@ -193,7 +193,8 @@ def int4_experts(gates: Sequence[Int4Linear], ups: Sequence[Int4Linear],
   for parts, argname, perm in ((w13_parts, f"{name} (w13)", perm13),
                                (w2_parts, f"{name} (w2)", None)):
     w = QuantizedWeights(
-        values=pack_nibbles(jnp.asarray(stack(parts, 0)), axis=2, argname=argname),
+        values=pack_nibbles(jnp.asarray(stack(parts, 0) ^ INT4_SIGN_FLIP), axis=2,
+                            argname=argname),  # stored signed: u - 8
         scale=jnp.asarray(stack(parts, 1)),
         zero=None if symmetric else jnp.asarray(stack(parts, 2)),
         perm=None if perm is None else jnp.asarray(perm), scheme=scheme)

@@ -6,8 +6,10 @@ nibble. The packed axis is always K (the GEMM's contraction), so a K-major weigh
 to [N, K/2] bytes, and a gpt-oss `*_blocks` tensor [N, K/32, 16] is that array reshaped.
 
 Codes:
-  int4   unsigned nibble u in [0, 15]; w = (u - zero) * scale, zero = 8 for symmetric weights
-         (GPTQ's and AWQ's unsigned storage; q = u - 8 in [-8, 7]).
+  int4   the two's complement nibble of q = u - 8 in [-8, 7] (= u ^ 8), where u in [0, 15]
+         is GPTQ's / AWQ's unsigned code: w = (u - zero) * scale with zero = 8 for symmetric
+         weights, i.e. w = q * scale. Signed nibbles are what jnp.int4 (XLA, qwix), and the
+         kernels' int4 -> bf16 conversion, read: a view, no per-call arithmetic.
   e2m1   OCP FP4: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; magnitudes
          0, 0.5, 1, 1.5, 2, 3, 4, 6 (`E2M1_VALUES[code]`).
   e8m0   OCP MX scale byte c: 2 ** (c - 127) (c = 255 is NaN); `jnp.float8_e8m0fnu` is that
@@ -23,7 +25,8 @@ import numpy as np
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 E2M1_MAX = 6.0
-INT4_SYMMETRIC_ZERO = 8  # the implicit zero point of symmetric int4 (unsigned storage)
+INT4_SYMMETRIC_ZERO = 8  # the implicit zero point of symmetric int4 (in unsigned u)
+INT4_SIGN_FLIP = 8  # stored nibble = u ^ 8: the two's complement of u - 8
 
 
 def pack_nibbles(codes: jax.Array, axis: int = -1, *, argname: str = "codes") -> jax.Array:

@@ -20,8 +20,9 @@ two codes per byte along K (`jmoe.quant.packing`: low nibble = the even K index)
 values are [E, N, K/2] (or [E, K/2, N] with k_major=False), and the scale / zero shapes are
 those of the logical (unpacked) values, so a kernel reads the same tiles as for 8-bit weights:
 
-  w4a16   values: unsigned nibbles u; scale float32 [E, N, K/g]; w = (u - zero) * scale with
-          zero uint8 [E, N, K/g] (zero_point=True) or the implicit 8 (symmetric).
+  w4a16   values: signed nibbles q = u - 8 (packing's int4); scale float32 [E, N, K/g];
+          w = (u - zero) * scale = (q + 8 - zero) * scale with zero uint8 [E, N, K/g] in the
+          checkpoints' unsigned terms (zero_point=True), or q * scale (symmetric).
   mxfp4   values: e2m1 codes; scale float8_e8m0fnu [E, N, K/32]. gpt-oss' `*_blocks`
           [E, N, K/32, 16] reshaped to [E, N, K/2] and its uint8 `*_scales` bitcast to e8m0 are
           exactly these arrays (loading is a view).
@@ -46,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.config import QuantConfig
-from jmoe.quant.packing import (E2M1_MAX, INT4_SYMMETRIC_ZERO, e2m1_decode, e2m1_encode,
-                                pack_nibbles, unpack_nibbles)
+from jmoe.quant.packing import (E2M1_MAX, INT4_SIGN_FLIP, INT4_SYMMETRIC_ZERO, e2m1_decode,
+                                e2m1_encode, pack_nibbles, unpack_nibbles)
 
 # largest finite value of each value type (the scale maps a tile's max |w| onto it; int4:
 # symmetric codes -7..7 around the implicit zero 8)
@@ -153,14 +154,14 @@ def _broadcast(scale: jax.Array, shape) -> jax.Array:
 
 def unpacked_values(w: QuantizedWeights) -> jax.Array:
   """The values as float32 codes in storage order (unpacked, before zero points and scales):
-  int4 nibbles 0..15, e2m1 values, or the 8-bit values."""
+  int4 as the unsigned u 0..15 (stored signed, u - 8), e2m1 values, or the 8-bit values."""
   s = w.scheme
   if not w.packed:
     return w.values.astype(jnp.float32)
   codes = unpack_nibbles(w.values, axis=2 if w.k_major else 1)
   if s.weight_dtype == "float4_e2m1fn":
     return e2m1_decode(codes)
-  return codes.astype(jnp.float32)
+  return (codes ^ INT4_SIGN_FLIP).astype(jnp.float32)
 
 
 def dequantize(w: QuantizedWeights, dtype=jnp.float32) -> jax.Array:
@@ -294,7 +295,10 @@ def _quantize(w: jax.Array, scheme: QuantConfig, tn: int, tk: int) -> QuantizedW
       q = jnp.clip(q, -qmax, qmax)
   q = q.reshape(e, n, k)
   if packed:
-    values = pack_nibbles(q.astype(jnp.uint8), axis=2)
+    codes = q.astype(jnp.uint8)
+    if scheme.weight_dtype == "int4":  # u -> the signed nibble of u - 8
+      codes = codes ^ INT4_SIGN_FLIP
+    values = pack_nibbles(codes, axis=2)
   else:
     values = q.astype(value_dtype(scheme.weight_dtype))
   if global_scale is not None:

@@ -96,6 +96,37 @@ def slot_item(ids_ref, lin, *, m: int, k: int, e: int, nb: int):
   return cnt, (slot, expert, j, lax.div(slot, jnp.int32(k)))
 
 
+def cta_items(ids_ref, sm, num_sms: int, *, m: int, k: int, e: int, nb: int):
+  """The decode kernels' work split: (item(it) = slot_item of this CTA's it-th item (lin =
+  sm + it * num_sms), its first item's info, its item count)."""
+  def item(it):
+    return slot_item(ids_ref, sm + it * num_sms, m=m, k=k, e=e, nb=nb)
+
+  count, info0 = item(jnp.int32(0))
+  return item, info0, jnp.maximum(lax.div(count * nb - sm + num_sms - 1, num_sms), 0)
+
+
+def token_operand(tile, t_b=None):
+  """B = the tile's first 8 rows, [8, K] K-major, as wgmma's logical [K, 8] operand; t_b: an
+  SMEM [K, 8] scratch the interpreter (whose wgmma takes no transposed ref) copies them into."""
+  rows = tile.at[pl.ds(0, _N)]
+  if t_b is not None:
+    t_b[...] = rows[...].T
+    return t_b
+  return plgpu.transpose_ref(rows, (1, 0))
+
+
+def store_part_row(o_row, ys, dst) -> None:
+  """A GEMM2 step's output [len(ys) x 128 (or 64)] through the SMEM row o_row [1, BH'] into
+  dst, once the previous step's store has read o_row."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  width = o_row.shape[1] // len(ys)
+  for j, y in enumerate(ys):
+    o_row.at[0, pl.ds(j * width, width)][...] = y
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_row, dst)
+
+
 def combine_parts(part: jax.Array, ids: jax.Array, topk_weights: jax.Array, w2_bias, *,
                   num_experts: int, out_dtype) -> jax.Array:
   """The decode kernels' partial rows part [NB, m, H] f32 (empty slots' rows unwritten) -> the
@@ -146,24 +177,13 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
         return t_a
       return plgpu.transpose_ref(tile, (1, 0))
 
-    def rhs(tile):
-      """B = (the tile's first 8 rows)^T: [K, 8], the token's vector 8 times."""
-      rows = tile.at[pl.ds(0, _N)]
-      if emulate_t:
-        t_b[...] = rows[...].T
-        return t_b
-      return plgpu.transpose_ref(rows, (1, 0))
+    rhs = functools.partial(token_operand, t_b=t_b)  # B: the token's vector 8 times
 
     def column(acc):
       """The accumulator's column 0 as a vector (its 8 columns are equal)."""
       return jnp.max(acc[...], axis=1)
 
-    def item(it):
-      """This CTA's item `it` (lin = sm + it * num_sms): slot_item's."""
-      return slot_item(ids_ref, sm + it * num_sms, m=m, k=k, e=e, nb=nb)
-
-    count, info0 = item(jnp.int32(0))
-    my_items = jnp.maximum(lax.div(count * nb - sm + num_sms - 1, num_sms), 0)
+    item, info0, my_items = cta_items(ids_ref, sm, num_sms, m=m, k=k, e=e, nb=nb)
     total = my_items * spi
 
     def fetch(g, i, cur, nxt):
@@ -257,11 +277,7 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
         ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
                            plgpu.ACC((BH // 2, _N), jnp.float32))
         fetch(g + stages - 1, i, cur, nxt)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's store read o_row
-        for half, y in enumerate(ys):
-          o_row.at[0, pl.ds(half * (BH // 2), BH // 2)][...] = y
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_row, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
+        store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
 
       return nxt
 

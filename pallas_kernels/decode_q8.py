@@ -38,7 +38,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
-from jmoe.kernels.decode import MAX_SLOTS, combine_parts, slot_item
+from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, store_part_row,
+                                 token_operand)
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import Q8_MAX
 
@@ -92,19 +93,8 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
     t_b = rest[11] if emulate_t else None
     sm = lax.axis_index("sm")
 
-    def rhs(tile):
-      """B = the tile's first 8 rows, [8, K] K-major, as the logical [K, 8] operand."""
-      rows = tile.at[pl.ds(0, _N)]
-      if emulate_t:
-        t_b[...] = rows[...].T
-        return t_b
-      return plgpu.transpose_ref(rows, (1, 0))
-
-    def item(it):
-      return slot_item(ids_ref, sm + it * num_sms, m=m, k=k, e=e, nb=nb)
-
-    count, info0 = item(jnp.int32(0))
-    my_items = jnp.maximum(lax.div(count * nb - sm + num_sms - 1, num_sms), 0)
+    rhs = functools.partial(token_operand, t_b=t_b)
+    item, info0, my_items = cta_items(ids_ref, sm, num_sms, m=m, k=k, e=e, nb=nb)
     total = my_items * spi
 
     def fetch(g, i, cur, nxt):
@@ -214,11 +204,8 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
         scales = [_cast(sring.at[slot, pl.ds(half * (BH // 2), BH // 2)][...],
                         plgpu.Layout.WGMMA.reduce(1)) for half in range(2)]
         fetch(g + stages - 1, i, cur, nxt)  # after the scales' read: the slot is reloaded
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's store read o_row
-        for half, (y, s2) in enumerate(zip(ys, scales)):
-          o_row.at[0, pl.ds(half * (BH // 2), BH // 2)][...] = y * s2 * sa
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_row, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
+        store_part_row(o_row, [y * s2 * sa for y, s2 in zip(ys, scales)],
+                       part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
 
       return nxt
 

@@ -43,7 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
-from jmoe.kernels.decode import MAX_SLOTS, combine_parts, slot_item
+from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, store_part_row,
+                                 token_operand)
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.quant.weights import check_quantized
 
@@ -153,19 +154,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         return t_a.at[which]
       return a
 
-    def rhs(tile):
-      """B = the tile's first 8 rows, [8, K] K-major, as the logical [K, 8] operand."""
-      rows = tile.at[pl.ds(0, _N)]
-      if emulate:
-        t_b[...] = rows[...].T
-        return t_b
-      return plgpu.transpose_ref(rows, (1, 0))
-
-    def item(it):
-      return slot_item(ids_ref, sm + it * num_sms, m=m, k=k, e=e, nb=nb)
-
-    count, info0 = item(jnp.int32(0))
-    my_items = jnp.maximum(lax.div(count * nb - sm + num_sms - 1, num_sms), 0)
+    rhs = functools.partial(token_operand, t_b=t_b)
+    item, info0, my_items = cta_items(ids_ref, sm, num_sms, m=m, k=k, e=e, nb=nb)
     total = my_items * spi
 
     def fetch(g, i, cur, nxt):
@@ -321,11 +311,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
                            plgpu.ACC((BH // 2, _N), jnp.float32))
         fetch(g + stages - 1, i, cur, nxt)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's store read o_row
-        for half, y in enumerate(ys):
-          o_row.at[0, pl.ds(half * (BH // 2), BH // 2)][...] = y
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_row, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
+        store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
 
       return nxt
 

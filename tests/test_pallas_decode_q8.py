@@ -15,6 +15,7 @@ from jmoe.kernels import decode_q8
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
 from jmoe.quant import quantize_activations, quantize_weights
+from kernel_run import run_interpreted
 
 pytestmark = pytest.mark.skipif(
     not _compat.interpret_available(),
@@ -51,15 +52,9 @@ def _oracle(x, q13, q2, tw, ids, quant, b13=None, b2=None):
 
 def _run(x, q13, q2, tw, ids, quant, **kw):
   xq, xs = quantize_activations(x, quant)
-  try:
-    out = jax.block_until_ready(decode_q8.fused_experts_decode_q8(
-        xq, xs, q13, q2, jnp.asarray(tw), jnp.asarray(ids), out_dtype=jnp.float32,
-        interpret=_compat.interpret_params(detect_races=True), **kw))
-  except Exception:
-    _compat.reset_interpret_state()
-    raise
-  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
-  return np.asarray(out)
+  return np.asarray(run_interpreted(decode_q8.fused_experts_decode_q8, xq, xs, q13, q2,
+                                    jnp.asarray(tw), jnp.asarray(ids), out_dtype=jnp.float32,
+                                    **kw))
 
 
 @pytest.mark.parametrize("scheme,bias", [("fp8_channel", True),

@@ -17,6 +17,7 @@ from jmoe.kernels import decode_wq
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
 from jmoe.quant import QuantizedWeights, quantize_weights
+from kernel_run import run_interpreted
 from test_quant_formats import np_dequant
 
 pytestmark = pytest.mark.skipif(
@@ -61,15 +62,9 @@ def _oracle(x, q13, q2, tw, ids, b13=None, b2=None, activation="silu"):
 
 
 def _run(x, q13, q2, tw, ids, **kw):
-  try:
-    out = jax.block_until_ready(decode_wq.fused_experts_decode_wq(
-        x, q13, q2, jnp.asarray(tw), jnp.asarray(ids), out_dtype=jnp.float32,
-        interpret=_compat.interpret_params(detect_races=True), **kw))
-  except Exception:
-    _compat.reset_interpret_state()
-    raise
-  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
-  return np.asarray(out)
+  return np.asarray(run_interpreted(decode_wq.fused_experts_decode_wq, x, q13, q2,
+                                    jnp.asarray(tw), jnp.asarray(ids), out_dtype=jnp.float32,
+                                    **kw))
 
 
 @pytest.mark.parametrize("sid,h,bias,activation", [

@@ -25,6 +25,7 @@ from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels import permute as perm
 from jmoe.kernels.activations import ACTIVATIONS, Activation
+from kernel_run import run_interpreted
 
 pytestmark = pytest.mark.skipif(
     not _compat.interpret_available(),
@@ -55,14 +56,8 @@ def _interpret():
 
 
 def _call(fn, *args, **kw):
-  """Run an interpreted kernel; reset the interpreter on failure; fail on any race."""
-  try:
-    out = jax.block_until_ready(fn(*args, interpret=_interpret(), **kw))
-  except Exception:
-    _compat.reset_interpret_state()
-    raise
-  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
-  return np.asarray(out, np.float32)
+  """Run an interpreted kernel (kernel_run.run_interpreted) -> f32 NumPy."""
+  return np.asarray(run_interpreted(fn, *args, **kw), np.float32)
 
 
 def _rel(a, b):

@@ -24,6 +24,7 @@ from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels import grouped_gemm_q8 as q8
 from jmoe.kernels.activations import as_activation
 from jmoe.quant import quantize_activations, quantize_weights
+from kernel_run import run_interpreted
 
 pytestmark = pytest.mark.skipif(
     not _compat.interpret_available(),
@@ -33,16 +34,7 @@ TOL = 2e-2
 FACTORED = ("fp8_tensor", "fp8_channel", "int8")
 
 
-def _call(fn, *args, **kw):
-  """Run an interpreted kernel; reset the interpreter on failure; fail on any race."""
-  try:
-    out = jax.block_until_ready(fn(*args, interpret=_compat.interpret_params(detect_races=True),
-                                   **kw))
-  except Exception:
-    _compat.reset_interpret_state()
-    raise
-  assert not _compat.races_found(), "race detected by the Mosaic GPU interpreter"
-  return out
+_call = run_interpreted
 
 
 def _problem(rng, scheme, m, k, n_total, gs):

@@ -83,7 +83,8 @@ def _case_ids(rng, t, k, e, case):
     (1, 8, 128, 128, (64,), "random"),          # T=1 (decode): one block, one kernel
     (3, 2, 8, 64, (64, 128), "random"),         # two tile lists
     (70, 2, 8, 64, (64,), "random"),            # 140 slots: two blocks, the last one partial
-    (100, 8, 100, 128, (64, 128), "random"),    # E not a power of two, 7 blocks
+    pytest.param(100, 8, 100, 128, (64, 128), "random",  # E not a power of two, 7 blocks
+                 marks=pytest.mark.slow),
     (96, 4, 16, 64, (64,), "one_expert"),       # every slot on one expert (3 blocks)
     (40, 2, 16, 64, (128,), "zero_experts"),    # experts 0-7 get no slots
     (5, 2, 8, 64, (64,), "all_empty"),          # every slot empty (EP: all experts remote)
@@ -96,8 +97,8 @@ def test_route_matches_jnp_path(rng, t, k, e, h, block_ms, case):
 
 
 @pytest.mark.parametrize("one_kernel_blocks", [0, pytest.param(8, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("case", [pytest.param("random", marks=pytest.mark.slow), "one_expert",
-                                  "all_empty",
+@pytest.mark.parametrize("case", [pytest.param("random", marks=pytest.mark.slow),
+                                  pytest.param("one_expert", marks=pytest.mark.slow), "all_empty",
                                   pytest.param("last_expert_only", marks=pytest.mark.slow)])
 def test_route_one_and_two_kernels(rng, one_kernel_blocks, case):
   # 3 blocks: two kernels (block counts, then scatter) or one (a block program compares its
@@ -229,6 +230,7 @@ def test_route_for_training_matches_jnp_path(rng, t, k, e, h, block_ms, case, m_
   assert nv == int(((ids >= 0) & (ids < e)).sum())
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=90), st.sampled_from([16, 32, 64]))
 def test_sorted_before_is_the_stable_sort_position(keys, chunk):
@@ -286,7 +288,7 @@ def test_histogram_rejects_more_than_256_bins():
     route._bins(jnp.zeros((16, 16), jnp.float32), 512)
 
 
-@pytest.mark.parametrize("case", ["random", "one_expert"])
+@pytest.mark.parametrize("case", [pytest.param("random", marks=pytest.mark.slow), "one_expert"])
 def test_route_one_kernel_at_the_default_limit(rng, case, monkeypatch):
   # ONE_KERNEL_BLOCKS blocks (2048 slots: qwen3 at 256 tokens) in one kernel, H = 2048: two
   # column chunks of _DIRECT_MAX_HC columns, block programs of _DIRECT_ROWS // 2 slots, tile
@@ -360,6 +362,7 @@ def test_blocks_before_is_the_exclusive_prefix_sum(rng):
   np.testing.assert_array_equal(got, np.cumsum(counts, axis=0) - counts)
 
 
+@pytest.mark.slow
 def test_xla_route_with_scatter_copy_equals_route_kernels(rng):
   """route_xla's scatter copy (slot_positions + permute.scatter_rows) makes route()'s rows,
   positions, group sizes and tile lists."""

@@ -208,8 +208,8 @@ class PallasExperts(Experts):
                                   interpret=self.interpret)
     return out.astype(out_dtype)
 
-
   def _apply_weight_only(self, inp, weights, activation, local, out_dtype):
+    """w4a16 / w8a16 / mxfp4 / nvfp4 with bf16 tokens: fused_experts_weight_only's."""
     check_weights_for_activation(weights, activation)
     if jnp.dtype(inp.a.dtype) not in _DTYPES:
       raise ValueError(f"runner_backend='pallas_mosaic' takes bf16/f16 hidden_states with "

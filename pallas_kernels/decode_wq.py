@@ -53,8 +53,7 @@ BN = 128  # intermediate columns per item (GEMM1's M per gate / up, GEMM2's K)
 BK = 128  # GEMM1's contraction step = the scale group
 BH = 256  # GEMM2's output columns per step (two 128-row A tiles)
 GROUP = 128  # the one group size the kernel takes (a step is one group)
-_SMEM_PER_SM = 233472  # sm_90: 228 KiB of shared memory per SM
-_SMEM_SLACK = 14 * 1024 + 1024  # per CTA: each buffer's 1 KiB alignment, the reserved 1 KiB
+_SMEM_BYTES = 232448 - 14 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 8
 _CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8)}
 
@@ -62,16 +61,13 @@ _CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8)}
 @dataclasses.dataclass(frozen=True)
 class DecodeWQConfig:
   """stages: ring slots (int4: 18 KiB, int8: 34 KiB; None: as many as shared memory holds, up
-  to 8); ctas_per_sm: CTAs resident on each SM, sharing its shared memory (each is one
-  warpgroup, and one warpgroup cannot both dequantize and keep HBM busy)."""
+  to 8). One CTA per SM: two (sharing its SMEM, shallower rings) measured no better
+  (docs/kernels.md)."""
   stages: int | None = None
-  ctas_per_sm: int = 1
 
   def __post_init__(self):
     if self.stages is not None and self.stages < 2:
       raise ValueError(f"stages={self.stages} must be >= 2")
-    if self.ctas_per_sm not in (1, 2, 3, 4):
-      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 to 4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +100,9 @@ def _fixed_bytes(plan: _Plan, h: int) -> int:
   return fixed
 
 
-def max_stages(plan: _Plan, h: int, ctas_per_sm: int = 1) -> int:
-  """The deepest ring that fits a CTA's share of shared memory beside the per-item buffers."""
-  budget = min(232448, _SMEM_PER_SM // ctas_per_sm) - _SMEM_SLACK
-  return min(_MAX_STAGES, (budget - _fixed_bytes(plan, h)) // _stage_bytes(plan))
+def max_stages(plan: _Plan, h: int) -> int:
+  """The deepest ring that fits shared memory beside the per-item buffers."""
+  return min(_MAX_STAGES, (_SMEM_BYTES - _fixed_bytes(plan, h)) // _stage_bytes(plan))
 
 
 def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
@@ -382,6 +377,8 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
             f"of {BN}")
   if q.zero_point and (h // GROUP) % 16:
     return f"zero points need H / 128 = {h // GROUP} a multiple of 16 (their TMA rows)"
+  if max_stages(_plan(w13, w2, False), h) < 2:
+    return f"H={h}: the item's scale rows leave shared memory no 2-slot ring"
   return None
 
 
@@ -465,15 +462,13 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   for name, w in (("w13", w13), ("w2", w2)):
     check_quantized(w, argname=name)
   plan = _plan(w13, w2, w13_bias is not None)
-  cap = max_stages(plan, h, cfg.ctas_per_sm)
+  cap = max_stages(plan, h)
   stages = cfg.stages or min(cap, h // BK + h // BH)
   if stages > cap or stages < 2:
-    raise ValueError(f"stages={stages} does not fit shared memory with {cfg.ctas_per_sm} "
-                     f"CTAs per SM (at most {cap})")
+    raise ValueError(f"stages={stages} does not fit shared memory at H={h} (at most {cap})")
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
   interp, nsm = _compat.launch_params(interpret)
-  nsm *= cfg.ctas_per_sm
   kern = _build(h=h, n=n, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
                 num_sms=nsm, interpret=interp)
   args = [ids, _token_tiles(x, plan.grouped), _codes(w13, plan.code), _codes(w2, plan.code)]

@@ -125,8 +125,12 @@ def test_decode_wq_says_what_it_does_not_take(rng):
                                       jnp.ones((1, 2)), jnp.zeros((1, 2), jnp.int32))
   with pytest.raises(ValueError, match="layout='decode'"):
     pmoe.weight_only_layout(1, 2, 1024, 128, silu, g32, g32, layout="decode")
-  with pytest.raises(ValueError, match="ctas_per_sm"):
-    decode_wq.DecodeWQConfig(ctas_per_sm=5)
+  with pytest.raises(ValueError, match="stages=1"):
+    decode_wq.DecodeWQConfig(stages=1)
+  with pytest.raises(ValueError, match="does not fit shared memory"):
+    decode_wq.fused_experts_decode_wq(jnp.ones((1, 1024), jnp.bfloat16), q13, q2,
+                                      jnp.ones((1, 2)), jnp.zeros((1, 2), jnp.int32),
+                                      config=decode_wq.DecodeWQConfig(stages=9))
 
 
 def test_decode_wq_lowers_for_gpu(monkeypatch):

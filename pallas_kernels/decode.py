@@ -116,6 +116,19 @@ def token_operand(tile, t_b=None):
   return plgpu.transpose_ref(rows, (1, 0))
 
 
+def pair_columns(a0, a1, b, rows: int, acc_dtype=jnp.float32):
+  """A GEMM2 step's two MMAs: A operands a0(), a1() (built in order, inside the accumulators'
+  scope) [rows, K] against one B [K, 8] whose 8 columns are equal -> column 0 of each
+  accumulator as f32 [rows]."""
+  def mma(acc_a, acc_b):
+    plgpu.wgmma(acc_a, a0(), b)
+    plgpu.wgmma(acc_b, a1(), b)
+    plgpu.wgmma_wait(0)
+    return tuple(jnp.max(acc[...].astype(jnp.float32), axis=1) for acc in (acc_a, acc_b))
+
+  return pl.run_scoped(mma, plgpu.ACC((rows, _N), acc_dtype), plgpu.ACC((rows, _N), acc_dtype))
+
+
 def store_part_row(o_row, ys, dst) -> None:
   """A GEMM2 step's output [len(ys) x 128 (or 64)] through the SMEM row o_row [1, BH'] into
   dst, once the previous step's store has read o_row."""
@@ -178,10 +191,6 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
       return plgpu.transpose_ref(tile, (1, 0))
 
     rhs = functools.partial(token_operand, t_b=t_b)  # B: the token's vector 8 times
-
-    def column(acc):
-      """The accumulator's column 0 as a vector (its 8 columns are equal)."""
-      return jnp.max(acc[...], axis=1)
 
     item, info0, my_items = cta_items(ids_ref, sm, num_sms, m=m, k=k, e=e, nb=nb)
     total = my_items * spi
@@ -267,15 +276,8 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
         slot = lax.rem(g, jnp.int32(stages))
         plgpu.barrier_wait(bars.at[slot])
 
-        def mma(acc_a, acc_b):
-          a_t = rhs(a_smem)
-          plgpu.wgmma(acc_a, lhs(ring.at[slot, 0]), a_t)
-          plgpu.wgmma(acc_b, lhs(ring.at[slot, 1]), a_t)
-          plgpu.wgmma_wait(0)
-          return column(acc_a), column(acc_b)
-
-        ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
-                           plgpu.ACC((BH // 2, _N), jnp.float32))
+        ys = pair_columns(lambda: lhs(ring.at[slot, 0]), lambda: lhs(ring.at[slot, 1]),
+                          rhs(a_smem), BH // 2)
         fetch(g + stages - 1, i, cur, nxt)
         store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
 

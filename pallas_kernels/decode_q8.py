@@ -38,8 +38,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
-from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, store_part_row,
-                                 token_operand)
+from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_columns,
+                                 store_part_row, token_operand)
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import Q8_MAX
 
@@ -135,10 +135,6 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
     for g in range(stages - 1):  # the first stages - 1 steps all belong to item 0
       fetch(jnp.int32(g), jnp.int32(0), info0, info0)
 
-    def column(acc):
-      """An accumulator's column 0 as f32 (its 8 columns are equal)."""
-      return jnp.max(acc[...].astype(jnp.float32), axis=1)
-
     def one_item(i, cur):
       _, nxt = item(i + 1)
       slot_id, _, jb, tok = cur
@@ -191,15 +187,8 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
         slot = lax.rem(g, jnp.int32(stages))
         plgpu.barrier_wait(bars.at[slot])
 
-        def mma(acc_a, acc_b):
-          a_t = rhs(a_smem)
-          plgpu.wgmma(acc_a, ring.at[slot, 0], a_t)
-          plgpu.wgmma(acc_b, ring.at[slot, 1], a_t)
-          plgpu.wgmma_wait(0)
-          return column(acc_a), column(acc_b)
-
-        ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), acc_dtype),
-                           plgpu.ACC((BH // 2, _N), acc_dtype))
+        ys = pair_columns(lambda: ring.at[slot, 0], lambda: ring.at[slot, 1], rhs(a_smem),
+                          BH // 2, acc_dtype)
         sa = s_vec[0]
         scales = [_cast(sring.at[slot, pl.ds(half * (BH // 2), BH // 2)][...],
                         plgpu.Layout.WGMMA.reduce(1)) for half in range(2)]

@@ -43,8 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
-from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, store_part_row,
-                                 token_operand)
+from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_columns,
+                                 store_part_row, token_operand)
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.quant.weights import check_quantized
 
@@ -296,15 +296,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         slot = lax.rem(g, jnp.int32(stages))
         plgpu.barrier_wait(bars2.at[slot])
 
-        def mma(acc_a, acc_b):
-          a_t = rhs(a_smem)
-          plgpu.wgmma(acc_a, dequantized(ring.at[slot, 0], 0), a_t)
-          plgpu.wgmma(acc_b, dequantized(ring.at[slot, 1], 1), a_t)
-          plgpu.wgmma_wait(0)
-          return jnp.max(acc_a[...], axis=1), jnp.max(acc_b[...], axis=1)  # columns equal
-
-        ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
-                           plgpu.ACC((BH // 2, _N), jnp.float32))
+        ys = pair_columns(lambda: dequantized(ring.at[slot, 0], 0),
+                          lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem), BH // 2)
         fetch(g + stages - 1, i, cur, nxt)
         store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
 
@@ -411,11 +404,11 @@ def _w2_scaled(part, asum, ids, w2, plan: _Plan, e: int) -> jax.Array:
   """part [NB, m, H] (unscaled w2 codes' dot products) -> scaled by w2's scales (and its zero
   points' term), read for each slot's expert in their stored [E, H, N / 128] layout."""
   safe = jnp.where((ids >= 0) & (ids < e), ids, 0)
-  s2 = jnp.moveaxis(w2.scale.astype(jnp.float32)[safe], 2, 0)  # [G2, m, H]
+  s2 = jnp.moveaxis(w2.scale[safe].astype(jnp.float32), 2, 0)  # [G2, m, H]
   if not plan.grouped:
     return part * s2  # [1, m, H] broadcast over the blocks
   if plan.zero2:
-    z = jnp.moveaxis(w2.zero.astype(jnp.float32)[safe], 2, 0)
+    z = jnp.moveaxis(w2.zero[safe].astype(jnp.float32), 2, 0)
     if plan.int4:
       z = z - 8.0
     part = part - z * asum[:, :, :1]

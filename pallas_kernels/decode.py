@@ -106,6 +106,16 @@ def cta_items(ids_ref, sm, num_sms: int, *, m: int, k: int, e: int, nb: int):
   return item, info0, jnp.maximum(lax.div(count * nb - sm + num_sms - 1, num_sms), 0)
 
 
+def ring_step(g, i, cur, nxt, *, spi: int, stages: int):
+  """Step g of a CTA's load stream, fetched while item i runs: (its item's index, its step
+  within that item (spi steps an item), the item's (slot, expert, block, token) -- item i's
+  `cur` or item i + 1's `nxt` --, its ring slot g % stages)."""
+  it, r = lax.div(g, jnp.int32(spi)), lax.rem(g, jnp.int32(spi))
+  pick = it == i
+  info = tuple(jnp.where(pick, a, b) for a, b in zip(cur, nxt))
+  return it, r, info, lax.rem(g, jnp.int32(stages))
+
+
 def token_operand(tile, t_b=None):
   """B = the tile's first 8 rows, [8, K] K-major, as wgmma's logical [K, 8] operand; t_b: an
   SMEM [K, 8] scratch the interpreter (whose wgmma takes no transposed ref) copies them into."""
@@ -199,10 +209,7 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
       """Loads the CTA's step g (item i's or item i + 1's) into slot g % stages."""
       @pl.when(g < total)
       def _fetch():
-        it, r = lax.div(g, jnp.int32(spi)), lax.rem(g, jnp.int32(spi))
-        pick = it == i
-        _, ex, jb, tok = (jnp.where(pick, a, b) for a, b in zip(cur, nxt))
-        slot = lax.rem(g, jnp.int32(stages))
+        it, r, (_, ex, jb, tok), slot = ring_step(g, i, cur, nxt, spi=spi, stages=stages)
         dst, bar = ring.at[slot], bars.at[slot]
 
         @pl.when(r == 0)  # the item's x row (and bias slices) ride with its first step

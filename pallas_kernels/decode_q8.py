@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_columns,
-                                 store_part_row, token_operand)
+                                 ring_step, store_part_row, token_operand)
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import Q8_MAX
 
@@ -102,10 +102,7 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
       per step, whichever GEMM it belongs to (one barrier count)."""
       @pl.when(g < total)
       def _fetch():
-        it, r = lax.div(g, jnp.int32(spi)), lax.rem(g, jnp.int32(spi))
-        pick = it == i
-        _, ex, jb, tok = (jnp.where(pick, a, b) for a, b in zip(cur, nxt))
-        slot = lax.rem(g, jnp.int32(stages))
+        it, r, (_, ex, jb, tok), slot = ring_step(g, i, cur, nxt, spi=spi, stages=stages)
         dst, bar = ring.at[slot], bars.at[slot]
 
         @pl.when(r == 0)  # the item's weight scales (and biases) ride with its first step

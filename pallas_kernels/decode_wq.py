@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_columns,
-                                 store_part_row, token_operand)
+                                 ring_step, store_part_row, token_operand)
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.quant.weights import check_quantized
 
@@ -158,10 +158,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       gate, an up and a token tile (bars1), GEMM2 steps two w2 tiles (bars2)."""
       @pl.when(g < total)
       def _fetch():
-        it, r = lax.div(g, jnp.int32(spi)), lax.rem(g, jnp.int32(spi))
-        pick = it == i
-        _, ex, jb, tok = (jnp.where(pick, a, b) for a, b in zip(cur, nxt))
-        slot = lax.rem(g, jnp.int32(stages))
+        it, r, (_, ex, jb, tok), slot = ring_step(g, i, cur, nxt, spi=spi, stages=stages)
         dst = ring.at[slot]
 
         if use_vec:

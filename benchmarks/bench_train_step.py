@@ -249,7 +249,7 @@ def run_one(name: str, cfg, backend: str, batches, args, on_gpu: bool) -> dict:
       if i == 0:
         rec["compile_s"] = round(time.perf_counter() - t0, 2)
     rec["losses"] = losses
-    dev_us, wall_us = [], []
+    dev_us, wall_us, timed_losses = [], [], []
     ext = cupti_ext() if on_gpu else None
     if on_gpu and ext is None:
       rec["cupti_error"] = "CUPTI extension not found: wall time"
@@ -262,6 +262,8 @@ def run_one(name: str, cfg, backend: str, batches, args, on_gpu: bool) -> dict:
       else:
         state, m = jax.block_until_ready(step(state, tok))
       wall_us.append((time.perf_counter() - t0) * 1e6)
+      timed_losses.append(m["loss"])  # read after the loop: no extra wait inside it
+    rec["timed_losses"] = [round(float(v), 4) for v in timed_losses]
     rec["final_loss"] = float(m["loss"])
     rec["wall_ms"] = statistics.median(wall_us) / 1e3
     rec["device_ms"] = statistics.median(dev_us) / 1e3 if dev_us else None

@@ -16,8 +16,9 @@ Mixtral 8x7B's: H=4096, 8 experts, top-2, N=14336), bf16, and each T (tokens per
 Host wall time per call, each call followed by the same wait for JAX and the bridge
 (`torch.cuda.synchronize()` on CUDA, which also waits for JAX's streams; on the CPU the JAX
 baseline blocks on its output, the bridge's output is ready when torch holds it); median of
---iters. `jax_fwd_bur` is the baseline waited for with `block_until_ready` instead (JAX's own
-wait), for reference. `*_host` rows: host time per call of 32 back-to-back calls and one wait
+--iters; the JAX and bridge calls being compared run interleaved (one of each per round).
+`jax_fwd_bur` is the baseline waited for with `block_until_ready` instead (JAX's own wait),
+for reference. `*_host` rows: host time per call of 32 back-to-back calls and one wait
 (what a pipelined model sees). Prints a table and writes JSON to --out. `--small` runs tiny shapes (a CPU smoke test). Each model's
 rows are written as soon as they exist; `--budget-s` stops starting new measurements.
 
@@ -26,6 +27,7 @@ rows are written as soon as they exist; `--budget-s` stops starting new measurem
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -65,6 +67,25 @@ def timed(fn: Callable[[], object], sync: Callable[..., None], iters: int,
   ts.sort()
   return dict(median_us=statistics.median(ts), p10_us=ts[len(ts) // 10],
               p90_us=ts[(9 * len(ts)) // 10], iters=iters)
+
+
+def interleaved(fns: dict[str, tuple[Callable[[], object], Callable[..., None]]], iters: int,
+                warmup: int = 3) -> dict[str, dict]:
+  """`timed` for several (fn, sync) at once, one call of each per round (so clock, thermal
+  and host-load drift hit them alike): name -> median / p10 / p90 host microseconds."""
+  ts: dict[str, list[float]] = {k: [] for k in fns}
+  for r in range(warmup + iters):
+    for k, (fn, sync) in fns.items():
+      t0 = time.perf_counter()
+      sync(fn())
+      if r >= warmup:
+        ts[k].append((time.perf_counter() - t0) * 1e6)
+  out = {}
+  for k, v in ts.items():
+    v.sort()
+    out[k] = dict(median_us=statistics.median(v), p10_us=v[len(v) // 10],
+                  p90_us=v[(9 * len(v)) // 10], iters=iters)
+  return out
 
 
 def build_block(name: str, small: bool, dtype: torch.dtype, device: torch.device,
@@ -112,11 +133,11 @@ def measure_model(name: str, args, device: torch.device, sync, jsync, deadline: 
     spec = tb.spec_of(ours.moe._op_key)
     jit = tb._jitted(spec)
     jargs = tb._convert(spec, tensors)
-    row["jax_fwd"] = timed(lambda: jit.forward(*jargs), jsync, iters)
-    row["jax_fwd_bur"] = timed(lambda: jit.forward(*jargs).block_until_ready(),
-                               lambda _=None: None, iters)
     with torch.no_grad():
-      row["bridge_fwd"] = timed(lambda: ours(x), sync, iters)
+      row.update(interleaved({
+          "jax_fwd": (lambda: jit.forward(*jargs), jsync),
+          "jax_fwd_bur": (lambda: jit.forward(*jargs).block_until_ready(), lambda _=None: None),
+          "bridge_fwd": (lambda: ours(x), sync)}, iters))
       if t <= 64:
         row["jax_fwd_host"] = timed(lambda: [jit.forward(*jargs) for _ in range(32)], jsync,
                                     max(5, iters // 8), per=32)
@@ -133,7 +154,6 @@ def measure_model(name: str, args, device: torch.device, sync, jsync, deadline: 
       out, vjp_fn = jit.forward_vjp(*jargs)
       return jit.backward(vjp_fn, g)
 
-    row["jax_fwd_bwd"] = timed(jax_fwd_bwd, jsync, iters)
     xr = x.clone().requires_grad_(True)
     gt = torch.ones_like(x)
 
@@ -141,7 +161,8 @@ def measure_model(name: str, args, device: torch.device, sync, jsync, deadline: 
       ours.moe.zero_grad(set_to_none=True)
       ours(xr).backward(gt)
 
-    row["bridge_fwd_bwd"] = timed(bridge_fwd_bwd, sync, iters)
+    row.update(interleaved({"jax_fwd_bwd": (jax_fwd_bwd, jsync),
+                            "bridge_fwd_bwd": (bridge_fwd_bwd, sync)}, iters))
     row["overhead_fwd_bwd_us"] = (row["bridge_fwd_bwd"]["median_us"] -
                                   row["jax_fwd_bwd"]["median_us"])
     row["overhead_fwd_bwd_pct"] = 100 * row["overhead_fwd_bwd_us"] / \
@@ -218,12 +239,30 @@ def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
     none = lambda _=None: None  # noqa: E731
     imports = {"public": lambda: jax.dlpack.from_dlpack(x), "old": import_old,
                "handshake": import_mode("handshake"), "no_stream": import_without_stream}
+    kept = collections.deque(maxlen=8)  # imported arrays outliving their call by 8 calls
+
+    def keep(a):
+      kept.append(a)
+      return a
+
+    def bridge_mode(mode: str):
+      def f():
+        old, tb.STREAM_MODE = tb.STREAM_MODE, mode
+        try:
+          return ours(x)
+        finally:
+          tb.STREAM_MODE = old
+      return f
     pieces = {
         "jax_cached_x": (lambda: fwd(xj, *ws), jsync),
         "jax_cached_x_bur": (lambda: fwd(xj, *ws).block_until_ready(), none),
         "jax_other_jax_x": (lambda: fwd(others[next(it) % 8], *ws), jsync),
         **{f"jax_import_{k}_x": ((lambda f=f: fwd(f(), *ws)), jsync) for k, f in imports.items()},
         **{f"import_{k}_alone": (f, none) for k, f in imports.items()},
+        # the imported array freed right after the call (as the bridge does) or 8 calls later
+        "jax_import_handshake_x_kept": (lambda: fwd(keep(imports["handshake"]()), *ws),
+                                        jsync),
+        "jax_import_no_stream_x_kept": (lambda: fwd(keep(import_without_stream()), *ws), jsync),
         "jax_cached_x_to_torch": (lambda: tb._to_torch(fwd(xj, *ws), index), sync),
         "jax_cached_x_to_torch_public": (lambda: torch.from_dlpack(fwd(xj, *ws)), sync),
         "to_torch_alone": (lambda: tb._to_torch(out, index), none),
@@ -231,6 +270,7 @@ def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
         "jax_dispatch_alone": (lambda: fwd(xj, *ws), none),
         "convert_weights_alone": (lambda: [tb.CACHE.get(w) for w in tensors[1:]], none),
         "bridge": (lambda: ours(x), sync),
+        "bridge_public": (bridge_mode("public"), sync),
         "bridge_moe_module": (lambda: ours.moe(x), sync),
         "bridge_host_only": (lambda: ours(x), none),
     }
@@ -251,6 +291,100 @@ def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
       finally:
         tb._RESOLVED[key] = real
     row["stream_mode_after"] = tb.STREAM_MODE
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  return rows
+
+
+def timeline(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
+  """Interleaved (one call of each variant per round, so clock and thermal drift hit all
+  alike): the JAX call, the bridge, and the bridge's steps done by hand with host timestamps
+  between them (import, JAX call, export, release of the imported input, wait), to show where
+  a bridged call holds the host. Medians over --iters rounds, microseconds."""
+  from jmoe.interop import torch as jt  # noqa: PLC0415
+  from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
+
+  dtype = getattr(torch, args.dtype)
+  cfg, block = build_block(name, args.small, dtype, device, "grouped_mm")
+  ours = jt.from_hf(block, cfg, runner_backend=args.backend)
+  index = tb._index(torch.empty(0, device=device))
+  rows = []
+  for t in args.tokens:
+    x = torch.randn(t, cfg.hidden_size, device=device, dtype=dtype)
+    tensors = [x] + [getattr(ours.moe, a) for a in ours.moe._attrs]
+    spec = tb.spec_of(ours.moe._op_key)
+    fwd = tb._jitted(spec).forward
+    jargs = tb._convert(spec, tensors)
+    ws = jargs[1:]
+    held: list = []
+    clock = time.perf_counter
+
+    def by_hand(keep: bool) -> dict:
+      t0 = clock()
+      a = tb.to_jax(x)
+      t1 = clock()
+      out = fwd(a, *ws)
+      t2 = clock()
+      y = tb._to_torch(out, index)
+      t3 = clock()
+      if keep:
+        held.append(a)
+      del a, out
+      t4 = clock()
+      sync(y)
+      t5 = clock()
+      if len(held) > 4:
+        held.pop(0)
+      return dict(import_=t1 - t0, call=t2 - t1, export=t3 - t2, release=t4 - t3,
+                  wait=t5 - t4, total=t5 - t0)
+
+    def whole(fn, sy) -> float:
+      t0 = clock()
+      sy(fn())
+      return clock() - t0
+
+    def spin_jax(out):  # a busy wait (no sleeping host thread: no wake-up latency)
+      while not out.is_ready():
+        pass
+
+    def spin_torch(y):  # torch's stream waits for JAX (export), so its idling means done
+      stream = torch.cuda.current_stream() if y.is_cuda else None
+      while stream is not None and not stream.query():
+        pass
+
+    def in_mode(mode: str, fn):
+      def f():
+        old, tb.STREAM_MODE = tb.STREAM_MODE, mode
+        try:
+          return fn()
+        finally:
+          tb.STREAM_MODE = old
+      return f
+
+    variants = {
+        "jax_fwd": lambda: whole(lambda: fwd(*jargs), jsync),
+        "jax_fwd_spin": lambda: whole(lambda: fwd(*jargs), spin_jax),
+        "bridge_spin": lambda: whole(lambda: ours(x), spin_torch),
+        "bridge_public_spin": in_mode("public", lambda: whole(lambda: ours(x), spin_torch)),
+        "jax_fwd_bur": lambda: whole(lambda: fwd(*jargs).block_until_ready(), lambda _=None: None),
+        "bridge": lambda: whole(lambda: ours(x), sync),
+        "by_hand": lambda: by_hand(False),
+        "by_hand_input_held": lambda: by_hand(True),
+    }
+    samples: dict = {k: [] for k in variants}
+    rounds = args.iters if t <= 64 else max(20, args.iters // 3)
+    with torch.no_grad():
+      for r in range(rounds + 3):
+        for k, f in variants.items():
+          v = f()
+          if r >= 3:
+            samples[k].append(v)
+    row = dict(model=name, T=t, rounds=rounds)
+    for k, vs in samples.items():
+      if isinstance(vs[0], dict):
+        row[k] = {p: statistics.median(v[p] for v in vs) * 1e6 for p in vs[0]}
+      else:
+        row[k] = statistics.median(vs) * 1e6
     rows.append(row)
     print(json.dumps(row), flush=True)
   return rows
@@ -379,6 +513,8 @@ def main(argv=None) -> int:
                  help="time the bridge's pieces (forward-only) instead of the table")
   p.add_argument("--probe", action="store_true",
                  help="CUDA: try the fast DLPack paths in a child process, print the exports")
+  p.add_argument("--timeline", action="store_true",
+                 help="interleaved rounds: JAX call, bridge, the bridge's steps timed by hand")
   p.add_argument("--capture", action="store_true",
                  help="try capturing a call (eager, compiled) into a torch CUDA graph")
   p.add_argument("--out", default=None, help="JSON file")
@@ -404,10 +540,12 @@ def main(argv=None) -> int:
     print("transformers is needed", file=sys.stderr)
     return 2
   print("#", json.dumps(meta), flush=True)
-  if args.breakdown or args.capture:
+  if args.breakdown or args.capture or args.timeline:
     res: dict = dict(meta=meta)
     if args.breakdown:
       res["breakdown"] = [r for m in models for r in breakdown(m, args, device, sync, jsync)]
+    if args.timeline:
+      res["timeline"] = [r for m in models for r in timeline(m, args, device, sync, jsync)]
     if args.capture and device.type == "cuda":
       res["capture"] = [capture(m, args, device) for m in models]
     if args.out:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 import os
 import threading
 import weakref
@@ -371,10 +372,50 @@ def spec_of(key: str) -> BridgeSpec:
   return spec
 
 
-def _convert(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
+def _activation(t: torch.Tensor) -> jax.Array:
+  """`to_jax` of a tensor that crosses every call: the common case (a dense CUDA tensor on
+  the fast path) in one step, everything else through `to_jax`."""
+  fast = _FAST
+  if (fast is not None and _FAST_DLPACK and STREAM_MODE != "public" and t.is_cuda and
+      t.is_contiguous() and t.dtype not in _WIDE):
+    try:
+      return fast.import_(t, t.get_device())
+    except _FAST_ERRORS:
+      pass  # to_jax repeats it and, failing again, turns the fast path off
+  return to_jax(t)
+
+
+def _convert(spec: BridgeSpec, tensors: Sequence[torch.Tensor],
+             weights: Optional["WeightGroup"] = None) -> list[jax.Array]:
+  """The spec's arguments in JAX: the leading `spec.uncached` tensors cross, the rest come
+  from `weights` (one module's group) or the shared `CACHE`."""
   n = spec.uncached
-  get = CACHE.get
-  return [to_jax(t) for t in tensors[:n]] + [get(t) for t in tensors[n:]]
+  moving = [_activation(t) for t in tensors[:n]]
+  return moving + (weights.arrays(tensors[n:]) if weights is not None else
+                   [CACHE.get(t) for t in tensors[n:]])
+
+
+class WeightGroup:
+  """One module's weights as JAX arrays, checked with one pass over (object, data pointer,
+  version) per call instead of a `CACHE` lookup per tensor; a change goes through `CACHE`."""
+
+  __slots__ = ("_tensors", "_state", "_arrays")
+
+  def __init__(self) -> None:
+    self._tensors: tuple = ()
+    self._state: Optional[list] = None
+    self._arrays: list[jax.Array] = []
+
+  def arrays(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
+    try:
+      state = [(t.data_ptr(), t._version) for t in tensors]
+    except RuntimeError:  # inference-mode tensors keep no version counter: CACHE decides
+      return [CACHE.get(t) for t in tensors]
+    if state == self._state and all(map(operator.is_, tensors, self._tensors)):
+      return self._arrays
+    self._arrays = [CACHE.get(t) for t in tensors]
+    self._tensors, self._state = tuple(tensors), state
+    return self._arrays
 
 
 def _needs_grad(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> bool:
@@ -384,7 +425,7 @@ def _needs_grad(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> bool:
 
 def _out(a: jax.Array, like: torch.Tensor) -> torch.Tensor:
   """A fresh JAX output on `like`'s device -> torch (zero-copy, stream-ordered)."""
-  index = _index(like)
+  index = like.get_device() if like.is_cuda else _index(like)
   return to_torch(a) if index is None else _to_torch(a, index)
 
 
@@ -401,9 +442,10 @@ def _resolve(key: str) -> tuple[BridgeSpec, _Jitted]:
   return hit
 
 
-def run(key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def run(key: str, tensors: Sequence[torch.Tensor],
+        weights: Optional[WeightGroup] = None) -> torch.Tensor:
   """Run the spec `key` names (`register_spec`, `spec_of`) on torch tensors, in its function's
-  argument order.
+  argument order (`weights`: the calling module's `WeightGroup` for the cached ones).
 
   The output is the JAX output's own buffer, not a copy: nothing else holds that buffer in the
   forward-only path, and in the training path the output is saved for backward, so an
@@ -416,7 +458,7 @@ def run(key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
   if torch.is_grad_enabled() and _needs_grad(spec, tensors):
     return _BridgeFunction.apply(spec, *tensors)
   STATS["forwards"] += 1
-  return _out(jitted.forward(*_convert(spec, tensors)), tensors[0])
+  return _out(jitted.forward(*_convert(spec, tensors, weights)), tensors[0])
 
 
 class _BridgeFunction(torch.autograd.Function):
@@ -569,6 +611,7 @@ class JmoeMoE(torch.nn.Module):
     self._spec = BridgeSpec(_BlockFn(config, tuple(names), tuple(quant), runner_backend),
                             tuple(diff))
     self._op_key = register_spec(self._spec)
+    self._weights = WeightGroup()
 
   @classmethod
   def from_hf(cls, hf_block, hf_config=None, *, dtype=None, runner_backend=None) -> "JmoeMoE":
@@ -586,7 +629,7 @@ class JmoeMoE(torch.nn.Module):
       raise ValueError(f"x must be a torch tensor [..., {h}], got "
                        f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     flat = x if x.ndim == 2 else x.reshape(-1, h)  # a reshape is ~1 us a call each way
-    y = run(self._op_key, [flat, *self._tensors()])
+    y = run(self._op_key, [flat, *self._tensors()], self._weights)
     return y if x.ndim == 2 else y.reshape(x.shape)
 
   def _tensors(self) -> list[torch.Tensor]:

@@ -107,6 +107,18 @@ def test_inplace_update_of_a_copied_parameter_is_seen():
     torch.testing.assert_close(y1, _fresh(ours)(x), rtol=1e-6, atol=1e-6)
 
 
+def test_replaced_parameter_or_swapped_data_is_seen():
+  """The module's weight group re-checks object, data pointer and version every call."""
+  hf_config, block, x = build("qwen3_moe")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  with torch.no_grad():
+    y0 = ours(x).clone()
+    ours.w2 = torch.nn.Parameter(ours.w2.detach() * 2.0)  # a new object
+    torch.testing.assert_close(ours(x), 2.0 * y0, rtol=1e-5, atol=1e-6)
+    ours.w2.data = ours.w2.data * 0.5  # the same object, new memory
+    torch.testing.assert_close(ours(x), y0, rtol=1e-5, atol=1e-6)
+
+
 def test_forward_only_keeps_no_residuals():
   hf_config, block, x = build("qwen3_moe")
   ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")

@@ -194,24 +194,38 @@ def measure_model(name: str, args, device: torch.device, sync, jsync, deadline: 
     yield row
 
 
-def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
-  """Where the bridge's per-call time goes (forward-only): each piece timed on its own, and
-  the import's ways of ordering streams side by side."""
+def _bridged(name: str, args, device: torch.device):
+  """(the bridge module for one model, its torch device index)."""
   from jmoe.interop import torch as jt  # noqa: PLC0415
   from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
 
-  dtype = getattr(torch, args.dtype)
-  cfg, block = build_block(name, args.small, dtype, device, "grouped_mm")
-  ours = jt.from_hf(block, cfg, runner_backend=args.backend)
+  cfg, block = build_block(name, args.small, getattr(torch, args.dtype), device, "grouped_mm")
+  return jt.from_hf(block, cfg, runner_backend=args.backend), tb._index(
+      torch.empty(0, device=device))
+
+
+def _jax_call(ours, t: int, args, device: torch.device):
+  """(x [t, H], its torch tensors in the spec's order, the jitted forward the bridge runs, its
+  JAX arguments with x converted once)."""
+  from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
+
+  x = torch.randn(t, ours.moe.config.hidden_size, device=device,
+                  dtype=getattr(torch, args.dtype))
+  tensors = [x] + [getattr(ours.moe, a) for a in ours.moe._attrs]
+  spec = tb.spec_of(ours.moe._op_key)
+  return x, tensors, tb._jitted(spec).forward, tb._convert(spec, tensors)
+
+
+def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
+  """Where the bridge's per-call time goes (forward-only): each piece timed on its own, and
+  the import's ways of ordering streams side by side."""
+  from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
+
+  ours, index = _bridged(name, args, device)
   fast = tb._fast()
-  index = tb._index(torch.empty(0, device=device))
   rows = []
   for t in args.tokens:
-    x = torch.randn(t, cfg.hidden_size, device=device, dtype=dtype)
-    tensors = [x] + [getattr(ours.moe, a) for a in ours.moe._attrs]
-    spec = tb.spec_of(ours.moe._op_key)
-    fwd = tb._jitted(spec).forward
-    jargs = tb._convert(spec, tensors)
+    x, tensors, fwd, jargs = _jax_call(ours, t, args, device)
     xj, ws = jargs[0], jargs[1:]
     others = [xj + 0 for _ in range(8)]  # JAX-made buffers, a different one each call
     out = fwd(*jargs).block_until_ready()
@@ -301,20 +315,12 @@ def timeline(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
   alike): the JAX call, the bridge, and the bridge's steps done by hand with host timestamps
   between them (import, JAX call, export, release of the imported input, wait), to show where
   a bridged call holds the host. Medians over --iters rounds, microseconds."""
-  from jmoe.interop import torch as jt  # noqa: PLC0415
   from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
 
-  dtype = getattr(torch, args.dtype)
-  cfg, block = build_block(name, args.small, dtype, device, "grouped_mm")
-  ours = jt.from_hf(block, cfg, runner_backend=args.backend)
-  index = tb._index(torch.empty(0, device=device))
+  ours, index = _bridged(name, args, device)
   rows = []
   for t in args.tokens:
-    x = torch.randn(t, cfg.hidden_size, device=device, dtype=dtype)
-    tensors = [x] + [getattr(ours.moe, a) for a in ours.moe._attrs]
-    spec = tb.spec_of(ours.moe._op_key)
-    fwd = tb._jitted(spec).forward
-    jargs = tb._convert(spec, tensors)
+    x, _, fwd, jargs = _jax_call(ours, t, args, device)
     ws = jargs[1:]
     held: list = []
     clock = time.perf_counter

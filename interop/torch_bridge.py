@@ -372,25 +372,12 @@ def spec_of(key: str) -> BridgeSpec:
   return spec
 
 
-def _activation(t: torch.Tensor) -> jax.Array:
-  """`to_jax` of a tensor that crosses every call: the common case (a dense CUDA tensor on
-  the fast path) in one step, everything else through `to_jax`."""
-  fast = _FAST
-  if (fast is not None and _FAST_DLPACK and STREAM_MODE != "public" and t.is_cuda and
-      t.is_contiguous() and t.dtype not in _WIDE):
-    try:
-      return fast.import_(t, t.get_device())
-    except _FAST_ERRORS:
-      pass  # to_jax repeats it and, failing again, turns the fast path off
-  return to_jax(t)
-
-
 def _convert(spec: BridgeSpec, tensors: Sequence[torch.Tensor],
              weights: Optional["WeightGroup"] = None) -> list[jax.Array]:
   """The spec's arguments in JAX: the leading `spec.uncached` tensors cross, the rest come
   from `weights` (one module's group) or the shared `CACHE`."""
   n = spec.uncached
-  moving = [_activation(t) for t in tensors[:n]]
+  moving = [to_jax(t) for t in tensors[:n]]
   return moving + (weights.arrays(tensors[n:]) if weights is not None else
                    [CACHE.get(t) for t in tensors[n:]])
 
@@ -425,7 +412,7 @@ def _needs_grad(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> bool:
 
 def _out(a: jax.Array, like: torch.Tensor) -> torch.Tensor:
   """A fresh JAX output on `like`'s device -> torch (zero-copy, stream-ordered)."""
-  index = like.get_device() if like.is_cuda else _index(like)
+  index = _index(like)
   return to_torch(a) if index is None else _to_torch(a, index)
 
 

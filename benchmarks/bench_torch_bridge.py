@@ -57,16 +57,8 @@ SMALL = {"qwen3": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8,
 def timed(fn: Callable[[], object], sync: Callable[..., None], iters: int,
           warmup: int = 3, per: int = 1) -> dict:
   """Median / p10 / p90 host microseconds of fn() + sync(its result), divided by `per`."""
-  for _ in range(warmup):
-    sync(fn())
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    sync(fn())
-    ts.append((time.perf_counter() - t0) * 1e6 / per)
-  ts.sort()
-  return dict(median_us=statistics.median(ts), p10_us=ts[len(ts) // 10],
-              p90_us=ts[(9 * len(ts)) // 10], iters=iters)
+  out = interleaved({"fn": (fn, sync)}, iters, warmup)["fn"]
+  return {k: v if k == "iters" else v / per for k, v in out.items()}
 
 
 def interleaved(fns: dict[str, tuple[Callable[[], object], Callable[..., None]]], iters: int,
@@ -86,6 +78,19 @@ def interleaved(fns: dict[str, tuple[Callable[[], object], Callable[..., None]]]
     out[k] = dict(median_us=statistics.median(v), p10_us=v[len(v) // 10],
                   p90_us=v[(9 * len(v)) // 10], iters=iters)
   return out
+
+
+def in_stream_mode(mode: str, fn: Callable[[], object]) -> Callable[[], object]:
+  """fn run with the bridge's import ordering set to `mode` (tb.STREAM_MODE), then restored."""
+  from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
+
+  def f():
+    old, tb.STREAM_MODE = tb.STREAM_MODE, mode
+    try:
+      return fn()
+    finally:
+      tb.STREAM_MODE = old
+  return f
 
 
 def build_block(name: str, small: bool, dtype: torch.dtype, device: torch.device,
@@ -231,15 +236,6 @@ def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
     out = fwd(*jargs).block_until_ready()
     it = iter(range(10**9))
 
-    def import_mode(mode: str):
-      def f():
-        old, tb.STREAM_MODE = tb.STREAM_MODE, mode
-        try:
-          return tb.to_jax(x)
-        finally:
-          tb.STREAM_MODE = old
-      return f
-
     def import_without_stream():  # no stream ordering: for this measurement only (synced)
       extra = (1 if index < 0 else fast.gpu_dl,) if fast.new_sig else ()
       return fast.to_buffer(torch._C._to_dlpack(x), fast.device(index), None, False, *extra)
@@ -252,21 +248,14 @@ def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
 
     none = lambda _=None: None  # noqa: E731
     imports = {"public": lambda: jax.dlpack.from_dlpack(x), "old": import_old,
-               "handshake": import_mode("handshake"), "no_stream": import_without_stream}
+               "handshake": in_stream_mode("handshake", lambda: tb.to_jax(x)),
+               "no_stream": import_without_stream}
     kept = collections.deque(maxlen=8)  # imported arrays outliving their call by 8 calls
 
     def keep(a):
       kept.append(a)
       return a
 
-    def bridge_mode(mode: str):
-      def f():
-        old, tb.STREAM_MODE = tb.STREAM_MODE, mode
-        try:
-          return ours(x)
-        finally:
-          tb.STREAM_MODE = old
-      return f
     pieces = {
         "jax_cached_x": (lambda: fwd(xj, *ws), jsync),
         "jax_cached_x_bur": (lambda: fwd(xj, *ws).block_until_ready(), none),
@@ -284,7 +273,7 @@ def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
         "jax_dispatch_alone": (lambda: fwd(xj, *ws), none),
         "convert_weights_alone": (lambda: [tb.CACHE.get(w) for w in tensors[1:]], none),
         "bridge": (lambda: ours(x), sync),
-        "bridge_public": (bridge_mode("public"), sync),
+        "bridge_public": (in_stream_mode("public", lambda: ours(x)), sync),
         "bridge_moe_module": (lambda: ours.moe(x), sync),
         "bridge_host_only": (lambda: ours(x), none),
     }
@@ -358,20 +347,12 @@ def timeline(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
       while stream is not None and not stream.query():
         pass
 
-    def in_mode(mode: str, fn):
-      def f():
-        old, tb.STREAM_MODE = tb.STREAM_MODE, mode
-        try:
-          return fn()
-        finally:
-          tb.STREAM_MODE = old
-      return f
-
     variants = {
         "jax_fwd": lambda: whole(lambda: fwd(*jargs), jsync),
         "jax_fwd_spin": lambda: whole(lambda: fwd(*jargs), spin_jax),
         "bridge_spin": lambda: whole(lambda: ours(x), spin_torch),
-        "bridge_public_spin": in_mode("public", lambda: whole(lambda: ours(x), spin_torch)),
+        "bridge_public_spin": in_stream_mode("public",
+                                             lambda: whole(lambda: ours(x), spin_torch)),
         "jax_fwd_bur": lambda: whole(lambda: fwd(*jargs).block_until_ready(), lambda _=None: None),
         "bridge": lambda: whole(lambda: ours(x), sync),
         "by_hand": lambda: by_hand(False),

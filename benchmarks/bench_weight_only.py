@@ -446,6 +446,9 @@ def parse_args(argv=None):
                        "its heuristic picks for kn); kn: [E, K, N] through ragged_dot (its "
                        "default form, which transposes the weights in the graph)")
   ap.add_argument("--runner", default="auto", help="fused_moe's runner_backend")
+  ap.add_argument("--layouts", default="auto",
+                  help="weight-only layouts to time, each a row (auto, decode, decode_shared, "
+                       "dequantize: JMOE_WEIGHT_ONLY_LAYOUT)")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--rotate", type=int, default=3, help="random input sets timed in rotation")
   ap.add_argument("--check-tokens", type=int, default=4,
@@ -479,6 +482,10 @@ def parse_args(argv=None):
       if "does not divide" not in str(e):
         ap.error(f"--schemes: {e}")
   args.peers = [] if args.peers in ("", "none") else args.peers.split(",")
+  args.layouts = args.layouts.split(",")
+  for lay in args.layouts:
+    if lay not in ("auto", "decode", "decode_shared", "dequantize"):
+      ap.error(f"--layouts: {lay!r} is not auto, decode, decode_shared or dequantize")
   for s in args.peers:
     try:
       parse_peer(s)
@@ -650,8 +657,13 @@ def main(argv=None) -> int:
           log(f"budget reached: skipping {pname} T={t} {label}")
           continue
         if t in out_ref:
-          run_scheme(args, p, t, sets_of[t], cases[t], label, quant, q, d, bias, out_ref[t], fn)
-          save()
+          for lay in args.layouts:  # a fresh jit per layout: the env var is read when tracing
+            os.environ["JMOE_WEIGHT_ONLY_LAYOUT"] = lay
+            run_scheme(args, p, t, sets_of[t], cases[t], label if lay == "auto" else
+                       f"{label}[{lay}]", quant, q, d, bias, out_ref[t],
+                       fn if lay == "auto" else block_fn(p["act"], args.runner))
+            save()
+          os.environ.pop("JMOE_WEIGHT_ONLY_LAYOUT", None)
       del q, d
     del w13, w2, bias
   add_peer_ratios(results)

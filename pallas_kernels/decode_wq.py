@@ -105,18 +105,67 @@ def max_stages(plan: _Plan, h: int) -> int:
   return min(_MAX_STAGES, (_SMEM_BYTES - _fixed_bytes(plan, h)) // _stage_bytes(plan))
 
 
-def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
-           interpret):
+def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: int, total,
+                 use_vec: bool):
+  """The weight-only decode kernels' load stream: fetch(g, i, cur, nxt) loads the CTA's step
+  g (item i's, `cur`, or item i + 1's, `nxt`: (slot, expert, block, token tile)) into ring
+  slot g % stages: a GEMM1 step a gate, an up and a token tile (bars1), a GEMM2 step two w2
+  tiles (bars2); an item's first step also its per-channel scales and biases (vbar)."""
+  ring, xring, vec, vbar = refs["ring"], refs["xring"], refs["vec"], refs["vbar"]
+  w13_ref, w2_ref, x_ref = refs["w13"], refs["w2"], refs["x"]
+
+  def fetch(g, i, cur, nxt):
+    @pl.when(g < total)
+    def _fetch():
+      it, r, (_, ex, jb, tok), slot = ring_step(g, i, cur, nxt, spi=spi, stages=stages)
+      dst = ring.at[slot]
+
+      if use_vec:
+        @pl.when(r == 0)
+        def _vectors():
+          vb = lax.rem(it, 2)
+          for c, col in enumerate((jb * BN, n + jb * BN)):
+            if not plan.grouped:
+              plgpu.copy_gmem_to_smem(refs["c13"].at[ex, pl.ds(col, BN)], vec.at[vb, c],
+                                      vbar.at[vb])
+            if plan.has_bias:
+              plgpu.copy_gmem_to_smem(refs["b13"].at[ex, pl.ds(col, BN)], vec.at[vb, 2 + c],
+                                      vbar.at[vb])
+
+      @pl.when(r < k1)
+      def _w13():
+        cols, bar = pl.ds(r * BK, BK), refs["bars1"].at[slot]
+        plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(jb * BN, BN), cols], dst.at[0], bar)
+        plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + jb * BN, BN), cols], dst.at[1], bar)
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), cols], xring.at[slot], bar)
+
+      @pl.when(r >= k1)
+      def _w2():
+        c, bar = r - k1, refs["bars2"].at[slot]
+        for half in range(2):
+          rows = pl.ds(c * BH + half * (BH // 2), BH // 2)
+          plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(jb * BN, BN)], dst.at[half], bar)
+
+  return fetch
+
+
+def geometry(h: int, n: int, plan: _Plan, stages: int):
+  """(blocks of N, GEMM1 steps, GEMM2 steps, steps per item, scale groups along H, the code
+  tiles' SMEM transforms, the token tiles') of a weight-only decode kernel; checks stages."""
   nb, k1, k2 = n // BN, h // BK, h // BH
-  spi = k1 + k2  # steps per item
-  g1 = h // GROUP
+  spi = k1 + k2
   if stages - 1 >= spi:
     raise ValueError(f"stages={stages} must be at most {spi} (steps per item)")
-  _cast = _compat.layout_cast(interpret)
   bits = 4 if plan.int4 else 8
   swz = plgpu.find_swizzle(BK * bits)
   tf_w = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
-  tf_x = _compat.smem_transforms(BK, 2)
+  return nb, k1, k2, spi, h // GROUP, tf_w, _compat.smem_transforms(BK, 2)
+
+
+def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
+           interpret):
+  nb, k1, k2, spi, g1, tf_w, tf_x = geometry(h, n, plan, stages)
+  _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
   rows_a = 64  # the activation tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
   use_vec = plan.has_bias or not plan.grouped
@@ -153,39 +202,10 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     item, info0, my_items = cta_items(ids_ref, sm, num_sms, m=m, k=k, e=e, nb=nb)
     total = my_items * spi
 
-    def fetch(g, i, cur, nxt):
-      """Loads the CTA's step g (item i's or item i + 1's) into slot g % stages: GEMM1 steps a
-      gate, an up and a token tile (bars1), GEMM2 steps two w2 tiles (bars2)."""
-      @pl.when(g < total)
-      def _fetch():
-        it, r, (_, ex, jb, tok), slot = ring_step(g, i, cur, nxt, spi=spi, stages=stages)
-        dst = ring.at[slot]
-
-        if use_vec:
-          @pl.when(r == 0)  # per-channel scales and biases ride with the item's first step
-          def _vectors():
-            vb = lax.rem(it, 2)
-            for c, col in enumerate((jb * BN, n + jb * BN)):
-              if not plan.grouped:
-                plgpu.copy_gmem_to_smem(c13_ref.at[ex, pl.ds(col, BN)], vec.at[vb, c],
-                                        vbar.at[vb])
-              if plan.has_bias:
-                plgpu.copy_gmem_to_smem(b13_ref.at[ex, pl.ds(col, BN)], vec.at[vb, 2 + c],
-                                        vbar.at[vb])
-
-        @pl.when(r < k1)
-        def _w13():
-          cols, bar = pl.ds(r * BK, BK), bars1.at[slot]
-          plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(jb * BN, BN), cols], dst.at[0], bar)
-          plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + jb * BN, BN), cols], dst.at[1], bar)
-          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), cols], xring.at[slot], bar)
-
-        @pl.when(r >= k1)
-        def _w2():
-          c, bar = r - k1, bars2.at[slot]
-          for half in range(2):
-            rows = pl.ds(c * BH + half * (BH // 2), BH // 2)
-            plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(jb * BN, BN)], dst.at[half], bar)
+    fetch = step_fetcher(
+        refs=dict(ring=ring, xring=xring, w13=w13_ref, w2=w2_ref, x=x_ref, c13=c13_ref,
+                  b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2),
+        plan=plan, n=n, k1=k1, spi=spi, stages=stages, total=total, use_vec=use_vec)
 
     def load_blocks(info):
       """The item's scale rows [128, H / 128] for gate and up (and zero rows, token sums)."""
@@ -319,20 +339,31 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   if plan.zero13:
     scratch += [plgpu.SMEM((2, BN, g1), jnp.dtype(jnp.uint8) if plan.int4 else plan.code),
                 plgpu.SMEM((g1,), jnp.float32)]
-  n_blk = 2 + (3 if plan.zero13 else 0)
-  scratch += [plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-              plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-              plgpu.Barrier(num_arrivals=max(n_vec, 1), num_barriers=2),
-              plgpu.Barrier(num_arrivals=n_blk, num_barriers=1)]
+  return finish(body, scratch, plan=plan, stages=stages, n_vec=n_vec,
+                n_blk=2 + (3 if plan.zero13 else 0), xdt=xdt, part=(nb, m, h), asum_rows=m,
+                emulate=emulate, num_sms=num_sms, interpret=interpret,
+                name="jmoe_moe_decode_wq")
+
+
+def finish(body, scratch: list, *, plan: _Plan, stages: int, n_vec: int, n_blk: int, xdt,
+           part: tuple, asum_rows: int, emulate: bool, num_sms: int, interpret, name: str):
+  """A weight-only decode kernel from its body and buffers: adds the barriers (GEMM1 and
+  GEMM2 ring steps, the item vectors' two, the scale blocks') and the interpreter's operand
+  buffers; outputs part [NB, m, H] f32 (and the activation sums [NB, asum_rows, 8] with w2
+  zero points)."""
+  scratch = scratch + [plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=max(n_vec, 1), num_barriers=2),
+                       plgpu.Barrier(num_arrivals=n_blk, num_barriers=1)]
   if emulate:
     scratch += [plgpu.SMEM((2, BN, BK), xdt), plgpu.SMEM((BK, _N), xdt)]
-  out_type = [jax.ShapeDtypeStruct((nb, m, h), jnp.float32)]
+  out_type = [jax.ShapeDtypeStruct(part, jnp.float32)]
   if plan.zero2:
-    out_type.append(jax.ShapeDtypeStruct((nb, m, _N), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct((part[0], asum_rows, _N), jnp.float32))
   return _compat.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(num_sms,),
       grid_names=("sm",), compiler_params=_compat.compiler_params(approx_math=True),
-      interpret=interpret, name="jmoe_moe_decode_wq")
+      interpret=interpret, name=name)
 
 
 def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) -> str | None:
@@ -340,6 +371,19 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
   activation, <= 128 slots, weight-only int4 / int8 codes with float32 scales per channel or
   per 128 along K, no act-order permutation, H a multiple of 1024 (grouped; 256 per channel)
   and N of 128, and scale / zero rows whose bytes a TMA copy can move."""
+  why = unsupported_codes(t, k, h, n, act, w13, w2)
+  if why is not None:
+    return why
+  if w13.scheme.zero_point and (h // GROUP) % 16:
+    return f"zero points need H / 128 = {h // GROUP} a multiple of 16 (their TMA rows)"
+  if max_stages(_plan(w13, w2, False), h) < 2:
+    return f"H={h}: the item's scale rows leave shared memory no 2-slot ring"
+  return None
+
+
+def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13,
+                      w2) -> str | None:
+  """`unsupported`'s rules on the format and the sizes, without its shared-memory ones."""
   q = w13.scheme
   if q is None or q.act_dtype is not None or q.weight_dtype not in _CODE_DTYPES:
     return f"{q}: the weight-only decode kernel takes int4 / int8 weights with bf16 tokens"
@@ -365,10 +409,6 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
   if n % BN or h % (GROUP * _N if grouped else BH):
     return (f"H={h} must be a multiple of {GROUP * _N if grouped else BH} and N={n} "
             f"of {BN}")
-  if q.zero_point and (h // GROUP) % 16:
-    return f"zero points need H / 128 = {h // GROUP} a multiple of 16 (their TMA rows)"
-  if max_stages(_plan(w13, w2, False), h) < 2:
-    return f"H={h}: the item's scale rows leave shared memory no 2-slot ring"
   return None
 
 
@@ -412,6 +452,39 @@ def _w2_scaled(part, asum, ids, w2, plan: _Plan, e: int) -> jax.Array:
   return part * s2
 
 
+def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, w2_bias,
+                 config: DecodeWQConfig | None, *, kernel: str, why, stage_cap):
+  """A weight-only decode kernel's arguments checked (shapes, dtypes, `why`'s rules, the
+  biases, the quantized weights) -> (T, k, E, N, H, plan, ring stages), raising ValueError
+  that names the argument or the rule."""
+  t, k = topk_ids.shape
+  e, n2, h = w13.shape[0], w13.shape[2], w13.shape[1]
+  n = n2 // 2
+  if x.shape != (t, h) or tuple(w2.shape) != (e, n, h):
+    raise ValueError(f"shapes: x {x.shape} (want ({t}, {h})), w2 {tuple(w2.shape)} "
+                     f"(want ({e}, {n}, {h}))")
+  if topk_weights.shape != (t, k):
+    raise ValueError(f"topk_weights must have shape ({t}, {k}) like topk_ids, got "
+                     f"{topk_weights.shape}")
+  if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"x dtype {x.dtype}: bfloat16 or float16")
+  reason = why(t, k, h, n, act, w13, w2)
+  if reason is not None:
+    raise ValueError(f"{kernel}: {reason}")
+  if w13_bias is not None and w13_bias.shape != (e, n2):
+    raise ValueError(f"w13_bias must have shape ({e}, {n2}), got {w13_bias.shape}")
+  if w2_bias is not None and w2_bias.shape != (e, h):
+    raise ValueError(f"w2_bias must have shape ({e}, {h}), got {w2_bias.shape}")
+  for name, w in (("w13", w13), ("w2", w2)):
+    check_quantized(w, argname=name)
+  plan = _plan(w13, w2, w13_bias is not None)
+  cap = stage_cap(plan, h)
+  stages = (config or DecodeWQConfig()).stages or min(cap, h // BK + h // BH)
+  if stages > cap or stages < 2:
+    raise ValueError(f"stages={stages} does not fit shared memory at H={h} (at most {cap})")
+  return t, k, e, n, h, plan, stages
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "config", "out_dtype", "interpret"))
 def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
                             topk_ids: jax.Array, *, activation: Activation | str = "silu",
@@ -430,32 +503,9 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   (out_dtype, default x.dtype).
   """
   act = as_activation(activation)
-  cfg = config or DecodeWQConfig()
-  t, k = topk_ids.shape
-  e, n2, h = w13.shape[0], w13.shape[2], w13.shape[1]
-  n = n2 // 2
-  if x.shape != (t, h) or tuple(w2.shape) != (e, n, h):
-    raise ValueError(f"shapes: x {x.shape} (want ({t}, {h})), w2 {tuple(w2.shape)} "
-                     f"(want ({e}, {n}, {h}))")
-  if topk_weights.shape != (t, k):
-    raise ValueError(f"topk_weights must have shape ({t}, {k}) like topk_ids, got "
-                     f"{topk_weights.shape}")
-  if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise ValueError(f"x dtype {x.dtype}: bfloat16 or float16")
-  why = unsupported(t, k, h, n, act, w13, w2)
-  if why is not None:
-    raise ValueError(f"fused_experts_decode_wq: {why}")
-  if w13_bias is not None and w13_bias.shape != (e, n2):
-    raise ValueError(f"w13_bias must have shape ({e}, {n2}), got {w13_bias.shape}")
-  if w2_bias is not None and w2_bias.shape != (e, h):
-    raise ValueError(f"w2_bias must have shape ({e}, {h}), got {w2_bias.shape}")
-  for name, w in (("w13", w13), ("w2", w2)):
-    check_quantized(w, argname=name)
-  plan = _plan(w13, w2, w13_bias is not None)
-  cap = max_stages(plan, h)
-  stages = cfg.stages or min(cap, h // BK + h // BH)
-  if stages > cap or stages < 2:
-    raise ValueError(f"stages={stages} does not fit shared memory at H={h} (at most {cap})")
+  t, k, e, n, h, plan, stages = checked_call(
+      x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config,
+      kernel="fused_experts_decode_wq", why=unsupported, stage_cap=max_stages)
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
   interp, nsm = _compat.launch_params(interpret)

@@ -17,6 +17,7 @@ from jmoe.kernels import _compat
 from jmoe.kernels import decode as _decode
 from jmoe.kernels import decode_q8 as _decode_q8
 from jmoe.kernels import decode_wq as _decode_wq
+from jmoe.kernels import decode_wq_shared as _decode_wq_shared
 from jmoe.kernels import permute as _perm
 from jmoe.kernels import route as _route
 from jmoe.kernels.activations import Activation, as_activation
@@ -488,18 +489,27 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
 
 def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
                        layout: str = "auto") -> str:
-  """"decode" (jmoe.kernels.decode_wq: the packed codes are the only weight bytes read) or
-  "dequantize" (every expert's weights dequantized in the graph per call, then the bf16
-  kernels: the form for what decode_wq does not take, prefill and the microscaling formats).
-  auto: decode wherever decode_wq takes the problem (<= 128 slots), even when slots share
-  experts: re-streaming a packed expert per slot reads fewer bytes than dequantizing them all."""
-  if layout not in ("auto", "decode", "dequantize"):
-    raise ValueError(f"layout={layout!r}: 'auto', 'decode' or 'dequantize'")
+  """"decode" (jmoe.kernels.decode_wq: the packed codes are the only weight bytes read, an
+  expert streamed once per slot), "decode_shared" (jmoe.kernels.decode_wq_shared: the same
+  with up to 8 slots of one expert per work item, so an expert streams once per 8 of its
+  slots; the group scales cost a multiply per weight element) or "dequantize" (every expert's
+  weights dequantized in the graph per call, then the bf16 kernels: prefill and the
+  microscaling formats). auto: decode_shared where slots share experts on average (T * k >=
+  2 E) or decode_wq refuses only what decode_wq_shared takes (zero points at H / 128 not a
+  multiple of 16), decode where it takes the problem, else dequantize (H200: the rule picks
+  the faster layout in every measured case; docs/kernels.md, "Slots that share experts")."""
+  if layout not in ("auto", "decode", "decode_shared", "dequantize"):
+    raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared' or 'dequantize'")
   why = _decode_wq.unsupported(t, k, h, n, act, w13, w2)
-  if layout == "decode" and why is not None:
-    raise ValueError(f"layout='decode': the weight-only decode kernel does not take this "
-                     f"call: {why}")
+  why_shared = _decode_wq_shared.unsupported(t, k, h, n, act, w13, w2)
+  for name, reason in (("decode", why), ("decode_shared", why_shared)):
+    if layout == name and reason is not None:
+      raise ValueError(f"layout={name!r}: the weight-only {name} kernel does not take this "
+                       f"call: {reason}")
   if layout == "auto":
+    e = w13.shape[0]
+    if why_shared is None and (why is not None or t * k >= 2 * e):
+      return "decode_shared"
     return "decode" if why is None else "dequantize"
   return layout
 
@@ -518,10 +528,12 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
   t, k = topk_ids.shape
   _, h, n13 = w13.shape
   n = n13 // 2 if act.is_gated else n13
-  if weight_only_layout(t, k, h, n, act, w13, w2, layout) == "decode":
-    return _decode_wq.fused_experts_decode_wq(
-        x, w13, w2, topk_weights, topk_ids, activation=act, w13_bias=w13_bias,
-        w2_bias=w2_bias, out_dtype=out_dtype, interpret=interpret)
+  chosen = weight_only_layout(t, k, h, n, act, w13, w2, layout)
+  if chosen in ("decode", "decode_shared"):
+    run = (_decode_wq.fused_experts_decode_wq if chosen == "decode" else
+           _decode_wq_shared.fused_experts_decode_wq_shared)
+    return run(x, w13, w2, topk_weights, topk_ids, activation=act, w13_bias=w13_bias,
+               w2_bias=w2_bias, out_dtype=out_dtype, interpret=interpret)
   out = fused_experts(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), topk_weights,
                       topk_ids, activation=act, w13_bias=w13_bias, w2_bias=w2_bias,
                       interpret=interpret)

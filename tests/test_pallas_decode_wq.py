@@ -13,7 +13,7 @@ import pytest
 import jmoe
 import oracle_np as onp
 from jmoe.kernels import _compat
-from jmoe.kernels import decode_wq
+from jmoe.kernels import decode_wq, decode_wq_shared
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
 from jmoe.quant import QuantizedWeights, quantize_weights
@@ -86,14 +86,15 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
 
 
 def test_weight_only_pallas_experts_match_xla(rng, monkeypatch):
-  """The public API with runner_backend='pallas_mosaic': one token (the decode kernel) and a
-  problem it does not take (H = 256: the weights dequantized into the bf16 kernels), each
-  against the XLA experts and the oracle."""
+  """The public API with runner_backend='pallas_mosaic': one token (the decode kernel), six
+  tokens on 4 experts (slots sharing experts: the shared decode kernel) and a problem neither
+  takes (H = 256: the weights dequantized into the bf16 kernels), each against the XLA
+  experts and the oracle."""
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
-  for t, h in ((1, 1024), (5, 256)):
+  for t, h, want in ((1, 1024, "decode"), (6, 1024, "decode_shared"), (5, 256, "dequantize")):
     x, q13, q2, tw, ids, _, _ = _problem(rng, "w4a16", t, h, 128, 4, 2)
     layout = pmoe.weight_only_layout(t, 2, h, 128, as_activation("silu"), q13, q2)
-    assert layout == ("decode" if h == 1024 else "dequantize")
+    assert layout == want
     out = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
                                     runner_backend="pallas_mosaic"), np.float32)
     assert not _compat.races_found()
@@ -123,8 +124,12 @@ def test_decode_wq_says_what_it_does_not_take(rng):
   with pytest.raises(ValueError, match="multiple of 16"):
     decode_wq.fused_experts_decode_wq(jnp.ones((1, 1024), jnp.bfloat16), zp13, zp2,
                                       jnp.ones((1, 2)), jnp.zeros((1, 2), jnp.int32))
-  with pytest.raises(ValueError, match="layout='decode'"):
-    pmoe.weight_only_layout(1, 2, 1024, 128, silu, g32, g32, layout="decode")
+  for name in ("decode", "decode_shared"):
+    with pytest.raises(ValueError, match=f"layout='{name}'"):
+      pmoe.weight_only_layout(1, 2, 1024, 128, silu, g32, g32, layout=name)
+  # the shared kernel's transposed zero blocks need no H / 128 multiple of 16
+  assert decode_wq_shared.unsupported(1, 2, 1024, 128, silu, zp13, zp2) is None
+  assert pmoe.weight_only_layout(1, 2, 1024, 128, silu, zp13, zp2) == "decode_shared"
   with pytest.raises(ValueError, match="stages=1"):
     decode_wq.DecodeWQConfig(stages=1)
   with pytest.raises(ValueError, match="does not fit shared memory"):
@@ -150,3 +155,79 @@ def test_decode_wq_lowers_for_gpu(monkeypatch):
           S((t, h), jnp.bfloat16), qw(2 * n, h), qw(h, n), S((t, k), jnp.float32),
           S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
+
+
+# --------------------------------------------------------------------------------------------
+# slots sharing experts: decode_wq_shared (up to 8 tokens per item)
+
+
+def test_slot_groups_cut_each_experts_run_into_eights():
+  ids = jnp.asarray([3, 0, 3, -1, 3, 0, 7] + [3] * 8, jnp.int32)  # expert 3: 11 slots
+  ge, gs, sg = (np.asarray(a) for a in decode_wq_shared.slot_groups(ids, 4))
+  assert list(ge[:3]) == [0, 3, 3] and (ge[3:] == -1).all()  # 7 >= E: empty
+  assert list(gs[0][:2]) == [1, 5] and (gs[0][2:] == -1).all()
+  assert list(gs[1]) == [0, 2, 4, 7, 8, 9, 10, 11] and list(gs[2][:3]) == [12, 13, 14]
+  for slot in range(len(ids)):
+    g, p = sg[slot]
+    if 0 <= ids[slot] < 4:
+      assert gs[g, p] == slot
+
+
+@pytest.mark.parametrize("sid,bias", [
+    ("w4a16", True),
+    ("w4a16-zp", False),
+    pytest.param("w8a16", False, marks=pytest.mark.slow),
+    pytest.param("w8a16-g128-zp", True, marks=pytest.mark.slow),
+])
+def test_decode_wq_shared_matches_oracle(sid, bias, rng):
+  """T = 7, k = 2 on 2 experts of 3 (one with more than 8 slots: two groups), an empty slot."""
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 7, 1024, 256, 3, 2, bias=bias)
+  ids[:, :] = np.where(ids == 2, 0, ids)
+  ids[2, 1] = -1
+  out = np.asarray(run_interpreted(decode_wq_shared.fused_experts_decode_wq_shared, x, q13, q2,
+                                   jnp.asarray(tw), jnp.asarray(ids), w13_bias=b13,
+                                   w2_bias=b2, out_dtype=jnp.float32))
+  assert out.shape == (7, 1024) and np.isfinite(out).all()
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, b13, b2), TOL,
+                       f"{sid} decode_wq_shared vs oracle")
+
+
+def test_decode_wq_shared_lowers_for_gpu(monkeypatch):
+  """mixtral-8x7b's block at 16 tokens (32 slots on 8 experts), w4a16, through the
+  weight-only entry: one shared decode kernel."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  quant = jmoe.QuantConfig("w4a16")
+  e, k, h, n, t = 8, 2, 4096, 14336, 16
+
+  def qw(rows, kk):
+    return QuantizedWeights(values=S((e, rows, kk // 2), jnp.uint8),
+                            scale=S((e, rows, kk // 128), jnp.float32), scheme=quant)
+
+  text = jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
+      x, w13, w2, tw, ti)).trace(
+          S((t, h), jnp.bfloat16), qw(2 * n, h), qw(h, n), S((t, k), jnp.float32),
+          S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {
+      "jmoe_moe_decode_wq_shared"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_slot_groups_random_routings(seed):
+  """Every valid slot lands in exactly one group of <= 8 slots of its own expert, groups are
+  numbered densely, and slot_group inverts group_slots."""
+  r = np.random.default_rng(seed)
+  e, m = int(r.integers(1, 9)), int(r.integers(1, 129))
+  ids = r.integers(-2, e + 2, m).astype(np.int32)  # -2, -1 and >= E: empty slots
+  ge, gs, sg = (np.asarray(a) for a in decode_wq_shared.slot_groups(jnp.asarray(ids), e))
+  valid = (ids >= 0) & (ids < e)
+  used = ge >= 0
+  assert used.sum() == sum(-(-np.sum(ids == x) // 8) for x in range(e))
+  assert used[:used.sum()].all()  # the groups come first
+  seen = gs[used][gs[used] >= 0]
+  assert sorted(seen) == sorted(np.flatnonzero(valid))
+  for g in np.flatnonzero(used):
+    members = gs[g][gs[g] >= 0]
+    assert 1 <= len(members) <= 8 and (ids[members] == ge[g]).all()
+  assert (gs[~used] == -1).all()
+  for s in np.flatnonzero(valid):
+    assert gs[sg[s, 0], sg[s, 1]] == s

@@ -209,7 +209,9 @@ class PallasExperts(Experts):
     return out.astype(out_dtype)
 
   def _apply_weight_only(self, inp, weights, activation, local, out_dtype):
-    """w4a16 / w8a16 / mxfp4 / nvfp4 with bf16 tokens: fused_experts_weight_only's."""
+    """w4a16 / w8a16 / mxfp4 / nvfp4 with bf16 tokens: fused_experts_weight_only's, in the
+    layout env JMOE_WEIGHT_ONLY_LAYOUT names (read at trace time; default "auto": see
+    jmoe.kernels.moe.weight_only_layout) -- for benchmarks that compare the layouts."""
     check_weights_for_activation(weights, activation)
     if jnp.dtype(inp.a.dtype) not in _DTYPES:
       raise ValueError(f"runner_backend='pallas_mosaic' takes bf16/f16 hidden_states with "
@@ -218,7 +220,8 @@ class PallasExperts(Experts):
     return fused_experts_weight_only(inp.a, weights.w13, weights.w2, inp.topk_weights, local,
                                      activation=activation, w13_bias=weights.w13_bias,
                                      w2_bias=weights.w2_bias, out_dtype=out_dtype,
-                                     interpret=self.interpret)
+                                     interpret=self.interpret,
+                                     layout=os.environ.get("JMOE_WEIGHT_ONLY_LAYOUT", "auto"))
 
 
 def _batched_forward(act, interpret, a, ent, w13, w2, b13, b2):

@@ -286,6 +286,51 @@ def test_xla_experts_single_token(rng):
   _check_experts("mxfp4", "xla", rng, t=1)
 
 
+def test_few_slots_on_many_experts_xla(rng):
+  """6 slots (two empty) on 16 experts: the paths that dequantize per call take only the
+  touched experts (jmoe.experts._common.narrow_to_touched); the output is the oracle's."""
+  _check_experts("mxfp4", "xla", rng, t=3, e=16)
+
+
+def test_few_slots_on_many_experts_pallas(rng, monkeypatch):
+  """The same on the Pallas experts (nvfp4: the weights dequantized into the bf16 kernels),
+  bf16 tokens, against the XLA experts and the oracle."""
+  from jmoe.kernels import _compat
+  monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
+  quant, t, h, n, e, k = _quant("nvfp4"), 3, 128, 128, 16, 2
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  q13 = quantize_weights(jnp.asarray(_weights(rng, e, h, 2 * n)), quant)
+  q2 = quantize_weights(jnp.asarray(_weights(rng, e, n, h)), quant)
+  tw, ids = _routing(rng, t, e, k)
+  run = lambda b: np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),  # noqa: E731
+                                            runner_backend=b), np.float32)
+  out = run("pallas_mosaic")
+  assert not _compat.races_found()
+  onp.assert_rel_close(out, run("xla"), 2e-2, "pallas vs xla")
+  onp.assert_rel_close(out, _oracle(np.asarray(x, np.float32), q13, q2, tw, ids, quant), 2e-2,
+                       "pallas vs oracle")
+
+
+def test_narrow_to_touched_renumbers_the_slots(rng):
+  from jmoe.experts._common import narrow_to_touched
+  from jmoe.modular import ExpertWeights
+  e = 10
+  q = quantize_weights(jnp.asarray(_weights(rng, e, 64, 32, outliers=False)), _quant("mxfp4"))
+  bias = jnp.arange(e * 32, dtype=jnp.float32).reshape(e, 32)
+  ids = jnp.array([[7, 2], [e, 7], [2, e]], jnp.int32)  # duplicates and skipped slots
+  w, got = narrow_to_touched(ExpertWeights(q, q, bias, None), ids)
+  u = ids.size + 1
+  assert w.num_experts == u and got.shape == ids.shape
+  np.testing.assert_array_equal(np.asarray(got == u), np.asarray(ids == e))
+  live = np.asarray(ids < e)
+  np.testing.assert_array_equal(np.asarray(w.w13_bias)[np.asarray(got)[live]],
+                                np.asarray(bias)[np.asarray(ids)[live]])
+  np.testing.assert_array_equal(np.asarray(w.w13.values)[np.asarray(got)[live]],
+                                np.asarray(q.values)[np.asarray(ids)[live]])
+  same, same_ids = narrow_to_touched(ExpertWeights(q, q), jnp.zeros((5, 2), jnp.int32))
+  assert same.w13 is q and same_ids.shape == (5, 2)  # 10 slots on 10 experts: unchanged
+
+
 def _divides(fid, h, n):
   g = _quant(fid).group_size or 1
   return h % g == 0 and n % g == 0

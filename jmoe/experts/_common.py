@@ -39,6 +39,30 @@ def dense_operands(a: jax.Array, a_scale: Optional[jax.Array], weights: ExpertWe
   return dequantize_activations(a, a_scale, dtype), dense
 
 
+def narrow_to_touched(weights: ExpertWeights, local_ids: jax.Array
+                      ) -> tuple[ExpertWeights, jax.Array]:
+  """(weights, local_ids) cut down to the experts the slots touch, where there are fewer slots
+  than experts: for the paths that dequantize quantized weights in the graph per call, so
+  they dequantize (and read) only those experts, not all E (qwen3's 8 of 128 at one token).
+
+  local_ids [T, k] in [0, E], E the skip sentinel. Returns the weights of U = T*k + 1 experts
+  (the touched ones in ascending order, then unused fillers) and the ids renumbered into them
+  (skip -> U); unchanged where T*k >= E or the weights are dense."""
+  e = weights.num_experts
+  slots = local_ids.size
+  if not isinstance(weights.w13, QuantizedWeights) or slots >= e:
+    return weights, local_ids
+  u = slots + 1  # every distinct id, the sentinel E among them
+  touched = jnp.unique(local_ids.reshape(-1), size=u, fill_value=e)  # ascending, fillers E
+  renumbered = jnp.searchsorted(touched, local_ids).astype(jnp.int32)
+  renumbered = jnp.where(local_ids >= e, u, renumbered)
+  idx = jnp.minimum(touched, e - 1)  # the sentinel and fillers: some expert, never used
+  take = lambda b: None if b is None else jnp.take(b, idx, axis=0)  # noqa: E731
+  narrowed = ExpertWeights(weights.w13.take_experts(idx), weights.w2.take_experts(idx),
+                           take(weights.w13_bias), take(weights.w2_bias))
+  return narrowed, renumbered
+
+
 def requantize_intermediate(act: jax.Array, weights: ExpertWeights) -> jax.Array:
   """GEMM2's input as a quantized GEMM2 sees it: the activation's output quantized to the
   scheme's activation format and back (f32); unchanged for dense or weight-only weights."""

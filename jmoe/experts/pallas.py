@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.config import QuantConfig
-from jmoe.experts._common import check_weights_for_activation, weights_quant
+from jmoe.experts._common import check_weights_for_activation, narrow_to_touched, weights_quant
 from jmoe.modular import (ActivationFormat, BatchedExperts, Experts, ExpertsInput, ExpertWeights,
                           NoOp, local_expert_ids)
 from jmoe.registry import register_runner
@@ -216,12 +216,17 @@ class PallasExperts(Experts):
     if jnp.dtype(inp.a.dtype) not in _DTYPES:
       raise ValueError(f"runner_backend='pallas_mosaic' takes bf16/f16 hidden_states with "
                        f"weight-only {weights_quant(weights)}, got {inp.a.dtype}")
-    from jmoe.kernels.moe import fused_experts_weight_only  # noqa: PLC0415
+    from jmoe.kernels.moe import fused_experts_weight_only, weight_only_layout  # noqa: PLC0415
+    t, k = local.shape
+    layout = weight_only_layout(t, k, weights.hidden_size, weights.intermediate_size,
+                                activation, weights.w13, weights.w2,
+                                os.environ.get("JMOE_WEIGHT_ONLY_LAYOUT", "auto"))
+    if layout == "dequantize":  # dequantize only the experts the slots touch
+      weights, local = narrow_to_touched(weights, local)
     return fused_experts_weight_only(inp.a, weights.w13, weights.w2, inp.topk_weights, local,
                                      activation=activation, w13_bias=weights.w13_bias,
                                      w2_bias=weights.w2_bias, out_dtype=out_dtype,
-                                     interpret=self.interpret,
-                                     layout=os.environ.get("JMOE_WEIGHT_ONLY_LAYOUT", "auto"))
+                                     interpret=self.interpret, layout=layout)
 
 
 def _batched_forward(act, interpret, a, ent, w13, w2, b13, b2):

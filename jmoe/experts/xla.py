@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmoe.experts._common import (add_bias, check_weights_for_activation, sort_slots_by_expert,
-                                  weights_quant, xla_quant_support)
+from jmoe.experts._common import (add_bias, check_weights_for_activation, narrow_to_touched,
+                                  sort_slots_by_expert, weights_quant, xla_quant_support)
 from jmoe.modular import ActivationFormat, Experts, NoOp, local_expert_ids
 from jmoe.quant.activations import dequantize_activations, quantize_activations
 from jmoe.quant.weights import QuantizedWeights, dequantize
@@ -100,8 +100,11 @@ class XlaExperts(Experts):
   def apply(self, inp, weights, *, activation, expert_map, out_dtype, residual=None):
     check_weights_for_activation(weights, activation)
     t, k = inp.topk_ids.shape
+    local = local_expert_ids(inp.topk_ids, weights.num_experts, expert_map)
+    if isinstance(weights.w13, QuantizedWeights) and not _scales_constant_along_k(
+        inp.a_scale, weights.w13):  # dequantized per call: only the experts the slots touch
+      weights, local = narrow_to_touched(weights, local)
     e = weights.num_experts
-    local = local_expert_ids(inp.topk_ids, e, expert_map)
     order, inv, group_sizes = sort_slots_by_expert(local, e)
     expert_of_row = local.reshape(-1)[order]
     # empty slots' rows are zeros: an EP receive buffer's rows that no slot uses are

@@ -130,6 +130,14 @@ class QuantizedWeights:
     """The reference: [E, K, N] in `dtype` (a dense copy; never on the fast path)."""
     return dequantize(self, dtype)
 
+  def take_experts(self, idx: jax.Array) -> "QuantizedWeights":
+    """The experts `idx` ([U] int32 in [0, E)) as their own stack: values, scales, zero points,
+    global scales and perms gathered along the expert axis (input_scale is per tensor)."""
+    g = lambda a: None if a is None else jnp.take(a, idx, axis=0)  # noqa: E731
+    return dataclasses.replace(self, values=g(self.values), scale=g(self.scale),
+                               zero=g(self.zero), global_scale=g(self.global_scale),
+                               perm=g(self.perm))
+
   def with_k_major(self, k_major: bool = True) -> "QuantizedWeights":
     """The same weights in the other orientation (one transpose of values and scales)."""
     if k_major == self.k_major:

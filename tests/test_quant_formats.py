@@ -292,23 +292,32 @@ def test_few_slots_on_many_experts_xla(rng):
   _check_experts("mxfp4", "xla", rng, t=3, e=16)
 
 
-def test_few_slots_on_many_experts_pallas(rng, monkeypatch):
-  """The same on the Pallas experts (nvfp4: the weights dequantized into the bf16 kernels),
-  bf16 tokens, against the XLA experts and the oracle."""
+@pytest.mark.parametrize("fid,h,n,activation", [
+    ("nvfp4", 128, 128, "silu"),
+    ("mxfp4", 192, 64, "swigluoai")])  # gpt-oss' kind: H / N multiples of 64, not 128; biases
+def test_few_slots_on_many_experts_pallas(fid, h, n, activation, rng, monkeypatch):
+  """The same on the Pallas experts (the weights dequantized into the bf16 kernels), bf16
+  tokens, against the XLA experts and the oracle."""
   from jmoe.kernels import _compat
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
-  quant, t, h, n, e, k = _quant("nvfp4"), 3, 128, 128, 16, 2
+  quant, t, e, k = _quant(fid), 3, 16, 2
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
   q13 = quantize_weights(jnp.asarray(_weights(rng, e, h, 2 * n)), quant)
   q2 = quantize_weights(jnp.asarray(_weights(rng, e, n, h)), quant)
+  bias = activation == "swigluoai"
+  b13 = (0.1 * rng.standard_normal((e, 2 * n))).astype(np.float32) if bias else None
+  b2 = (0.1 * rng.standard_normal((e, h))).astype(np.float32) if bias else None
   tw, ids = _routing(rng, t, e, k)
-  run = lambda b: np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),  # noqa: E731
-                                            runner_backend=b), np.float32)
+  kw = dict(activation=activation, w13_bias=b13, w2_bias=b2)
+  run = lambda b: np.asarray(jmoe.fused_moe(  # noqa: E731
+      x, q13, q2, jnp.asarray(tw), jnp.asarray(ids), runner_backend=b,
+      **{a: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for a, v in kw.items()}),
+      np.float32)
   out = run("pallas_mosaic")
   assert not _compat.races_found()
-  onp.assert_rel_close(out, run("xla"), 2e-2, "pallas vs xla")
-  onp.assert_rel_close(out, _oracle(np.asarray(x, np.float32), q13, q2, tw, ids, quant), 2e-2,
-                       "pallas vs oracle")
+  onp.assert_rel_close(out, run("xla"), 2e-2, f"{fid}: pallas vs xla")
+  onp.assert_rel_close(out, _oracle(np.asarray(x, np.float32), q13, q2, tw, ids, quant, **kw),
+                       2e-2, f"{fid}: pallas vs oracle")
 
 
 def test_narrow_to_touched_renumbers_the_slots(rng):

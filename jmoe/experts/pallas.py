@@ -154,7 +154,9 @@ class PallasExperts(Experts):
                       quant: Optional[QuantConfig] = None) -> Optional[str]:
     if jnp.dtype(dtype) not in _DTYPES:
       return f"{jnp.dtype(dtype).name} activations: the Pallas kernels take bf16/f16"
-    step = 128 if quant is not None and quant.is_quantized else 64  # the 8-bit K step is 128
+    # the 8-bit GEMMs' K step is 128; weight-only formats the decode kernels refuse are
+    # dequantized into the bf16 kernels (K step 64), so they take what bf16 takes
+    step = 128 if quant is not None and quant.act_dtype is not None else 64
     if hidden_size % step or intermediate_size % step:
       return (f"hidden {hidden_size} / intermediate {intermediate_size} not multiples of "
               f"{step} (pad the weights once at load time)")

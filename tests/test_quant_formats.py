@@ -153,6 +153,14 @@ def test_e2m1_and_e8m0_codes_match_ml_dtypes(rng):
   want = x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)  # RNE, saturating at 6
   np.testing.assert_array_equal(codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32), want)
   np.testing.assert_array_equal(np.asarray(packing.e2m1_decode(jnp.asarray(codes))), want)
+  # the dequantize path's reading: the codes as signed int4, through e4m3 (signs of zero too)
+  from jmoe.quant.weights import e2m1_from_int4
+  every = np.concatenate([codes, np.arange(16, dtype=np.uint8)])
+  as_int4 = jnp.asarray(np.where(every >= 8, every.astype(np.int8) - 16, every).astype(np.int8))
+  got = np.asarray(e2m1_from_int4(as_int4.astype(jnp.int4)))
+  of_codes = every.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+  np.testing.assert_array_equal(got, of_codes)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(of_codes))
   b = np.array([0, 1, 100, 126, 127, 128, 254], np.uint8)
   e8 = packing.uint8_as_e8m0(b)
   assert e8.dtype == jnp.float8_e8m0fnu

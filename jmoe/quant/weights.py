@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.config import QuantConfig
-from jmoe.quant.packing import (E2M1_MAX, INT4_SIGN_FLIP, INT4_SYMMETRIC_ZERO, e2m1_decode,
-                                e2m1_encode, pack_nibbles, unpack_nibbles)
+from jmoe.quant.packing import (E2M1_MAX, INT4_SIGN_FLIP, INT4_SYMMETRIC_ZERO, e2m1_encode,
+                                pack_nibbles)
 
 # largest finite value of each value type (the scale maps a tile's max |w| onto it; int4:
 # symmetric codes -7..7 around the implicit zero 8)
@@ -160,16 +160,31 @@ def _broadcast(scale: jax.Array, shape) -> jax.Array:
   return scale
 
 
-def unpacked_values(w: QuantizedWeights) -> jax.Array:
-  """The values as float32 codes in storage order (unpacked, before zero points and scales):
-  int4 as the unsigned u 0..15 (stored signed, u - 8), e2m1 values, or the 8-bit values."""
-  s = w.scheme
+def centered_values(w: QuantizedWeights) -> jax.Array:
+  """The values as float32 in storage order, before zero points and scales: int4 as the
+  stored signed nibble s = u - 8 (the symmetric value), e2m1 values, or the 8-bit values.
+  The packed types are read by a bitcast to XLA's 4-bit types (low nibble first, as
+  jmoe.quant.packing stores them), which XLA unpacks in the converting fusion itself."""
   if not w.packed:
     return w.values.astype(jnp.float32)
-  codes = unpack_nibbles(w.values, axis=2 if w.k_major else 1)
-  if s.weight_dtype == "float4_e2m1fn":
-    return e2m1_decode(codes)
-  return (codes ^ INT4_SIGN_FLIP).astype(jnp.float32)
+  nib = jax.lax.bitcast_convert_type(w.values, jnp.int4)  # [E, a, b, 2]
+  e, a, b, _ = nib.shape
+  if not w.k_major:  # packed along axis 1: the pair goes next to it
+    nib = jnp.swapaxes(nib, 2, 3)
+  nib = nib.reshape(e, a, 2 * b) if w.k_major else nib.reshape(e, 2 * a, b)
+  if w.scheme.weight_dtype == "float4_e2m1fn":
+    return e2m1_from_int4(nib)
+  return nib.astype(jnp.float32)
+
+
+def e2m1_from_int4(nib: jax.Array) -> jax.Array:
+  """e2m1 codes read as signed int4 -> their float32 values, through e4m3 (which Hopper
+  converts in hardware; XLA emulates e2m1, 2 x slower on the H200): the sign bit and the
+  3 exponent-mantissa bits, moved 4 / 2 places up, are the e4m3 number 2^-6 * the e2m1 value
+  (e2m1's subnormal 0.5 lands on e4m3's subnormal 2^-7), exactly."""
+  s = nib.astype(jnp.int8)  # sign-extended: bit 7 is the code's sign bit
+  bits = ((s << 2) & jnp.int8(0x1C)) | (s & jnp.int8(-128))
+  return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32) * 64.0
 
 
 def dequantize(w: QuantizedWeights, dtype=jnp.float32) -> jax.Array:
@@ -181,11 +196,12 @@ def dequantize(w: QuantizedWeights, dtype=jnp.float32) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=1)  # one compiled graph when called eagerly
 def _dequantize(w: QuantizedWeights, dtype) -> jax.Array:
-  v = unpacked_values(w)
-  if w.zero is not None:
-    v = v - _broadcast(w.zero.astype(jnp.float32), v.shape)
-  elif w.scheme is not None and w.scheme.weight_dtype == "int4":
-    v = v - INT4_SYMMETRIC_ZERO
+  v = centered_values(w)
+  if w.zero is not None:  # int4 zero points are unsigned (0..15): s - (z - 8) = u - z
+    z = w.zero.astype(jnp.float32)
+    if w.scheme.weight_dtype == "int4":
+      z = z - INT4_SYMMETRIC_ZERO
+    v = v - _broadcast(z, v.shape)
   out = v * _broadcast(w.scale.astype(jnp.float32), v.shape)
   if w.global_scale is not None:  # [E, S] along N: storage axis 1 (k_major) or 2
     g = w.global_scale.astype(jnp.float32)

@@ -46,16 +46,20 @@ from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_columns,
                                  ring_step, store_part_row, token_operand)
 from jmoe.kernels.grouped_gemm import kernel_activation
+from jmoe.kernels.permute import touched_experts
 from jmoe.quant.weights import check_quantized
 
 _N = 8  # wgmma's N: the token's (masked) rows, and the window length in steps
 BN = 128  # intermediate columns per item (GEMM1's M per gate / up, GEMM2's K)
 BK = 128  # GEMM1's contraction step = the scale group
 BH = 256  # GEMM2's output columns per step (two 128-row A tiles)
-GROUP = 128  # the one group size the kernel takes (a step is one group)
+GROUP = 128  # int4 / int8 scale groups per 128 (a step is one group); zero points need it
+GROUPS = (16, 32, 64, 128)  # the group sizes the kernel takes (a window is 8 groups)
 _SMEM_BYTES = 232448 - 14 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 8
-_CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8)}
+# the codes' dtype in the kernel per weight_dtype (e2m1 codes are read as signed int4)
+_CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8),
+                "float4_e2m1fn": jnp.dtype(jnp.int4)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,23 +78,33 @@ class DecodeWQConfig:
 class _Plan:
   """What one build of the kernel reads: static facts of the weights."""
   code: Any  # jnp.int4 / jnp.int8 (the codes' dtype in the kernel)
-  grouped: bool  # w13 scales per 128 along K (else per channel)
+  grouped: bool  # w13 scales per `group` along K (else per channel)
   zero13: bool
   zero2: bool
   has_bias: bool
+  e2m1: bool = False  # the int4 codes are e2m1 (mxfp4 / nvfp4): converted in registers
+  group: int = GROUP
 
   @property
   def int4(self) -> bool:
     return self.code == jnp.dtype(jnp.int4)
 
+  @property
+  def small_groups(self) -> bool:
+    """Groups shorter than an item's 128 intermediate columns: GEMM2's scales are applied
+    in the kernel (column t of its B tile: group t's activations), from per-call float32
+    scale arrays of the touched experts only."""
+    return self.grouped and self.group < BN
+
 
 def _stage_bytes(plan: _Plan) -> int:
   code_bytes = BN * BK // 2 if plan.int4 else BN * BK
-  return 2 * code_bytes + _N * BK * 2
+  s2_bytes = 2 * (BH // 2) * _N * 4 if plan.small_groups else 0  # GEMM2's scale tiles
+  return 2 * code_bytes + _N * BK * 2 + s2_bytes
 
 
 def _fixed_bytes(plan: _Plan, h: int) -> int:
-  g1 = h // GROUP
+  g1 = h // plan.group
   rows_a = 64  # the activation tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
   fixed = rows_a * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 64 * 4
   if plan.grouped:
@@ -113,11 +127,13 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
   tiles (bars2); an item's first step also its per-channel scales and biases (vbar)."""
   ring, xring, vec, vbar = refs["ring"], refs["xring"], refs["vec"], refs["vbar"]
   w13_ref, w2_ref, x_ref = refs["w13"], refs["w2"], refs["x"]
+  s2_ref, s2ring, sid_ref = refs.get("s2"), refs.get("s2ring"), refs.get("sid")
 
   def fetch(g, i, cur, nxt):
     @pl.when(g < total)
     def _fetch():
-      it, r, (_, ex, jb, tok), slot = ring_step(g, i, cur, nxt, spi=spi, stages=stages)
+      it, r, info, slot = ring_step(g, i, cur, nxt, spi=spi, stages=stages)
+      _, ex, jb, tok = info
       dst = ring.at[slot]
 
       if use_vec:
@@ -145,6 +161,10 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
         for half in range(2):
           rows = pl.ds(c * BH + half * (BH // 2), BH // 2)
           plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(jb * BN, BN)], dst.at[half], bar)
+          if plan.small_groups:  # the rows' scales of block j's groups, 8 columns an item
+            sx = sid_ref[info[0]]
+            plgpu.copy_gmem_to_smem(s2_ref.at[sx, rows, pl.ds(jb * _N, _N)],
+                                    s2ring.at[slot, half], bar)
 
   return fetch
 
@@ -159,7 +179,33 @@ def geometry(h: int, n: int, plan: _Plan, stages: int):
   bits = 4 if plan.int4 else 8
   swz = plgpu.find_swizzle(BK * bits)
   tf_w = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
-  return nb, k1, k2, spi, h // GROUP, tf_w, _compat.smem_transforms(BK, 2)
+  return nb, k1, k2, spi, h // plan.group, tf_w, _compat.smem_transforms(BK, 2)
+
+
+def e2m1_values(s: jax.Array) -> jax.Array:
+  """e2m1 codes read as signed int4 and converted (s in [-8, 7], bf16 / f16) -> their values,
+  exactly, in the same dtype: codes 0..7 are the magnitudes i -> 0, .5, 1, 1.5, 2, 3, 4, 6
+  (slope 1/2 to 4, 1 to 6, 2 to 7: 2 i - min(i, 4) / 2 - min(i, 6)); codes 8..15 (s < 0)
+  the same magnitudes of i = s + 8, negated. (Hopper has no e2m1 conversion.)"""
+  neg = s < 0
+  i = jnp.where(neg, s + 8, s)
+  v = 2 * i - 0.5 * jnp.minimum(i, 4) - jnp.minimum(i, 6)
+  return jnp.where(neg, -v, v)
+
+
+def _scaled_pair(a0, a1, b, scales):
+  """A GEMM2 step's two MMAs with small groups: B's column t holds group t's activations,
+  scales [2, 128, 8] f32 (SMEM) the rows' scale of each column (0 past the item's groups)
+  -> each accumulator's scaled row sums, f32 [128]."""
+  def mma(acc_a, acc_b):
+    plgpu.wgmma(acc_a, a0(), b)
+    plgpu.wgmma(acc_b, a1(), b)
+    plgpu.wgmma_wait(0)
+    return tuple(jnp.sum(acc[...] * scales.at[j][...], axis=1)
+                 for j, acc in enumerate((acc_a, acc_b)))
+
+  return pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
+                       plgpu.ACC((BH // 2, _N), jnp.float32))
 
 
 def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
@@ -169,23 +215,29 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
   rows_a = 64  # the activation tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
   use_vec = plan.has_bias or not plan.grouped
-  window = _N if plan.grouped else k1  # steps whose partials share one accumulator
+  # steps whose partials share one accumulator: a window is 8 groups (column j: group 8w + j)
+  window = _N * plan.group // BK if plan.grouped else k1
   n_windows = k1 // window
+  cols2 = BN // plan.group if plan.small_groups else 1  # GEMM2's groups in an item
 
   def body(*refs):
     refs = list(refs)
-    ids_ref, x_ref, w13_ref, w2_ref = refs[:4]
-    del refs[:4]
+    ids_ref = refs.pop(0)
+    sid_ref = refs.pop(0) if plan.small_groups else None
+    x_ref, w13_ref, w2_ref = refs[:3]
+    del refs[:3]
     s13_ref = refs.pop(0) if plan.grouped else None
     c13_ref = refs.pop(0) if not plan.grouped else None
     z13_ref, xs_ref = (refs.pop(0), refs.pop(0)) if plan.zero13 else (None, None)
     b13_ref = refs.pop(0) if plan.has_bias else None
+    s2_ref = refs.pop(0) if plan.small_groups else None
     part_ref = refs.pop(0)
     asum_ref = refs.pop(0) if plan.zero2 else None
     ring, xring, a_smem, a_vec, gvec, o_row, asum_smem, vec = refs[:8]
     del refs[:8]
     sblk = refs.pop(0) if plan.grouped else None
     zblk, xsblk = (refs.pop(0), refs.pop(0)) if plan.zero13 else (None, None)
+    s2ring = refs.pop(0) if plan.small_groups else None
     bars1, bars2, vbar, sbar = refs[:4]
     t_a, t_b = refs[4:6] if emulate else (None, None)
     sm = lax.axis_index("sm")
@@ -193,6 +245,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     def dequantized(tile, which):
       """A code tile [128, 128] in SMEM -> the bf16 register tile wgmma takes as A."""
       a = tile[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
+      if plan.e2m1:
+        a = e2m1_values(a)
       if emulate:
         t_a.at[which][...] = a
         return t_a.at[which]
@@ -204,14 +258,17 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
     fetch = step_fetcher(
         refs=dict(ring=ring, xring=xring, w13=w13_ref, w2=w2_ref, x=x_ref, c13=c13_ref,
-                  b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2),
+                  b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2, s2=s2_ref,
+                  s2ring=s2ring, sid=sid_ref),
         plan=plan, n=n, k1=k1, spi=spi, stages=stages, total=total, use_vec=use_vec)
 
     def load_blocks(info):
-      """The item's scale rows [128, H / 128] for gate and up (and zero rows, token sums)."""
-      _, ex, jb, tok = info
+      """The item's scale rows [128, H / group] for gate and up (and zero rows, token
+      sums); small groups: from the touched experts' scale array (row sid[slot])."""
+      slot_id, ex, jb, tok = info
+      sx = sid_ref[slot_id] if plan.small_groups else ex
       for c, row in enumerate((jb * BN, n + jb * BN)):
-        plgpu.copy_gmem_to_smem(s13_ref.at[ex, pl.ds(row, BN)], sblk.at[c], sbar.at[0])
+        plgpu.copy_gmem_to_smem(s13_ref.at[sx, pl.ds(row, BN)], sblk.at[c], sbar.at[0])
         if plan.zero13:
           plgpu.copy_gmem_to_smem(z13_ref.at[ex, pl.ds(row, BN)], zblk.at[c], sbar.at[0])
       if plan.zero13:
@@ -300,6 +357,10 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       plgpu.commit_smem()
       a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
       tile = lax.broadcast_in_dim(a, (rows_a, BN), [1]).astype(xdt)
+      if plan.small_groups:  # B column t: the activations of group t (GEMM2's scale t)
+        grp = _cast(lax.broadcasted_iota(jnp.int32, (rows_a, BN), 1), plgpu.Layout.WGMMA)
+        row = _cast(lax.broadcasted_iota(jnp.int32, (rows_a, BN), 0), plgpu.Layout.WGMMA)
+        tile = jnp.where(grp // plan.group == row, tile, jnp.zeros((), xdt))
       a_smem[...] = tile
       if plan.zero2:  # sum(a) over the item's group, for the w2 zero points' term
         asum_smem[...] = jnp.sum(tile.astype(jnp.float32), axis=1)
@@ -313,8 +374,13 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         slot = lax.rem(g, jnp.int32(stages))
         plgpu.barrier_wait(bars2.at[slot])
 
-        ys = pair_columns(lambda: dequantized(ring.at[slot, 0], 0),
-                          lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem), BH // 2)
+        if plan.small_groups:
+          ys = _scaled_pair(lambda: dequantized(ring.at[slot, 0], 0),
+                            lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem),
+                            s2ring.at[slot])
+        else:
+          ys = pair_columns(lambda: dequantized(ring.at[slot, 0], 0),
+                            lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem), BH // 2)
         fetch(g + stages - 1, i, cur, nxt)
         store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
 
@@ -339,6 +405,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   if plan.zero13:
     scratch += [plgpu.SMEM((2, BN, g1), jnp.dtype(jnp.uint8) if plan.int4 else plan.code),
                 plgpu.SMEM((g1,), jnp.float32)]
+  if plan.small_groups:  # GEMM2 steps' scale tiles [2 halves, 128 rows, 8 groups]
+    scratch.append(plgpu.SMEM((stages, 2, BH // 2, _N), jnp.float32))
+  del cols2
   return finish(body, scratch, plan=plan, stages=stages, n_vec=n_vec,
                 n_blk=2 + (3 if plan.zero13 else 0), xdt=xdt, part=(nb, m, h), asum_rows=m,
                 emulate=emulate, num_sms=num_sms, interpret=interpret,
@@ -352,7 +421,8 @@ def finish(body, scratch: list, *, plan: _Plan, stages: int, n_vec: int, n_blk: 
   buffers; outputs part [NB, m, H] f32 (and the activation sums [NB, asum_rows, 8] with w2
   zero points)."""
   scratch = scratch + [plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-                       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=4 if plan.small_groups else 2,
+                                     num_barriers=stages),
                        plgpu.Barrier(num_arrivals=max(n_vec, 1), num_barriers=2),
                        plgpu.Barrier(num_arrivals=n_blk, num_barriers=1)]
   if emulate:
@@ -386,19 +456,22 @@ def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13
   """`unsupported`'s rules on the format and the sizes, without its shared-memory ones."""
   q = w13.scheme
   if q is None or q.act_dtype is not None or q.weight_dtype not in _CODE_DTYPES:
-    return f"{q}: the weight-only decode kernel takes int4 / int8 weights with bf16 tokens"
+    return (f"{q}: the weight-only decode kernel takes int4 / int8 / e2m1 weights with bf16 "
+            "tokens")
   if w2.scheme != q:
     return "w13 and w2 must share one scheme"
-  if q.scale_dtype != "float32":
+  fp4 = q.weight_dtype == "float4_e2m1fn"
+  if q.scale_dtype != "float32" and not fp4:
     return f"{q.name}: {q.scale_dtype} scales (the kernel takes float32)"
   grouped = q.weight_scale == "group"
-  if not (q.weight_scale == "channel" or (grouped and q.group_size == GROUP)):
-    return f"{q.name}: scales per {q.weight_scale} (the kernel takes per-channel or per-128)"
-  if q.zero_point and not grouped:
-    return f"{q.name}: per-channel zero points"
+  if not (q.weight_scale == "channel" and not fp4 or (grouped and q.group_size in GROUPS)):
+    return (f"{q.name}: scales per {q.weight_scale} {q.group_size or ''} (the kernel takes "
+            f"per-channel, or groups of {', '.join(map(str, GROUPS))})")
+  if q.zero_point and not (grouped and q.group_size == GROUP):
+    return f"{q.name}: zero points need scales per {GROUP}"
   if w13.perm is not None or w2.perm is not None:
     return "act-order (perm): the kernel reads K in stored order"
-  if w13.global_scale is not None or w2.global_scale is not None:
+  if (w13.global_scale is not None or w2.global_scale is not None) and not fp4:
     return "a global scale"
   if not (w13.k_major and w2.k_major):
     return "values must be K-major"
@@ -406,16 +479,19 @@ def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13
     return f"{as_activation(act).name}: the decode kernel takes gated activations"
   if t * k > MAX_SLOTS:
     return f"{t * k} slots (the decode kernel takes at most {MAX_SLOTS})"
-  if n % BN or h % (GROUP * _N if grouped else BH):
-    return (f"H={h} must be a multiple of {GROUP * _N if grouped else BH} and N={n} "
-            f"of {BN}")
+  step = max(q.group_size * _N, BH) if grouped else BH  # a window of 8 groups; GEMM2's step
+  if n % BN or h % step:
+    return f"H={h} must be a multiple of {step} and N={n} of {BN}"
   return None
 
 
 def _plan(w13, w2, has_bias: bool) -> _Plan:
   q = w13.scheme
-  return _Plan(code=_CODE_DTYPES[q.weight_dtype], grouped=q.weight_scale == "group",
-               zero13=w13.zero is not None, zero2=w2.zero is not None, has_bias=has_bias)
+  grouped = q.weight_scale == "group"
+  return _Plan(code=_CODE_DTYPES[q.weight_dtype], grouped=grouped,
+               zero13=w13.zero is not None, zero2=w2.zero is not None, has_bias=has_bias,
+               e2m1=q.weight_dtype == "float4_e2m1fn",
+               group=q.group_size if grouped else GROUP)
 
 
 def _codes(w, code) -> jax.Array:
@@ -427,14 +503,36 @@ def _codes(w, code) -> jax.Array:
   return w.values
 
 
-def _token_tiles(x: jax.Array, grouped: bool) -> jax.Array:
+def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP) -> jax.Array:
   """x [T, H] -> the B rows [T * 8, H]: row j of a token keeps the columns of the groups g
   with g % 8 == j (grouped), or row 0 keeps all (per channel)."""
   t, h = x.shape
   j = jnp.arange(_N)[:, None]
-  keep = (jnp.arange(h)[None, :] // GROUP) % _N == j if grouped else jnp.broadcast_to(
+  keep = (jnp.arange(h)[None, :] // group) % _N == j if grouped else jnp.broadcast_to(
       j == 0, (_N, h))
   return jnp.where(keep[None], x[:, None, :], 0).reshape(t * _N, h)
+
+
+def float_scales(w) -> jax.Array:
+  """w's scales (any scale dtype) as float32 in their stored layout [E', rows, K / group],
+  times its global scale (nvfp4: per row)."""
+  s = w.scale.astype(jnp.float32)
+  if w.global_scale is not None:  # [E', S] along the rows (storage axis 1)
+    g = w.global_scale.astype(jnp.float32)
+    s = s * jnp.repeat(g, s.shape[1] // g.shape[1], axis=1)[:, :, None]
+  return s
+
+
+def small_group_scales(w13, w2) -> tuple[jax.Array, jax.Array]:
+  """The small-group kernel's scale arrays from (touched experts') weights: w13's [E', 2N,
+  H / g] and w2's per item [E', H, NB * 8] (item j's 128 / g groups in columns 8j.., zeros
+  after), float32."""
+  s13, s2 = float_scales(w13), float_scales(w2)
+  e, h, g2 = s2.shape
+  per = BN * g2 // w2.shape[1]  # groups an item (128 / g)
+  s2 = s2.reshape(e, h, g2 // per, per)
+  s2 = jnp.pad(s2, ((0, 0), (0, 0), (0, 0), (0, _N - per)))
+  return s13, s2.reshape(e, h, (g2 // per) * _N)
 
 
 def _w2_scaled(part, asum, ids, w2, plan: _Plan, e: int) -> jax.Array:
@@ -511,8 +609,17 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   interp, nsm = _compat.launch_params(interpret)
   kern = _build(h=h, n=n, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
                 num_sms=nsm, interpret=interp)
-  args = [ids, _token_tiles(x, plan.grouped), _codes(w13, plan.code), _codes(w2, plan.code)]
-  if plan.grouped:
+  if plan.small_groups:  # scales as float32 per call: only the touched experts'
+    touched, sid = touched_experts(ids, e)
+    s13, s2 = small_group_scales(w13.take_experts(touched), w2.take_experts(touched))
+    args = [ids, sid]
+  else:
+    args = [ids]
+  args += [_token_tiles(x, plan.grouped, plan.group), _codes(w13, plan.code),
+           _codes(w2, plan.code)]
+  if plan.small_groups:
+    args.append(s13)
+  elif plan.grouped:
     args.append(w13.scale.astype(jnp.float32))
   else:
     args.append(w13.scale[:, :, 0].astype(jnp.float32))
@@ -521,8 +628,11 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
     args += [w13.zero, xg]
   if plan.has_bias:
     args.append(w13_bias.astype(jnp.float32))
+  if plan.small_groups:
+    args.append(s2)
   outs = kern(*args)
   part, asum = (outs[0], outs[1]) if plan.zero2 else (outs[0], None)
-  part = _w2_scaled(part, asum, ids, w2, plan, e)
+  if not plan.small_groups:  # small groups: scaled in the kernel
+    part = _w2_scaled(part, asum, ids, w2, plan, e)
   return combine_parts(part, ids, topk_weights, w2_bias, num_experts=e,
                        out_dtype=out_dtype or x.dtype)

@@ -67,6 +67,11 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
   memory beside the item's scale blocks. (The transposed zero blocks need no H / 128
   multiple of 16.)"""
   why = unsupported_codes(t, k, h, n, act, w13, w2)
+  if why is None:
+    plan = _plan(w13, w2, False)
+    if plan.e2m1 or plan.group != GROUP:
+      why = (f"{w13.scheme.name}: the shared kernel takes int4 / int8 codes with scales per "
+             f"channel or per {GROUP}")
   if why is None and max_stages(_plan(w13, w2, False), h) < 2:
     why = f"H={h}: the item's scale blocks leave shared memory no 2-slot ring"
   return why

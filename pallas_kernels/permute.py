@@ -34,6 +34,19 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
                                                   unique_indices=True)
 
 
+def touched_experts(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+  """ids (any shape; outside [0, E): skipped) -> (idx [ids.size + 1] int32: the distinct
+  touched experts ascending, then fillers, every entry in [0, E); ids renumbered into idx,
+  skipped ones -> ids.size + 1). For gathering only the experts a call uses."""
+  u = ids.size + 1  # every distinct id, the sentinel among them
+  ids = ids.astype(jnp.int32)
+  skip = (ids < 0) | (ids >= num_experts)
+  key = jnp.where(skip, num_experts, ids)
+  touched = jnp.unique(key.reshape(-1), size=u, fill_value=num_experts)  # ascending
+  renumbered = jnp.where(skip, u, jnp.searchsorted(touched, key).astype(jnp.int32))
+  return jnp.minimum(touched, num_experts - 1), renumbered
+
+
 @functools.partial(jax.jit, static_argnames=("num_experts", "method"))
 def moe_align(topk_ids: jax.Array, num_experts: int, method: str = "auto"):
   """Sort token slots by expert.

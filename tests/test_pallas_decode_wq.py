@@ -33,6 +33,9 @@ SCHEMES = {
     "w8a16": dict(format="w8a16"),
     "w8a16-g128-zp": dict(format="w8a16", weight_scale="group", group_size=128,
                           zero_point=True),
+    "mxfp4": dict(format="mxfp4"),  # e2m1 codes, e8m0 scales per 32
+    "nvfp4": dict(format="nvfp4"),  # e4m3 scales per 16 and a global scale
+    "w4a16-g32": dict(format="w4a16", group_size=32),
 }
 
 
@@ -72,6 +75,9 @@ def _run(x, q13, q2, tw, ids, **kw):
     ("w8a16", 1024, False, "swigluoai"),
     pytest.param("w4a16-zp", 2048, True, "silu", marks=pytest.mark.slow),
     pytest.param("w8a16-g128-zp", 2048, True, "silu", marks=pytest.mark.slow),
+    ("mxfp4", 512, True, "swigluoai"),
+    ("nvfp4", 256, False, "silu"),
+    pytest.param("w4a16-g32", 512, False, "silu", marks=pytest.mark.slow),
 ])
 def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
   """Two items per slot (N = 256), an empty slot (-1), an expert no slot uses, T = 3; two
@@ -114,10 +120,13 @@ def test_decode_wq_says_what_it_does_not_take(rng):
   assert decode_wq.unsupported(1, 2, 1024, 128, silu, q13, q2) is None
   assert "129 slots" in decode_wq.unsupported(129, 1, 1024, 128, silu, q13, q2)
   assert "gated" in decode_wq.unsupported(1, 2, 1024, 128, "gelu_no_mul", q13, q2)
-  g32 = w("w4a16", 2, 1024, 256, group_size=32)
-  assert "per-128" in decode_wq.unsupported(1, 2, 1024, 128, silu, g32, g32)
-  mx = w("mxfp4", 2, 1024, 256)
-  assert "int4 / int8" in decode_wq.unsupported(1, 2, 1024, 128, silu, mx, mx)
+  g32 = w("w4a16", 2, 1024, 256, group_size=32, zero_point=True)
+  assert "zero points need scales per 128" in decode_wq.unsupported(1, 2, 1024, 128, silu,
+                                                                     g32, g32)
+  mx = w("mxfp4", 2, 1024, 256)  # small groups and e2m1: decode_wq's, not the shared kernel's
+  assert decode_wq.unsupported(1, 2, 1024, 128, silu, mx, mx) is None
+  assert "shared kernel takes" in decode_wq_shared.unsupported(1, 2, 1024, 128, silu, mx, mx)
+  assert "multiple of 256" in decode_wq.unsupported(1, 2, 128, 128, silu, mx, mx)
   zp13, zp2 = w("w4a16", 2, 1024, 256, zero_point=True), w("w4a16", 2, 128, 1024,
                                                            zero_point=True)
   assert "multiple of 16" in decode_wq.unsupported(1, 2, 1024, 128, silu, zp13, zp2)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jmoe.config import QuantConfig
 from jmoe.kernels.activations import Activation
-from jmoe.kernels.permute import inverse_permutation
+from jmoe.kernels.permute import inverse_permutation, touched_experts
 from jmoe.modular import ExpertWeights
 from jmoe.quant.activations import dequantize_activations, fake_quantize
 from jmoe.quant.weights import QuantizedWeights, dequantize
@@ -49,14 +49,9 @@ def narrow_to_touched(weights: ExpertWeights, local_ids: jax.Array
   (the touched ones in ascending order, then unused fillers) and the ids renumbered into them
   (skip -> U); unchanged where T*k >= E or the weights are dense."""
   e = weights.num_experts
-  slots = local_ids.size
-  if not isinstance(weights.w13, QuantizedWeights) or slots >= e:
+  if not isinstance(weights.w13, QuantizedWeights) or local_ids.size >= e:
     return weights, local_ids
-  u = slots + 1  # every distinct id, the sentinel E among them
-  touched = jnp.unique(local_ids.reshape(-1), size=u, fill_value=e)  # ascending, fillers E
-  renumbered = jnp.searchsorted(touched, local_ids).astype(jnp.int32)
-  renumbered = jnp.where(local_ids >= e, u, renumbered)
-  idx = jnp.minimum(touched, e - 1)  # the sentinel and fillers: some expert, never used
+  idx, renumbered = touched_experts(local_ids, e)
   take = lambda b: None if b is None else jnp.take(b, idx, axis=0)  # noqa: E731
   narrowed = ExpertWeights(weights.w13.take_experts(idx), weights.w2.take_experts(idx),
                            take(weights.w13_bias), take(weights.w2_bias))

@@ -54,7 +54,8 @@ BN = 128  # intermediate columns per item (GEMM1's M per gate / up, GEMM2's K)
 BK = 128  # GEMM1's contraction step = the scale group
 BH = 256  # GEMM2's output columns per step (two 128-row A tiles)
 GROUP = 128  # int4 / int8 scale groups per 128 (a step is one group); zero points need it
-GROUPS = (16, 32, 64, 128)  # the group sizes the kernel takes (a window is 8 groups)
+GROUPS = (16, 32, 128)  # the group sizes the kernel takes (a window is 8 groups; 64 would
+# need a GEMM2 scale box 8-byte aligned, which TMA refuses)
 _SMEM_BYTES = 232448 - 14 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 8
 # the codes' dtype in the kernel per weight_dtype (e2m1 codes are read as signed int4)
@@ -92,8 +93,8 @@ class _Plan:
   @property
   def small_groups(self) -> bool:
     """Groups shorter than an item's 128 intermediate columns: GEMM2's scales are applied
-    in the kernel (column t of its B tile: group t's activations), from per-call float32
-    scale arrays of the touched experts only."""
+    in the kernel (column t of its B tile: group t's activations), read in their stored
+    [E, H, N / g] layout (e2m1: float32 copies of the touched experts')."""
     return self.grouped and self.group < BN
 
 
@@ -117,6 +118,12 @@ def _fixed_bytes(plan: _Plan, h: int) -> int:
 def max_stages(plan: _Plan, h: int) -> int:
   """The deepest ring that fits shared memory beside the per-item buffers."""
   return min(_MAX_STAGES, (_SMEM_BYTES - _fixed_bytes(plan, h)) // _stage_bytes(plan))
+
+
+def s2_start(jb, n: int, plan: _Plan):
+  """The first of the 8 GEMM2 scale columns item jb reads (its groups are 128 / g of them
+  from jb * 128 / g; the box never passes the array's N / g columns)."""
+  return jnp.minimum(jb * (BN // plan.group), n // plan.group - _N)
 
 
 def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: int, total,
@@ -161,10 +168,10 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
         for half in range(2):
           rows = pl.ds(c * BH + half * (BH // 2), BH // 2)
           plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(jb * BN, BN)], dst.at[half], bar)
-          if plan.small_groups:  # the rows' scales of block j's groups, 8 columns an item
-            sx = sid_ref[info[0]]
-            plgpu.copy_gmem_to_smem(s2_ref.at[sx, rows, pl.ds(jb * _N, _N)],
-                                    s2ring.at[slot, half], bar)
+          if plan.small_groups:  # the rows' scales of block j's groups (and the next's)
+            plgpu.copy_gmem_to_smem(
+                s2_ref.at[sid_ref[info[0]], rows, pl.ds(s2_start(jb, n, plan), _N)],
+                s2ring.at[slot, half], bar)
 
   return fetch
 
@@ -182,15 +189,22 @@ def geometry(h: int, n: int, plan: _Plan, stages: int):
   return nb, k1, k2, spi, h // plan.group, tf_w, _compat.smem_transforms(BK, 2)
 
 
-def e2m1_values(s: jax.Array) -> jax.Array:
-  """e2m1 codes read as signed int4 and converted (s in [-8, 7], bf16 / f16) -> their values,
-  exactly, in the same dtype: codes 0..7 are the magnitudes i -> 0, .5, 1, 1.5, 2, 3, 4, 6
-  (slope 1/2 to 4, 1 to 6, 2 to 7: 2 i - min(i, 4) / 2 - min(i, 6)); codes 8..15 (s < 0)
-  the same magnitudes of i = s + 8, negated. (Hopper has no e2m1 conversion.)"""
-  neg = s < 0
-  i = jnp.where(neg, s + 8, s)
-  v = 2 * i - 0.5 * jnp.minimum(i, 4) - jnp.minimum(i, 6)
-  return jnp.where(neg, -v, v)
+# the e2m1 A tile holds the values / E2M1_UNIT (f16's exponent offset, below): the scales
+# carry the factor
+E2M1_UNIT = 2.0 ** 14
+
+
+def e2m1_tile(codes: jax.Array, xdt) -> jax.Array:
+  """e2m1 codes (an int4 register tile, the bytes as stored) -> xdt values / E2M1_UNIT.
+
+  The code's sign bit and its 3 exponent-mantissa bits, placed at f16's bits 15 and 11..9,
+  are the f16 number 2^-14 x the e2m1 value (e2m1's subnormal 0.5 lands on f16's subnormal
+  2^-15), converted exactly; Hopper has no e2m1 conversion. (A float form, 2 i - min(i, 4) /
+  2 - min(i, 6) on the magnitudes with selects for the sign, made the kernel 3 x slower on
+  the H200: docs/kernels.md.)"""
+  s = codes.astype(jnp.int16)  # sign-extended: bit 15 is the code's sign
+  bits = ((s << 9) & jnp.int16(0x0E00)) | (s & jnp.int16(-32768))
+  return lax.bitcast_convert_type(bits, jnp.float16).astype(xdt)
 
 
 def _scaled_pair(a0, a1, b, scales):
@@ -244,9 +258,10 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
     def dequantized(tile, which):
       """A code tile [128, 128] in SMEM -> the bf16 register tile wgmma takes as A."""
-      a = tile[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
       if plan.e2m1:
-        a = e2m1_values(a)
+        a = e2m1_tile(tile[...], xdt)
+      else:
+        a = tile[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
       if emulate:
         t_a.at[which][...] = a
         return t_a.at[which]
@@ -357,10 +372,11 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       plgpu.commit_smem()
       a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
       tile = lax.broadcast_in_dim(a, (rows_a, BN), [1]).astype(xdt)
-      if plan.small_groups:  # B column t: the activations of group t (GEMM2's scale t)
+      if plan.small_groups:  # B column t: the activations of scale column s2_start + t
         grp = _cast(lax.broadcasted_iota(jnp.int32, (rows_a, BN), 1), plgpu.Layout.WGMMA)
         row = _cast(lax.broadcasted_iota(jnp.int32, (rows_a, BN), 0), plgpu.Layout.WGMMA)
-        tile = jnp.where(grp // plan.group == row, tile, jnp.zeros((), xdt))
+        off = s2_start(jb, n, plan) - jb * cols2  # <= 0 at the last items
+        tile = jnp.where(grp // plan.group == row + off, tile, jnp.zeros((), xdt))
       a_smem[...] = tile
       if plan.zero2:  # sum(a) over the item's group, for the w2 zero points' term
         asum_smem[...] = jnp.sum(tile.astype(jnp.float32), axis=1)
@@ -407,7 +423,6 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
                 plgpu.SMEM((g1,), jnp.float32)]
   if plan.small_groups:  # GEMM2 steps' scale tiles [2 halves, 128 rows, 8 groups]
     scratch.append(plgpu.SMEM((stages, 2, BH // 2, _N), jnp.float32))
-  del cols2
   return finish(body, scratch, plan=plan, stages=stages, n_vec=n_vec,
                 n_blk=2 + (3 if plan.zero13 else 0), xdt=xdt, part=(nb, m, h), asum_rows=m,
                 emulate=emulate, num_sms=num_sms, interpret=interpret,
@@ -482,6 +497,8 @@ def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13
   step = max(q.group_size * _N, BH) if grouped else BH  # a window of 8 groups; GEMM2's step
   if n % BN or h % step:
     return f"H={h} must be a multiple of {step} and N={n} of {BN}"
+  if grouped and q.group_size < BN and n < _N * q.group_size:
+    return f"N={n}: groups of {q.group_size} need N >= {_N * q.group_size} (GEMM2's 8 scales)"
   return None
 
 
@@ -521,18 +538,6 @@ def float_scales(w) -> jax.Array:
     g = w.global_scale.astype(jnp.float32)
     s = s * jnp.repeat(g, s.shape[1] // g.shape[1], axis=1)[:, :, None]
   return s
-
-
-def small_group_scales(w13, w2) -> tuple[jax.Array, jax.Array]:
-  """The small-group kernel's scale arrays from (touched experts') weights: w13's [E', 2N,
-  H / g] and w2's per item [E', H, NB * 8] (item j's 128 / g groups in columns 8j.., zeros
-  after), float32."""
-  s13, s2 = float_scales(w13), float_scales(w2)
-  e, h, g2 = s2.shape
-  per = BN * g2 // w2.shape[1]  # groups an item (128 / g)
-  s2 = s2.reshape(e, h, g2 // per, per)
-  s2 = jnp.pad(s2, ((0, 0), (0, 0), (0, 0), (0, _N - per)))
-  return s13, s2.reshape(e, h, (g2 // per) * _N)
 
 
 def _w2_scaled(part, asum, ids, w2, plan: _Plan, e: int) -> jax.Array:
@@ -609,10 +614,14 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   interp, nsm = _compat.launch_params(interpret)
   kern = _build(h=h, n=n, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
                 num_sms=nsm, interpret=interp)
-  if plan.small_groups:  # scales as float32 per call: only the touched experts'
+  if plan.small_groups and plan.e2m1:  # float32 scales per call: the touched experts'
     touched, sid = touched_experts(ids, e)
-    s13, s2 = small_group_scales(w13.take_experts(touched), w2.take_experts(touched))
+    s13 = float_scales(w13.take_experts(touched)) * E2M1_UNIT
+    s2 = float_scales(w2.take_experts(touched)) * E2M1_UNIT
     args = [ids, sid]
+  elif plan.small_groups:  # float32 already: the stored arrays, by expert
+    s13, s2 = w13.scale, w2.scale
+    args = [ids, jnp.clip(ids, 0, e - 1)]
   else:
     args = [ids]
   args += [_token_tiles(x, plan.grouped, plan.group), _codes(w13, plan.code),

@@ -492,12 +492,14 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   """"decode" (jmoe.kernels.decode_wq: the packed codes are the only weight bytes read, an
   expert streamed once per slot), "decode_shared" (jmoe.kernels.decode_wq_shared: the same
   with up to 8 slots of one expert per work item, so an expert streams once per 8 of its
-  slots; the group scales cost a multiply per weight element) or "dequantize" (every expert's
-  weights dequantized in the graph per call, then the bf16 kernels: prefill and the
-  microscaling formats). auto: decode_shared where slots share experts on average (T * k >=
-  2 E) or decode_wq refuses only what decode_wq_shared takes (zero points at H / 128 not a
-  multiple of 16), decode where it takes the problem, else dequantize (H200: the rule picks
-  the faster layout in every measured case; docs/kernels.md, "Slots that share experts")."""
+  slots; the group scales cost a multiply per weight element) or "dequantize" (the weights
+  dequantized in the graph per call, then the bf16 kernels: prefill, and what the decode
+  kernels refuse: groups of 64, H / N off their multiples, more than 128 slots). auto: decode_shared where slots share
+  experts on average (T * k >= 2 E) or decode_wq refuses only what decode_wq_shared takes
+  (zero points at H / 128 not a multiple of 16); decode where it takes the problem, except
+  where slots share experts and decode_wq_shared refuses the format (e2m1, groups of 16 /
+  32); else dequantize (H200: the rule picks the faster layout in every measured case;
+  docs/kernels.md, "Slots that share experts", "e2m1 and small groups")."""
   if layout not in ("auto", "decode", "decode_shared", "dequantize"):
     raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared' or 'dequantize'")
   why = _decode_wq.unsupported(t, k, h, n, act, w13, w2)
@@ -508,9 +510,15 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
                        f"call: {reason}")
   if layout == "auto":
     e = w13.shape[0]
-    if why_shared is None and (why is not None or t * k >= 2 * e):
+    sharing = t * k >= 2 * e  # slots share experts on average
+    if why_shared is None and (why is not None or sharing):
       return "decode_shared"
-    return "decode" if why is None else "dequantize"
+    # decode_wq streams an expert per slot: where slots share experts and the shared kernel
+    # refuses the format (e2m1, small groups), the dequantized weights win (H200: mixtral
+    # 16 tokens mxfp4, docs/kernels.md)
+    if why is None and not (sharing and why_shared is not None):
+      return "decode"
+    return "dequantize"
   return layout
 
 

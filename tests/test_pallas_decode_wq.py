@@ -76,7 +76,7 @@ def _run(x, q13, q2, tw, ids, **kw):
     pytest.param("w4a16-zp", 2048, True, "silu", marks=pytest.mark.slow),
     pytest.param("w8a16-g128-zp", 2048, True, "silu", marks=pytest.mark.slow),
     ("mxfp4", 512, True, "swigluoai"),
-    ("nvfp4", 256, False, "silu"),
+    pytest.param("nvfp4", 256, False, "silu", marks=pytest.mark.slow),
     pytest.param("w4a16-g32", 512, False, "silu", marks=pytest.mark.slow),
 ])
 def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
@@ -93,13 +93,16 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
 
 def test_weight_only_pallas_experts_match_xla(rng, monkeypatch):
   """The public API with runner_backend='pallas_mosaic': one token (the decode kernel), six
-  tokens on 4 experts (slots sharing experts: the shared decode kernel) and a problem neither
-  takes (H = 256: the weights dequantized into the bf16 kernels), each against the XLA
-  experts and the oracle."""
+  tokens on 4 experts (slots sharing experts: the shared decode kernel), a problem neither
+  takes (H = 256: the weights dequantized into the bf16 kernels) and mxfp4 at one token (the
+  decode kernel's e2m1 path), each against the XLA experts and the oracle."""
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
-  for t, h, want in ((1, 1024, "decode"), (6, 1024, "decode_shared"), (5, 256, "dequantize")):
-    x, q13, q2, tw, ids, _, _ = _problem(rng, "w4a16", t, h, 128, 4, 2)
-    layout = pmoe.weight_only_layout(t, 2, h, 128, as_activation("silu"), q13, q2)
+  for sid, t, h, n, want in (("w4a16", 1, 1024, 128, "decode"),
+                             ("w4a16", 6, 1024, 128, "decode_shared"),
+                             ("w4a16", 5, 256, 128, "dequantize"),
+                             ("mxfp4", 1, 512, 256, "decode")):
+    x, q13, q2, tw, ids, _, _ = _problem(rng, sid, t, h, n, 4, 2)
+    layout = pmoe.weight_only_layout(t, 2, h, n, as_activation("silu"), q13, q2)
     assert layout == want
     out = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
                                     runner_backend="pallas_mosaic"), np.float32)
@@ -124,9 +127,15 @@ def test_decode_wq_says_what_it_does_not_take(rng):
   assert "zero points need scales per 128" in decode_wq.unsupported(1, 2, 1024, 128, silu,
                                                                      g32, g32)
   mx = w("mxfp4", 2, 1024, 256)  # small groups and e2m1: decode_wq's, not the shared kernel's
-  assert decode_wq.unsupported(1, 2, 1024, 128, silu, mx, mx) is None
-  assert "shared kernel takes" in decode_wq_shared.unsupported(1, 2, 1024, 128, silu, mx, mx)
+  assert decode_wq.unsupported(1, 2, 1024, 256, silu, mx, mx) is None
+  assert "shared kernel takes" in decode_wq_shared.unsupported(1, 2, 1024, 256, silu, mx, mx)
   assert "multiple of 256" in decode_wq.unsupported(1, 2, 128, 128, silu, mx, mx)
+  assert "N >= 256" in decode_wq.unsupported(1, 2, 1024, 128, silu, mx, mx)
+  # e2m1: decode_wq while slots rarely share experts, the dequantized weights where they do
+  assert pmoe.weight_only_layout(1, 2, 1024, 256, silu, mx, mx) == "decode"
+  assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, mx, mx) == "dequantize"
+  assert "groups of 16, 32, 128" in decode_wq.unsupported(
+      1, 2, 1024, 128, silu, *(2 * [w("w4a16", 2, 1024, 256, group_size=64)]))
   zp13, zp2 = w("w4a16", 2, 1024, 256, zero_point=True), w("w4a16", 2, 128, 1024,
                                                            zero_point=True)
   assert "multiple of 16" in decode_wq.unsupported(1, 2, 1024, 128, silu, zp13, zp2)

@@ -120,6 +120,17 @@ def max_stages(plan: _Plan, h: int) -> int:
   return min(_MAX_STAGES, (_SMEM_BYTES - _fixed_bytes(plan, h)) // _stage_bytes(plan))
 
 
+def store_b_tile(tile, a_smem, asum_smem, asum_dst) -> None:
+  """GEMM2's B tile (the activations, xdt) into a_smem; with w2 zero points (asum_dst, the
+  item's [8] row of the sums output) also each B row's sum, for the zero points' term."""
+  a_smem[...] = tile
+  if asum_dst is not None:
+    asum_smem[...] = jnp.sum(tile.astype(jnp.float32), axis=1)
+  plgpu.commit_smem()
+  if asum_dst is not None:
+    plgpu.copy_smem_to_gmem(asum_smem.at[pl.ds(0, _N)], asum_dst)
+
+
 def s2_start(jb, n: int, plan: _Plan):
   """The first of the 8 GEMM2 scale columns item jb reads (its groups are 128 / g of them
   from jb * 128 / g; the box never passes the array's N / g columns)."""
@@ -377,12 +388,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         row = _cast(lax.broadcasted_iota(jnp.int32, (rows_a, BN), 0), plgpu.Layout.WGMMA)
         off = s2_start(jb, n, plan) - jb * cols2  # <= 0 at the last items
         tile = jnp.where(grp // plan.group == row + off, tile, jnp.zeros((), xdt))
-      a_smem[...] = tile
-      if plan.zero2:  # sum(a) over the item's group, for the w2 zero points' term
-        asum_smem[...] = jnp.sum(tile.astype(jnp.float32), axis=1)
-      plgpu.commit_smem()
-      if plan.zero2:
-        plgpu.copy_smem_to_gmem(asum_smem.at[pl.ds(0, _N)], asum_ref.at[jb, slot_id])
+      store_b_tile(tile, a_smem, asum_smem, asum_ref.at[jb, slot_id] if plan.zero2 else None)
 
       @pl.loop(0, k2)
       def _gemm2(c):

@@ -33,7 +33,7 @@ from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import combine_parts, cta_items, token_operand
 from jmoe.kernels.decode_wq import (BH, BK, BN, GROUP, DecodeWQConfig, _codes, _Plan, _plan,
                                     _w2_scaled, checked_call, finish, geometry,
-                                    step_fetcher, unsupported_codes)
+                                    step_fetcher, store_b_tile, unsupported_codes)
 from jmoe.kernels.grouped_gemm import kernel_activation
 
 _N = 8  # tokens per group = wgmma's N
@@ -198,13 +198,8 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
       for t in range(_N):
         r_t = lax.broadcast_in_dim(_cast(a_cols.at[t][...], col), (_ROWS_A, BN), [1])
         tile = jnp.where(tok_row == t, r_t, 0.0 if tile is None else tile)
-      tile = tile.astype(xdt)
-      a_smem[...] = tile
-      if plan.zero2:  # each token's sum(a) over the block, for the w2 zero points' term
-        asum_smem[...] = jnp.sum(tile.astype(jnp.float32), axis=1)
-      plgpu.commit_smem()
-      if plan.zero2:
-        plgpu.copy_smem_to_gmem(asum_smem.at[pl.ds(0, _N)], asum_ref.at[jb, grp])
+      store_b_tile(tile.astype(xdt), a_smem, asum_smem,
+                   asum_ref.at[jb, grp] if plan.zero2 else None)
 
       @pl.loop(0, k2)
       def _gemm2(c):

@@ -91,26 +91,27 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
                        f"{sid} decode_wq vs oracle")
 
 
-def test_weight_only_pallas_experts_match_xla(rng, monkeypatch):
+@pytest.mark.parametrize("sid,t,h,n,want", [
+    ("w4a16", 1, 1024, 128, "decode"),
+    ("w4a16", 6, 1024, 128, "decode_shared"),
+    ("w4a16", 5, 256, 128, "dequantize"),
+    pytest.param("mxfp4", 1, 512, 256, "decode", marks=pytest.mark.slow)])
+def test_weight_only_pallas_experts_match_xla(sid, t, h, n, want, rng, monkeypatch):
   """The public API with runner_backend='pallas_mosaic': one token (the decode kernel), six
   tokens on 4 experts (slots sharing experts: the shared decode kernel), a problem neither
   takes (H = 256: the weights dequantized into the bf16 kernels) and mxfp4 at one token (the
   decode kernel's e2m1 path), each against the XLA experts and the oracle."""
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
-  for sid, t, h, n, want in (("w4a16", 1, 1024, 128, "decode"),
-                             ("w4a16", 6, 1024, 128, "decode_shared"),
-                             ("w4a16", 5, 256, 128, "dequantize"),
-                             ("mxfp4", 1, 512, 256, "decode")):
-    x, q13, q2, tw, ids, _, _ = _problem(rng, sid, t, h, n, 4, 2)
-    layout = pmoe.weight_only_layout(t, 2, h, n, as_activation("silu"), q13, q2)
-    assert layout == want
-    out = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
-                                    runner_backend="pallas_mosaic"), np.float32)
-    assert not _compat.races_found()
-    xla = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
-                                    runner_backend="xla"), np.float32)
-    onp.assert_rel_close(out, xla, TOL, f"T={t} {layout}: pallas vs xla")
-    onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids), TOL, f"T={t} {layout} vs oracle")
+  x, q13, q2, tw, ids, _, _ = _problem(rng, sid, t, h, n, 4, 2)
+  layout = pmoe.weight_only_layout(t, 2, h, n, as_activation("silu"), q13, q2)
+  assert layout == want
+  out = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                  runner_backend="pallas_mosaic"), np.float32)
+  assert not _compat.races_found()
+  xla = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                  runner_backend="xla"), np.float32)
+  onp.assert_rel_close(out, xla, TOL, f"T={t} {layout}: pallas vs xla")
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids), TOL, f"T={t} {layout} vs oracle")
 
 
 def test_decode_wq_says_what_it_does_not_take(rng):

@@ -487,7 +487,7 @@ def test_ragged_all_to_all_several_slices_per_peer(chunks):
 
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 40)), min_size=1, max_size=8),
        st.integers(1, 9))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)  # each example compiles: 40 cost 11 s of CI
 def test_split_slices_cover_each_slice_once(slices, chunks):
   """The pieces of a slice are consecutive, in order, and cover it exactly (empty ones too)."""
   offs = jnp.asarray([o for o, _ in slices], jnp.int32)
@@ -676,9 +676,11 @@ def test_placement_maps(kind):
     expert_placement(8, 4, "random")
 
 
-@pytest.mark.parametrize("mesh,direct", [("e8", True), ("e8", False), ("d2e4", True),
+@pytest.mark.parametrize("mesh,direct", [("e8", True),
+                                         pytest.param("e8", False, marks=pytest.mark.slow),
+                                         pytest.param("d2e4", True, marks=pytest.mark.slow),
                                          pytest.param("e4t2", True, marks=pytest.mark.slow),
-                                         ("e4t2", False)])
+                                         ("e4t2", False)])  # lean: both directions, 2 meshes
 def test_ragged_dedup_row_sources(monkeypatch, mesh, direct):
   """Rows sent straight from the token array (one piece per (destination, token)) or packed
   per destination first: both equal the reference, forward and gradients, and with fp8 rows."""

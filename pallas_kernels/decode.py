@@ -126,14 +126,18 @@ def token_operand(tile, t_b=None):
   return plgpu.transpose_ref(rows, (1, 0))
 
 
-def pair_columns(a0, a1, b, rows: int, acc_dtype=jnp.float32):
+def pair_columns(a0, a1, b, rows: int, acc_dtype=jnp.float32, scales=None):
   """A GEMM2 step's two MMAs: A operands a0(), a1() (built in order, inside the accumulators'
   scope) [rows, K] against one B [K, 8] whose 8 columns are equal -> column 0 of each
-  accumulator as f32 [rows]."""
+  accumulator as f32 [rows]. With `scales` (SMEM [2, rows, 8] f32) B's columns differ
+  instead and each accumulator's row sums weighted by its scales come back."""
   def mma(acc_a, acc_b):
     plgpu.wgmma(acc_a, a0(), b)
     plgpu.wgmma(acc_b, a1(), b)
     plgpu.wgmma_wait(0)
+    if scales is not None:
+      return tuple(jnp.sum(acc[...] * scales.at[j][...], axis=1)
+                   for j, acc in enumerate((acc_a, acc_b)))
     return tuple(jnp.max(acc[...].astype(jnp.float32), axis=1) for acc in (acc_a, acc_b))
 
   return pl.run_scoped(mma, plgpu.ACC((rows, _N), acc_dtype), plgpu.ACC((rows, _N), acc_dtype))

@@ -218,21 +218,6 @@ def e2m1_tile(codes: jax.Array, xdt) -> jax.Array:
   return lax.bitcast_convert_type(bits, jnp.float16).astype(xdt)
 
 
-def _scaled_pair(a0, a1, b, scales):
-  """A GEMM2 step's two MMAs with small groups: B's column t holds group t's activations,
-  scales [2, 128, 8] f32 (SMEM) the rows' scale of each column (0 past the item's groups)
-  -> each accumulator's scaled row sums, f32 [128]."""
-  def mma(acc_a, acc_b):
-    plgpu.wgmma(acc_a, a0(), b)
-    plgpu.wgmma(acc_b, a1(), b)
-    plgpu.wgmma_wait(0)
-    return tuple(jnp.sum(acc[...] * scales.at[j][...], axis=1)
-                 for j, acc in enumerate((acc_a, acc_b)))
-
-  return pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
-                       plgpu.ACC((BH // 2, _N), jnp.float32))
-
-
 def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
            interpret):
   nb, k1, k2, spi, g1, tf_w, tf_x = geometry(h, n, plan, stages)
@@ -396,13 +381,10 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         slot = lax.rem(g, jnp.int32(stages))
         plgpu.barrier_wait(bars2.at[slot])
 
-        if plan.small_groups:
-          ys = _scaled_pair(lambda: dequantized(ring.at[slot, 0], 0),
-                            lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem),
-                            s2ring.at[slot])
-        else:
-          ys = pair_columns(lambda: dequantized(ring.at[slot, 0], 0),
-                            lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem), BH // 2)
+        # small groups: B's column t holds group t's activations, weighted by its scales
+        ys = pair_columns(lambda: dequantized(ring.at[slot, 0], 0),
+                          lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem), BH // 2,
+                          scales=s2ring.at[slot] if plan.small_groups else None)
         fetch(g + stages - 1, i, cur, nxt)
         store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
 
@@ -536,12 +518,12 @@ def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP) -> jax.Array:
   return jnp.where(keep[None], x[:, None, :], 0).reshape(t * _N, h)
 
 
-def float_scales(w) -> jax.Array:
-  """w's scales (any scale dtype) as float32 in their stored layout [E', rows, K / group],
-  times its global scale (nvfp4: per row)."""
-  s = w.scale.astype(jnp.float32)
-  if w.global_scale is not None:  # [E', S] along the rows (storage axis 1)
-    g = w.global_scale.astype(jnp.float32)
+def float_scales(w, experts: jax.Array) -> jax.Array:
+  """The scales of w's `experts` (any scale dtype) as float32 in their stored layout
+  [len(experts), rows, K / group], times the global scale (nvfp4: per row)."""
+  s = w.scale[experts].astype(jnp.float32)
+  if w.global_scale is not None:  # [E, S] along the rows (storage axis 1)
+    g = w.global_scale[experts].astype(jnp.float32)
     s = s * jnp.repeat(g, s.shape[1] // g.shape[1], axis=1)[:, :, None]
   return s
 
@@ -622,8 +604,8 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
                 num_sms=nsm, interpret=interp)
   if plan.small_groups and plan.e2m1:  # float32 scales per call: the touched experts'
     touched, sid = touched_experts(ids, e)
-    s13 = float_scales(w13.take_experts(touched)) * E2M1_UNIT
-    s2 = float_scales(w2.take_experts(touched)) * E2M1_UNIT
+    s13 = float_scales(w13, touched) * E2M1_UNIT
+    s2 = float_scales(w2, touched) * E2M1_UNIT
     args = [ids, sid]
   elif plan.small_groups:  # float32 already: the stored arrays, by expert
     s13, s2 = w13.scale, w2.scale

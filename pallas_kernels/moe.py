@@ -516,7 +516,7 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
     # decode_wq streams an expert per slot: where slots share experts and the shared kernel
     # refuses the format (e2m1, small groups), the dequantized weights win (H200: mixtral
     # 16 tokens mxfp4, docs/kernels.md)
-    if why is None and not (sharing and why_shared is not None):
+    if why is None and not sharing:
       return "decode"
     return "dequantize"
   return layout

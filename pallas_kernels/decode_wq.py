@@ -56,6 +56,7 @@ BH = 256  # GEMM2's output columns per step (two 128-row A tiles)
 GROUP = 128  # int4 / int8 scale groups per 128 (a step is one group); zero points need it
 GROUPS = (16, 32, 128)  # the group sizes the kernel takes (a window is 8 groups; 64 would
 # need a GEMM2 scale box 8-byte aligned, which TMA refuses)
+ROWS_A = 64  # GEMM2's B tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
 _SMEM_BYTES = 232448 - 14 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 8
 # the codes' dtype in the kernel per weight_dtype (e2m1 codes are read as signed int4)
@@ -106,8 +107,7 @@ def _stage_bytes(plan: _Plan) -> int:
 
 def _fixed_bytes(plan: _Plan, h: int) -> int:
   g1 = h // plan.group
-  rows_a = 64  # the activation tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
-  fixed = rows_a * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 64 * 4
+  fixed = ROWS_A * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 64 * 4
   if plan.grouped:
     fixed += 2 * BN * g1 * 4
     if plan.zero13:
@@ -223,7 +223,6 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   nb, k1, k2, spi, g1, tf_w, tf_x = geometry(h, n, plan, stages)
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
-  rows_a = 64  # the activation tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
   use_vec = plan.has_bias or not plan.grouped
   # steps whose partials share one accumulator: a window is 8 groups (column j: group 8w + j)
   window = _N * plan.group // BK if plan.grouped else k1
@@ -367,10 +366,10 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       a_vec[...] = jnp.max(kernel_activation(act, *vals), axis=1)
       plgpu.commit_smem()
       a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
-      tile = lax.broadcast_in_dim(a, (rows_a, BN), [1]).astype(xdt)
+      tile = lax.broadcast_in_dim(a, (ROWS_A, BN), [1]).astype(xdt)
       if plan.small_groups:  # B column t: the activations of scale column s2_start + t
-        grp = _cast(lax.broadcasted_iota(jnp.int32, (rows_a, BN), 1), plgpu.Layout.WGMMA)
-        row = _cast(lax.broadcasted_iota(jnp.int32, (rows_a, BN), 0), plgpu.Layout.WGMMA)
+        grp = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 1), plgpu.Layout.WGMMA)
+        row = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 0), plgpu.Layout.WGMMA)
         off = s2_start(jb, n, plan) - jb * cols2  # <= 0 at the last items
         tile = jnp.where(grp // plan.group == row + off, tile, jnp.zeros((), xdt))
       store_b_tile(tile, a_smem, asum_smem, asum_ref.at[jb, slot_id] if plan.zero2 else None)
@@ -393,11 +392,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     lax.fori_loop(0, my_items, one_item, info0)
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-  n_vec = (0 if plan.grouped else 2) + (2 if plan.has_bias else 0)
-  scratch = [
-      plgpu.SMEM((stages, 2, BN, BK), plan.code, transforms=tf_w),  # the code ring
-      plgpu.SMEM((stages, _N, BK), xdt, transforms=tf_x),  # GEMM1 steps' token tiles
-      plgpu.SMEM((rows_a, BN), xdt, transforms=tf_x),  # the activation: GEMM2's B
+  scratch = [  # after finish's rings and GEMM2's B tile
       plgpu.SMEM((BN,), jnp.float32),  # the activation vector
       plgpu.SMEM((2, BN), jnp.float32),  # gate / up dot products, summed over windows
       plgpu.SMEM((1, BH), jnp.float32),  # a GEMM2 step's output row
@@ -411,18 +406,25 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
                 plgpu.SMEM((g1,), jnp.float32)]
   if plan.small_groups:  # GEMM2 steps' scale tiles [2 halves, 128 rows, 8 groups]
     scratch.append(plgpu.SMEM((stages, 2, BH // 2, _N), jnp.float32))
-  return finish(body, scratch, plan=plan, stages=stages, n_vec=n_vec,
+  return finish(body, scratch, plan=plan, stages=stages, tf=(tf_w, tf_x),
                 n_blk=2 + (3 if plan.zero13 else 0), xdt=xdt, part=(nb, m, h), asum_rows=m,
                 emulate=emulate, num_sms=num_sms, interpret=interpret,
                 name="jmoe_moe_decode_wq")
 
 
-def finish(body, scratch: list, *, plan: _Plan, stages: int, n_vec: int, n_blk: int, xdt,
+def finish(body, scratch: list, *, plan: _Plan, stages: int, tf: tuple, n_blk: int, xdt,
            part: tuple, asum_rows: int, emulate: bool, num_sms: int, interpret, name: str):
-  """A weight-only decode kernel from its body and buffers: adds the barriers (GEMM1 and
-  GEMM2 ring steps, the item vectors' two, the scale blocks') and the interpreter's operand
-  buffers; outputs part [NB, m, H] f32 (and the activation sums [NB, asum_rows, 8] with w2
-  zero points)."""
+  """A weight-only decode kernel from its body and its own buffers: puts the buffers both
+  kernels share first (the code ring, the token-tile ring, GEMM2's B tile; tf: the code and
+  token tiles' SMEM transforms) and adds the barriers (GEMM1 and GEMM2 ring steps, the item
+  vectors' two, the scale blocks') and the interpreter's operand buffers; outputs part
+  [NB, m, H] f32 (and the activation sums [NB, asum_rows, 8] with w2 zero points)."""
+  tf_w, tf_x = tf
+  n_vec = (0 if plan.grouped else 2) + (2 if plan.has_bias else 0)  # item vectors' copies
+  scratch = [plgpu.SMEM((stages, 2, BN, BK), plan.code, transforms=tf_w),  # the code ring
+             plgpu.SMEM((stages, _N, BK), xdt, transforms=tf_x),  # GEMM1 steps' token tiles
+             plgpu.SMEM((ROWS_A, BN), xdt, transforms=tf_x),  # the activations: GEMM2's B
+             *scratch]
   scratch = scratch + [plgpu.Barrier(num_arrivals=3, num_barriers=stages),
                        plgpu.Barrier(num_arrivals=4 if plan.small_groups else 2,
                                      num_barriers=stages),

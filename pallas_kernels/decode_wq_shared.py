@@ -31,15 +31,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import combine_parts, cta_items, token_operand
-from jmoe.kernels.decode_wq import (BH, BK, BN, GROUP, DecodeWQConfig, _codes, _Plan, _plan,
-                                    _w2_scaled, checked_call, finish, geometry,
+from jmoe.kernels.decode_wq import (BH, BK, BN, GROUP, ROWS_A, DecodeWQConfig, _codes, _Plan,
+                                    _plan, _w2_scaled, checked_call, finish, geometry,
                                     step_fetcher, store_b_tile, unsupported_codes)
 from jmoe.kernels.grouped_gemm import kernel_activation
 
 _N = 8  # tokens per group = wgmma's N
 _SMEM_BYTES = 232448 - 16 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 8
-_ROWS_A = 64  # GEMM2's B tile: 64 rows for a WGMMA-layout store, its first 8 are the tokens
 assert BH // 2 == BN  # GEMM2's half-step accumulators have GEMM1's [128, 8] shape
 
 
@@ -50,7 +49,7 @@ def _stage_bytes(plan: _Plan) -> int:
 
 def _fixed_bytes(plan: _Plan, h: int) -> int:
   g1 = h // GROUP
-  fixed = (_ROWS_A * BN * 2 + _N * BN * 4 + _N * BH * 4 + _ROWS_A * 4 + 2 * 4 * BN * 4)
+  fixed = (ROWS_A * BN * 2 + _N * BN * 4 + _N * BH * 4 + ROWS_A * 4 + 2 * 4 * BN * 4)
   if plan.grouped:
     fixed += 2 * g1 * BN * 4 + (2 * g1 * BN if plan.zero13 else 0)
   return fixed
@@ -103,7 +102,7 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
     t_a, t_b = refs[4:6] if emulate else (None, None)
     sm = lax.axis_index("sm")
     tok_col = _cast(lax.broadcasted_iota(jnp.int32, (BN, _N), 1), wg)  # token of a column
-    tok_row = _cast(lax.broadcasted_iota(jnp.int32, (_ROWS_A, BN), 0), wg)  # of a B row
+    tok_row = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 0), wg)  # of a B row
 
     def stage_a(a, which):
       if emulate:
@@ -196,7 +195,7 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
       plgpu.commit_smem()
       tile = None  # GEMM2's B: row t = token t's activation row
       for t in range(_N):
-        r_t = lax.broadcast_in_dim(_cast(a_cols.at[t][...], col), (_ROWS_A, BN), [1])
+        r_t = lax.broadcast_in_dim(_cast(a_cols.at[t][...], col), (ROWS_A, BN), [1])
         tile = jnp.where(tok_row == t, r_t, 0.0 if tile is None else tile)
       store_b_tile(tile.astype(xdt), a_smem, asum_smem,
                    asum_ref.at[jb, grp] if plan.zero2 else None)
@@ -235,21 +234,17 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
     lax.fori_loop(0, my_items, one_item, info0)
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-  n_vec = (0 if plan.grouped else 2) + (2 if plan.has_bias else 0)
-  scratch = [
-      plgpu.SMEM((stages, 2, BN, BK), plan.code, transforms=tf_w),  # the code ring
-      plgpu.SMEM((stages, _N, BK), xdt, transforms=tf_x),  # GEMM1 steps' token tiles
-      plgpu.SMEM((_ROWS_A, BN), xdt, transforms=tf_x),  # the activations: GEMM2's B
+  scratch = [  # after finish's rings and GEMM2's B tile
       plgpu.SMEM((_N, BN), jnp.float32),  # the activations, a row per token
       plgpu.SMEM((_N, BH), jnp.float32),  # a GEMM2 step's output rows, one per token
-      plgpu.SMEM((_ROWS_A,), jnp.float32),  # the activations' sums per token
+      plgpu.SMEM((ROWS_A,), jnp.float32),  # the activations' sums per token
       plgpu.SMEM((2, 4, BN), jnp.float32),  # per item: channel scales, biases
   ]
   if plan.grouped:
     scratch.append(plgpu.SMEM((2, g1, BN), jnp.float32))
   if plan.zero13:
     scratch.append(plgpu.SMEM((2, g1, BN), jnp.dtype(jnp.uint8) if plan.int4 else plan.code))
-  return finish(body, scratch, plan=plan, stages=stages, n_vec=n_vec,
+  return finish(body, scratch, plan=plan, stages=stages, tf=(tf_w, tf_x),
                 n_blk=2 + (2 if plan.zero13 else 0), xdt=xdt, part=(nb, m, h),
                 asum_rows=groups, emulate=emulate, num_sms=num_sms, interpret=interpret,
                 name="jmoe_moe_decode_wq_shared")

@@ -448,7 +448,7 @@ def parse_args(argv=None):
   ap.add_argument("--runner", default="auto", help="fused_moe's runner_backend")
   ap.add_argument("--layouts", default="auto",
                   help="weight-only layouts to time, each a row (auto, decode, decode_shared, "
-                       "dequantize: JMOE_WEIGHT_ONLY_LAYOUT)")
+                       "prefill, dequantize: JMOE_WEIGHT_ONLY_LAYOUT)")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--rotate", type=int, default=3, help="random input sets timed in rotation")
   ap.add_argument("--check-tokens", type=int, default=4,
@@ -484,8 +484,8 @@ def parse_args(argv=None):
   args.peers = [] if args.peers in ("", "none") else args.peers.split(",")
   args.layouts = args.layouts.split(",")
   for lay in args.layouts:
-    if lay not in ("auto", "decode", "decode_shared", "dequantize"):
-      ap.error(f"--layouts: {lay!r} is not auto, decode, decode_shared or dequantize")
+    if lay not in ("auto", "decode", "decode_shared", "prefill", "dequantize"):
+      ap.error(f"--layouts: {lay!r} is not auto, decode, decode_shared, prefill or dequantize")
   for s in args.peers:
     try:
       parse_peer(s)

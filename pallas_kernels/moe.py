@@ -18,6 +18,7 @@ from jmoe.kernels import decode as _decode
 from jmoe.kernels import decode_q8 as _decode_q8
 from jmoe.kernels import decode_wq as _decode_wq
 from jmoe.kernels import decode_wq_shared as _decode_wq_shared
+from jmoe.kernels import grouped_gemm_wq as _gg_wq
 from jmoe.kernels import permute as _perm
 from jmoe.kernels import route as _route
 from jmoe.kernels.activations import Activation, as_activation
@@ -500,11 +501,14 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   where slots share experts and decode_wq_shared refuses the format (e2m1, groups of 16 /
   32); else dequantize (H200: the rule picks the faster layout in every measured case;
   docs/kernels.md, "Slots that share experts", "e2m1 and small groups")."""
-  if layout not in ("auto", "decode", "decode_shared", "dequantize"):
-    raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared' or 'dequantize'")
+  if layout not in ("auto", "decode", "decode_shared", "prefill", "dequantize"):
+    raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared', 'prefill' or "
+                     "'dequantize'")
   why = _decode_wq.unsupported(t, k, h, n, act, w13, w2)
   why_shared = _decode_wq_shared.unsupported(t, k, h, n, act, w13, w2)
-  for name, reason in (("decode", why), ("decode_shared", why_shared)):
+  why_prefill = _gg_wq.unsupported(t * k, h, n, act, w13, w2)
+  for name, reason in (("decode", why), ("decode_shared", why_shared),
+                       ("prefill", why_prefill)):
     if layout == name and reason is not None:
       raise ValueError(f"layout={name!r}: the weight-only {name} kernel does not take this "
                        f"call: {reason}")
@@ -522,6 +526,27 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   return layout
 
 
+def _weight_only_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, out_dtype,
+                         interpret, config=None):
+  """The sorted layout on the weight-only grouped GEMMs (jmoe.kernels.grouped_gemm_wq): the
+  routing (128-row tiles), GEMM1 and GEMM2 on the packed codes, the gather-sum of each slot's
+  column."""
+  t, k = topk_ids.shape
+  e = w13.shape[0]
+  m_alloc = gg.row_alloc(t * k, _gg_wq.BM)
+  if _pick_route_impl("auto", x, topk_ids, e, interpret) == "kernels":
+    xs, inv, _, metas = _route.route(x, topk_ids, e, m_alloc, (_gg_wq.BM,),
+                                     interpret=interpret)
+  else:
+    xs, inv, _, metas = route_xla(x, topk_ids, e, m_alloc, (_gg_wq.BM,), interpret=interpret)
+  meta, num_tasks = metas[0]
+  y_t = _gg_wq.prefill_wq(xs, meta, num_tasks, w13, w2, activation=act, w13_bias=w13_bias,
+                          config=config, interpret=interpret)
+  cols = _gg_wq.slot_columns(inv, meta, num_tasks, m_alloc)
+  return _gg_wq.combine_columns(y_t, cols, topk_weights, w2_bias, topk_ids=topk_ids,
+                                num_experts=e, out_dtype=out_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "interpret", "layout"))
 def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
                               topk_ids: jax.Array, *, activation: Activation | str = "silu",
@@ -537,6 +562,9 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
   _, h, n13 = w13.shape
   n = n13 // 2 if act.is_gated else n13
   chosen = weight_only_layout(t, k, h, n, act, w13, w2, layout)
+  if chosen == "prefill":
+    return _weight_only_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,
+                                out_dtype, interpret)
   if chosen in ("decode", "decode_shared"):
     run = (_decode_wq.fused_experts_decode_wq if chosen == "decode" else
            _decode_wq_shared.fused_experts_decode_wq_shared)

@@ -1,0 +1,528 @@
+"""The weight-only grouped GEMMs for prefill (w4a16 / w8a16: int4 or int8 codes, bf16 tokens),
+the codes dequantized in registers: the packed weights are the only weight bytes read.
+
+Hopper's wgmma takes its A operand from registers, so the kernels compute the transposed
+products ("swap AB"): the weight tile, converted to bf16 in registers after its TMA load, is
+A, and a task's 128 token rows are B (wgmma's N = 128):
+
+    GEMM1  a_t[task, j-block, :] = act(dq(w13[e])[:, gate rows]^T x_t (+ b), the same for up)
+           [64 intermediate columns, 128 tokens] per item (task, j)
+    GEMM2  y_t[task, h-block, :] = dq(w2[e])[h rows, :] a_t[task]        [128 rows of H, 128]
+
+A task is a tile of `grouped_gemm.tile_metadata` (block_m = 128: an expert's rows from an
+8-row boundary; rows of the neighbouring experts in a tile are computed and never read). The
+activations stay transposed and task-major ([tasks, N, 128]: GEMM2's B tile is a plain box of
+them) and so does GEMM2's output; the final gather-sum reads each slot's column.
+
+Scales per group of 128 along K (one group per 128-deep step) and zero points multiply the
+register A tile before the MMA (one scale row per step, brought by the step's TMA from a
+transposed [E, K / 128, rows] copy); per-channel scales multiply the accumulator rows once per
+item. One warpgroup per CTA: a step converts the gate tile, issues its MMA, converts the up
+tile while that runs, and waits for both before its ring slot takes the next load.
+
+Launches (besides the routing): GEMM1, GEMM2 and the gather-sum.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jmoe.kernels import _compat
+from jmoe.kernels.activations import Activation, as_activation
+from jmoe.kernels.decode import ring_step
+from jmoe.kernels.decode_wq import _codes, _plan, _Plan
+from jmoe.kernels.grouped_gemm import kernel_activation
+
+BM = 128  # token rows per task: wgmma's N
+BF = 64  # GEMM1: gate / up rows (intermediate columns) per item, one m64 A tile each
+BK = 128  # the contraction step = the scale group
+BH = 128  # GEMM2: rows of H per item (one [128, 128] A tile)
+GROUP = 128
+BAND = 16  # tasks per band: a band's tasks sweep the weight blocks together (L2 reuse)
+_SMEM_BYTES = 232448 - 8 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
+_MAX_STAGES = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillWQConfig:
+  """stages1 / stages2: ring slots of GEMM1 / GEMM2 (None: as many as shared memory holds, up
+  to 6); ctas_per_sm: 1 or 2 (two CTAs share an SM's shared memory: one converts while the
+  other's MMAs run); mma_in_flight: 0 (a step waits for its MMAs) or 1 (the step's last MMA
+  runs on while the next step converts; its ring slot is refilled one step later)."""
+  stages1: int | None = None
+  stages2: int | None = None
+  ctas_per_sm: int = 1
+  mma_in_flight: int = 0
+
+  def __post_init__(self):
+    for name in ("stages1", "stages2"):
+      v = getattr(self, name)
+      if v is not None and v < 2:
+        raise ValueError(f"{name}={v} must be >= 2")
+    if self.ctas_per_sm not in (1, 2):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
+    if self.mma_in_flight not in (0, 1):
+      raise ValueError(f"mma_in_flight={self.mma_in_flight} must be 0 or 1")
+
+
+def _code_bytes(plan: _Plan, rows: int) -> int:
+  return rows * BK // 2 if plan.int4 else rows * BK
+
+
+def _stage_bytes(plan: _Plan, gemm: int) -> int:
+  """One ring slot: the code tiles, the token (GEMM1) or activation (GEMM2) tile, the scale
+  (and zero) rows."""
+  if gemm == 1:
+    vec = (2 * BF * 4 + (2 * BF if plan.zero13 else 0)) if plan.grouped else 0
+    return 2 * _code_bytes(plan, BF) + BM * BK * 2 + vec
+  vec = (BH * 4 + (BH if plan.zero2 else 0)) if plan.grouped else 0
+  return _code_bytes(plan, BH) + BK * BM * 2 + vec
+
+
+def max_stages(plan: _Plan, gemm: int, ctas_per_sm: int = 1) -> int:
+  """The deepest ring that fits (a CTA's share of) shared memory beside the output tile and
+  item vectors."""
+  out_tile = (BF if gemm == 1 else BH) * BM * 2
+  fixed = out_tile + 2 * 4 * max(BF, BH) * 4
+  budget = _SMEM_BYTES // ctas_per_sm - (1024 if ctas_per_sm > 1 else 0)
+  return min(_MAX_STAGES, (budget - fixed) // _stage_bytes(plan, gemm))
+
+
+def unsupported(m: int, h: int, n: int, act: Activation | str, w13, w2) -> str | None:
+  """Why prefill_wq cannot take this problem (None: it can): a gated activation, weight-only
+  int4 / int8 codes (K-major, no act-order permutation, no global scale) with float32 scales
+  per channel or per 128 along K (zero points with the grouped ones), H and N multiples of
+  128."""
+  q = w13.scheme
+  if q is None or q.act_dtype is not None or q.weight_dtype not in ("int4", "int8"):
+    return f"{q}: the weight-only prefill kernels take int4 / int8 weights with bf16 tokens"
+  if w2.scheme != q:
+    return "w13 and w2 must share one scheme"
+  if q.scale_dtype != "float32":
+    return f"{q.name}: {q.scale_dtype} scales (the kernels take float32)"
+  if not (q.weight_scale == "channel" or (q.weight_scale == "group" and q.group_size == GROUP)):
+    return (f"{q.name}: scales per {q.weight_scale} {q.group_size or ''} (the kernels take "
+            f"per-channel, or groups of {GROUP})")
+  if q.zero_point and q.weight_scale != "group":
+    return f"{q.name}: zero points need scales per {GROUP}"
+  if w13.perm is not None or w2.perm is not None:
+    return "act-order (perm): the kernels read K in stored order"
+  if w13.global_scale is not None or w2.global_scale is not None:
+    return "a global scale"
+  if not (w13.k_major and w2.k_major):
+    return "values must be K-major"
+  if not as_activation(act).is_gated:
+    return f"{as_activation(act).name}: the kernels take gated activations"
+  if h % BK or n % BK:
+    return f"H={h} and N={n} must be multiples of {BK}"
+  return None
+
+
+def _item(meta_ref, lin, num_tasks, nj: int, rows: int):
+  """Work item lin -> (expert, task, block j, first token row): items run band by band
+  (BAND tasks), within a band block-major, so the band's tasks share each weight block in
+  L2 and each task's token rows stay there while the blocks sweep by."""
+  band_items = jnp.int32(BAND * nj)
+  band = lax.div(lin, band_items)
+  local = lin - band * band_items
+  width = jnp.maximum(jnp.minimum(jnp.int32(BAND), num_tasks - band * BAND), 1)
+  jb = lax.div(local, width)
+  # (past the CTA's last item -- the look-ahead -- clamped inside the task list)
+  task = jnp.minimum(band * BAND + lax.rem(local, width), meta_ref.shape[1] - 1)
+  ex = meta_ref[0, task]
+  # a tile reaching past the rows is shifted back inside them (its columns follow)
+  row = pl.multiple_of(jnp.minimum(meta_ref[1, task], rows - BM), 8)
+  return ex, task, jb, row
+
+
+def _dequantized(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast):
+  """A code tile (SMEM, [rows, 128]) -> the bf16 register A tile: (code - zero) * scale with
+  the step's scale row s (and zero row z) per row; s None: per-channel (applied later)."""
+  a = codes[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
+  if s is None:
+    return a
+  shape, row = a.shape, plgpu.Layout.WGMMA.reduce(1)
+  sv = cast(s[...], row)
+  a = a * lax.broadcast_in_dim(sv.astype(xdt), shape, [0])
+  if zero:
+    zv = cast(z[...], row).astype(jnp.float32)
+    if plan.int4:
+      zv = zv - 8.0  # the codes are u - 8: so is the zero
+    a = a - lax.broadcast_in_dim((zv * sv).astype(xdt), shape, [0])
+  return a
+
+
+def _kernel(num_sms: int, interpret, name: str, body, out_type, scratch):
+  return _compat.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",),
+      compiler_params=_compat.compiler_params(approx_math=True), interpret=interpret,
+      name=name)
+
+
+def _code_transforms(plan: _Plan):
+  bits = 4 if plan.int4 else 8
+  swz = plgpu.find_swizzle(BK * bits)
+  return plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz)
+
+
+def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages: int,
+                 in_flight: int, num_sms, interpret):
+  nj, k1 = n // BF, h // BK
+  stages = min(stages, k1 + 1 + in_flight)  # the prologue's steps all belong to item 0
+  _cast = _compat.layout_cast(interpret)
+  emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
+  use_vec = plan.has_bias or not plan.grouped
+  tf_w, tf_x = _code_transforms(plan), _compat.smem_transforms(BK, 2)
+  n_copies = 3 + (2 if plan.grouped else 0) + (2 if plan.zero13 else 0)
+  n_vec = (0 if plan.grouped else 2) + (2 if plan.has_bias else 0)
+
+  def body(*refs):
+    refs = list(refs)
+    meta_ref, nt_ref, x_ref, w_ref = refs[:4]
+    del refs[:4]
+    s_ref = refs.pop(0) if plan.grouped else None
+    c_ref = refs.pop(0) if not plan.grouped else None
+    z_ref = refs.pop(0) if plan.zero13 else None
+    b_ref = refs.pop(0) if plan.has_bias else None
+    out_ref = refs.pop(0)
+    ring, xring, o_smem, vec = refs[:4]
+    del refs[:4]
+    sring = refs.pop(0) if plan.grouped else None
+    zring = refs.pop(0) if plan.zero13 else None
+    bars, vbar = refs[:2]
+    t_a, t_b = refs[2:4] if emulate else (None, None)
+    sm = lax.axis_index("sm")
+    num_tasks = nt_ref[0]
+    num_items = num_tasks * nj
+    my_items = jnp.maximum(lax.div(num_items - sm + num_sms - 1, num_sms), 0)
+    total = my_items * k1
+
+    def info(i):
+      return _item(meta_ref, sm + i * num_sms, num_tasks, nj, rows)
+
+    def load_vectors(i, it_info):
+      """Item i's per-channel scales and biases (gate, up) into vec[i % 2]."""
+      ex, _, jb, _ = it_info
+      vb = lax.rem(i, 2)
+      for c, col in enumerate((jb * BF, n + jb * BF)):
+        if not plan.grouped:
+          plgpu.copy_gmem_to_smem(c_ref.at[ex, pl.ds(col, BF)], vec.at[vb, c], vbar.at[vb])
+        if plan.has_bias:
+          plgpu.copy_gmem_to_smem(b_ref.at[ex, pl.ds(col, BF)], vec.at[vb, 2 + c],
+                                  vbar.at[vb])
+
+    def fetch(g, i, cur, nxt):
+      @pl.when(g < total)
+      def _fetch():
+        _, r, it_info, slot = ring_step(g, i, cur, nxt, spi=k1, stages=stages)
+        ex, _, jb, row = it_info
+        row = pl.multiple_of(row, 8)  # (the select between items hides it from Mosaic)
+        bar, ks = bars.at[slot], pl.ds(r * BK, BK)
+        for c, col in enumerate((jb * BF, n + jb * BF)):
+          plgpu.copy_gmem_to_smem(w_ref.at[ex, pl.ds(col, BF), ks], ring.at[slot, c], bar)
+          if plan.grouped:
+            plgpu.copy_gmem_to_smem(s_ref.at[ex, r, pl.ds(col, BF)], sring.at[slot, c], bar)
+          if plan.zero13:
+            plgpu.copy_gmem_to_smem(z_ref.at[ex, r, pl.ds(col, BF)], zring.at[slot, c], bar)
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row, BM), ks], xring.at[slot], bar)
+
+    info0 = info(jnp.int32(0))
+
+    @pl.when(my_items > 0)
+    def _prologue():
+      if use_vec:
+        load_vectors(jnp.int32(0), info0)
+      for g in range(stages - 1 - in_flight):  # the ring ahead of the first step
+        fetch(jnp.int32(g), jnp.int32(0), info0, info0)
+
+    def operand_a(a, which):
+      if emulate:
+        t_a.at[which][...] = a
+        return t_a.at[which]
+      return a
+
+    def operand_b(tile):
+      if emulate:
+        t_b[...] = tile[...].T
+        return t_b
+      return plgpu.transpose_ref(tile, (1, 0))  # [128 tokens, K] K-major -> [K, 128]
+
+    def one_item(i, cur):
+      nxt = info(i + 1)
+      _, task, jb, _ = cur
+      vb = lax.rem(i, 2)
+      if use_vec:
+        plgpu.barrier_wait(vbar.at[vb])
+
+        @pl.when(i + 1 < my_items)
+        def _next_vectors():  # vec[1 - vb] was item i - 1's, whose epilogue has run
+          load_vectors(i + 1, nxt)
+
+      def gemm(acc_g, acc_u):
+        @pl.loop(0, k1)
+        def _step(r):
+          g = i * k1 + r
+          slot = lax.rem(g, jnp.int32(stages))
+          plgpu.barrier_wait(bars.at[slot])
+          b = operand_b(xring.at[slot])
+          for c, acc in enumerate((acc_g, acc_u)):
+            s = sring.at[slot, c] if plan.grouped else None
+            z = zring.at[slot, c] if plan.zero13 else None
+            a = _dequantized(ring.at[slot, c], s, z, plan=plan, zero=plan.zero13, xdt=xdt,
+                             cast=_cast)
+            plgpu.wgmma(acc, operand_a(a, c), b)
+          # in_flight 0: the slot's tiles are read, it takes a new step; 1: step g - 1's are
+          plgpu.wgmma_wait(in_flight)
+          fetch(g + stages - 1 - in_flight, i, cur, nxt)
+
+        plgpu.wgmma_wait(0)
+        vals = []
+        row = plgpu.Layout.WGMMA.reduce(1)
+        for c, acc in enumerate((acc_g, acc_u)):
+          v = acc[...]
+          if not plan.grouped:
+            v = v * lax.broadcast_in_dim(_cast(vec.at[vb, c][...], row), (BF, BM), [0])
+          if plan.has_bias:
+            v = v + lax.broadcast_in_dim(_cast(vec.at[vb, 2 + c][...], row), (BF, BM), [0])
+          vals.append(v)
+        a = kernel_activation(act, *vals)  # [64 intermediate columns, 128 tokens]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store read it
+        o_smem[...] = a.astype(xdt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[task, pl.ds(jb * BF, BF)])
+
+      pl.run_scoped(gemm, plgpu.ACC((BF, BM), jnp.float32), plgpu.ACC((BF, BM), jnp.float32))
+      return nxt
+
+    lax.fori_loop(0, my_items, one_item, info0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  scratch = [plgpu.SMEM((stages, 2, BF, BK), plan.code, transforms=tf_w),
+             plgpu.SMEM((stages, BM, BK), xdt, transforms=tf_x),
+             plgpu.SMEM((BF, BM), xdt, transforms=_compat.smem_transforms(BM, 2)),
+             plgpu.SMEM((2, 4, BF), jnp.float32)]
+  if plan.grouped:
+    scratch.append(plgpu.SMEM((stages, 2, BF), jnp.float32))
+  if plan.zero13:
+    scratch.append(plgpu.SMEM((stages, 2, BF), jnp.dtype(jnp.uint8) if plan.int4 else
+                              plan.code))
+  scratch += [plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=max(n_vec, 1), num_barriers=2)]
+  if emulate:
+    scratch += [plgpu.SMEM((2, BF, BK), xdt), plgpu.SMEM((BK, BM), xdt)]
+  out_type = jax.ShapeDtypeStruct((tasks, n, BM), xdt)
+  return _kernel(num_sms, interpret, "jmoe_gg_wq_gated", body, out_type, scratch)
+
+
+def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, num_sms,
+                 interpret):
+  nj, k2 = h // BH, n // BK
+  stages = min(stages, k2 + 1 + in_flight)  # the prologue's steps all belong to item 0
+  _cast = _compat.layout_cast(interpret)
+  emulate = interpret is not None
+  tf_w, tf_a = _code_transforms(plan), _compat.smem_transforms(BM, 2)
+  n_copies = 2 + (1 if plan.grouped else 0) + (1 if plan.zero2 else 0)
+
+  def body(*refs):
+    refs = list(refs)
+    meta_ref, nt_ref, a_ref, w_ref = refs[:4]
+    del refs[:4]
+    s_ref = refs.pop(0) if plan.grouped else None
+    c_ref = refs.pop(0) if not plan.grouped else None
+    z_ref = refs.pop(0) if plan.zero2 else None
+    out_ref = refs.pop(0)
+    ring, aring, o_smem, vec = refs[:4]
+    del refs[:4]
+    sring = refs.pop(0) if plan.grouped else None
+    zring = refs.pop(0) if plan.zero2 else None
+    bars, vbar = refs[:2]
+    t_a = refs[2] if emulate else None
+    sm = lax.axis_index("sm")
+    num_tasks = nt_ref[0]
+    num_items = num_tasks * nj
+    my_items = jnp.maximum(lax.div(num_items - sm + num_sms - 1, num_sms), 0)
+    total = my_items * k2
+
+    def info(i):
+      ex, task, jb, _ = _item(meta_ref, sm + i * num_sms, num_tasks, nj, BM)
+      return ex, task, jb
+
+    def load_vectors(i, it_info):
+      ex, _, jb = it_info
+      plgpu.copy_gmem_to_smem(c_ref.at[ex, pl.ds(jb * BH, BH)], vec.at[lax.rem(i, 2)],
+                              vbar.at[lax.rem(i, 2)])
+
+    def fetch(g, i, cur, nxt):
+      @pl.when(g < total)
+      def _fetch():
+        _, r, it_info, slot = ring_step(g, i, cur, nxt, spi=k2, stages=stages)
+        ex, task, jb = it_info
+        bar, hs = bars.at[slot], pl.ds(jb * BH, BH)
+        plgpu.copy_gmem_to_smem(w_ref.at[ex, hs, pl.ds(r * BK, BK)], ring.at[slot], bar)
+        if plan.grouped:
+          plgpu.copy_gmem_to_smem(s_ref.at[ex, r, hs], sring.at[slot], bar)
+        if plan.zero2:
+          plgpu.copy_gmem_to_smem(z_ref.at[ex, r, hs], zring.at[slot], bar)
+        plgpu.copy_gmem_to_smem(a_ref.at[task, pl.ds(r * BK, BK)], aring.at[slot], bar)
+
+    info0 = info(jnp.int32(0))
+
+    @pl.when(my_items > 0)
+    def _prologue():
+      if not plan.grouped:
+        load_vectors(jnp.int32(0), info0)
+      for g in range(stages - 1 - in_flight):
+        fetch(jnp.int32(g), jnp.int32(0), info0, info0)
+
+    def one_item(i, cur):
+      nxt = info(i + 1)
+      _, task, jb = cur
+      vb = lax.rem(i, 2)
+      if not plan.grouped:
+        plgpu.barrier_wait(vbar.at[vb])
+
+        @pl.when(i + 1 < my_items)
+        def _next_vectors():
+          load_vectors(i + 1, nxt)
+
+      def gemm(acc):
+        @pl.loop(0, k2)
+        def _step(r):
+          g = i * k2 + r
+          slot = lax.rem(g, jnp.int32(stages))
+          plgpu.barrier_wait(bars.at[slot])
+          a = _dequantized(ring.at[slot], sring.at[slot] if plan.grouped else None,
+                           zring.at[slot] if plan.zero2 else None, plan=plan,
+                           zero=plan.zero2, xdt=xdt, cast=_cast)
+          if emulate:
+            t_a[...] = a
+            a = t_a
+          plgpu.wgmma(acc, a, aring.at[slot])
+          plgpu.wgmma_wait(in_flight)
+          fetch(g + stages - 1 - in_flight, i, cur, nxt)
+
+        plgpu.wgmma_wait(0)
+        v = acc[...]
+        if not plan.grouped:
+          sv = _cast(vec.at[vb][...], plgpu.Layout.WGMMA.reduce(1))
+          v = v * lax.broadcast_in_dim(sv, (BH, BM), [0])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_smem[...] = v.astype(xdt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[task, pl.ds(jb * BH, BH)])
+
+      pl.run_scoped(gemm, plgpu.ACC((BH, BM), jnp.float32))
+      return nxt
+
+    lax.fori_loop(0, my_items, one_item, info0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  scratch = [plgpu.SMEM((stages, BH, BK), plan.code, transforms=tf_w),
+             plgpu.SMEM((stages, BK, BM), xdt, transforms=tf_a),
+             plgpu.SMEM((BH, BM), xdt, transforms=tf_a),
+             plgpu.SMEM((2, BH), jnp.float32)]
+  if plan.grouped:
+    scratch.append(plgpu.SMEM((stages, BH), jnp.float32))
+  if plan.zero2:
+    scratch.append(plgpu.SMEM((stages, BH), jnp.dtype(jnp.uint8) if plan.int4 else
+                              plan.code))
+  scratch += [plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=1, num_barriers=2)]
+  if emulate:
+    scratch.append(plgpu.SMEM((BH, BK), xdt))
+  out_type = jax.ShapeDtypeStruct((tasks, h, BM), xdt)
+  return _kernel(num_sms, interpret, "jmoe_gg_wq", body, out_type, scratch)
+
+
+def _group_major(w) -> jax.Array:
+  """Scales (or zero points) [E, rows, K / 128] -> [E, K / 128, rows]: a step's row of them
+  contiguous, one TMA box."""
+  return jnp.swapaxes(w, 1, 2)
+
+
+def slot_columns(inv: jax.Array, meta: jax.Array, num_tasks: jax.Array, rows: int) -> jax.Array:
+  """The flat column (task * 128 + column) of each slot's sorted row inv [T, k] (-1: empty)
+  in the kernels' task-major outputs; -1 for an empty slot."""
+  his = jnp.where(jnp.arange(meta.shape[1]) < num_tasks[0], meta[3], jnp.iinfo(jnp.int32).max)
+  task = jnp.searchsorted(his, inv, side="right").astype(jnp.int32)
+  task = jnp.minimum(task, meta.shape[1] - 1)
+  first = jnp.minimum(meta[1][task], rows - BM)
+  return jnp.where(inv >= 0, task * BM + inv - first, -1)
+
+
+def prefill_wq(xs: jax.Array, meta: jax.Array, num_tasks: jax.Array, w13, w2, *,
+               activation: Activation | str = "silu", w13_bias: jax.Array | None = None,
+               config: PrefillWQConfig | None = None, interpret: Any = False) -> jax.Array:
+  """The expert MLP on sorted token rows: y_t [tasks, H, 128] (column c of task t: the row
+  tile + c of xs through act(x @ dq(w13[e]) + b13[e]) @ dq(w2[e]), e the task's expert).
+
+  xs [R, H] bf16 / f16 (R >= 128, a multiple of 8; the rows sorted by expert); meta / num_tasks
+  grouped_gemm.tile_metadata(group_sizes, R, 128); w13 / w2 QuantizedWeights (logical
+  [E, H, 2N] / [E, N, H], K-major int4 / int8 codes, see `unsupported`); w13_bias f32 [E, 2N].
+  slot_columns maps a sorted row to its column of y_t.reshape(tasks * 128, H) after a swap of
+  the last two axes."""
+  act = as_activation(activation)
+  rows, h = xs.shape
+  e, _, n2 = w13.shape
+  n = n2 // 2
+  why = unsupported(rows, h, n, act, w13, w2)
+  if why is not None:
+    raise ValueError(f"prefill_wq: {why}")
+  if rows < BM or rows % 8:
+    raise ValueError(f"xs has {rows} rows: prefill_wq needs >= {BM}, a multiple of 8")
+  if w13_bias is not None and w13_bias.shape != (e, n2):
+    raise ValueError(f"w13_bias must have shape ({e}, {n2}), got {w13_bias.shape}")
+  plan = _plan(w13, w2, w13_bias is not None)
+  cfg = config or PrefillWQConfig()
+  caps = [max_stages(plan, gemm, cfg.ctas_per_sm) for gemm in (1, 2)]
+  st1, st2 = cfg.stages1 or caps[0], cfg.stages2 or caps[1]
+  for name, st, cap in (("stages1", st1, caps[0]), ("stages2", st2, caps[1])):
+    if st > cap or st < 2 + cfg.mma_in_flight:
+      raise ValueError(f"{name}={st} does not fit shared memory (at most {cap}) or is below "
+                       f"{2 + cfg.mma_in_flight} (mma_in_flight={cfg.mma_in_flight})")
+  tasks = meta.shape[1]
+  interp, nsm = _compat.launch_params(interpret)
+  nctas = nsm * (cfg.ctas_per_sm if interp is None else 1)
+  k1 = _build_gemm1(h=h, n=n, rows=rows, tasks=tasks, xdt=xs.dtype, act=act, plan=plan,
+                    stages=st1, in_flight=cfg.mma_in_flight, num_sms=nctas, interpret=interp)
+  k2 = _build_gemm2(h=h, n=n, tasks=tasks, xdt=xs.dtype, plan=plan, stages=st2,
+                    in_flight=cfg.mma_in_flight, num_sms=nctas, interpret=interp)
+  meta = meta.astype(jnp.int32)
+  num_tasks = num_tasks.astype(jnp.int32)
+  args = [meta, num_tasks, xs, _codes(w13, plan.code)]
+  args.append(_group_major(w13.scale.astype(jnp.float32)) if plan.grouped else
+              w13.scale[:, :, 0].astype(jnp.float32))
+  if plan.zero13:
+    args.append(_group_major(w13.zero))
+  if plan.has_bias:
+    args.append(w13_bias.astype(jnp.float32))
+  a_t = k1(*args)
+  args = [meta, num_tasks, a_t, _codes(w2, plan.code)]
+  args.append(_group_major(w2.scale.astype(jnp.float32)) if plan.grouped else
+              w2.scale[:, :, 0].astype(jnp.float32))
+  if plan.zero2:
+    args.append(_group_major(w2.zero))
+  return k2(*args)
+
+
+def combine_columns(y_t: jax.Array, cols: jax.Array, topk_weights: jax.Array, w2_bias, *,
+                    topk_ids: jax.Array, num_experts: int, out_dtype) -> jax.Array:
+  """y_t [tasks, H, 128] and each slot's column cols [T, k] (-1: empty) -> out [T, H]:
+  sum_j topk_weights[t, j] * (y[col(t, j)] + b2[e(t, j)]), in float32."""
+  tasks, h, _ = y_t.shape
+  y = jnp.swapaxes(y_t, 1, 2).reshape(tasks * BM, h)
+  valid = cols >= 0
+  rows = jnp.take(y, jnp.maximum(cols, 0), axis=0).astype(jnp.float32)  # [T, k, H]
+  if w2_bias is not None:
+    ids = jnp.clip(topk_ids, 0, num_experts - 1)
+    rows = rows + w2_bias.astype(jnp.float32)[ids]
+  w = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)[:, :, None]
+  return jnp.sum(jnp.where(valid[:, :, None], rows, 0.0) * w, axis=1).astype(out_dtype)
+
+

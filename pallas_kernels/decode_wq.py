@@ -108,7 +108,9 @@ def _stage_bytes(plan: _Plan) -> int:
 def _fixed_bytes(plan: _Plan, h: int) -> int:
   g1 = h // plan.group
   fixed = ROWS_A * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 64 * 4
-  if plan.grouped:
+  if plan.small_groups:  # a window's scales at a time, double-buffered
+    fixed += 2 * 2 * BN * _N * 4
+  elif plan.grouped:
     fixed += 2 * BN * g1 * 4
     if plan.zero13:
       fixed += 2 * BN * g1 + g1 * 4
@@ -272,13 +274,20 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
                   s2ring=s2ring, sid=sid_ref),
         plan=plan, n=n, k1=k1, spi=spi, stages=stages, total=total, use_vec=use_vec)
 
+    def load_window(info, w, buf):
+      """Small groups: window w's scales [128, 8] for gate and up into buffer buf (from the
+      scale array's row sid[slot]: the touched experts' copy for e2m1)."""
+      slot_id, _, jb, _ = info
+      for c, row in enumerate((jb * BN, n + jb * BN)):
+        plgpu.copy_gmem_to_smem(s13_ref.at[sid_ref[slot_id], pl.ds(row, BN), pl.ds(w * _N, _N)],
+                                sblk.at[buf, c], sbar.at[buf])
+
     def load_blocks(info):
       """The item's scale rows [128, H / group] for gate and up (and zero rows, token
-      sums); small groups: from the touched experts' scale array (row sid[slot])."""
+      sums)."""
       slot_id, ex, jb, tok = info
-      sx = sid_ref[slot_id] if plan.small_groups else ex
       for c, row in enumerate((jb * BN, n + jb * BN)):
-        plgpu.copy_gmem_to_smem(s13_ref.at[sx, pl.ds(row, BN)], sblk.at[c], sbar.at[0])
+        plgpu.copy_gmem_to_smem(s13_ref.at[ex, pl.ds(row, BN)], sblk.at[c], sbar.at[0])
         if plan.zero13:
           plgpu.copy_gmem_to_smem(z13_ref.at[ex, pl.ds(row, BN)], zblk.at[c], sbar.at[0])
       if plan.zero13:
@@ -287,17 +296,22 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     if plan.grouped:
       @pl.when(my_items > 0)
       def _first_blocks():
-        load_blocks(info0)
+        if plan.small_groups:
+          load_window(info0, 0, 0)
+        else:
+          load_blocks(info0)
 
     for g in range(stages - 1):  # the first stages - 1 steps all belong to item 0
       fetch(jnp.int32(g), jnp.int32(0), info0, info0)
 
-    def window_partials(c, acc, w, vb):
+    def window_partials(c, acc, w, vb, buf):
       """Window w's accumulator [128, 8] (column j: group 8w + j) -> its scaled row sums."""
       v = acc[...]
       if not plan.grouped:  # one window: column 0 holds the whole dot product
         sc = _cast(vec.at[vb, c][...], plgpu.Layout.WGMMA.reduce(1))
         return jnp.sum(v, axis=1) * sc
+      if plan.small_groups:
+        return jnp.sum(v * sblk.at[buf, c][...], axis=1)
       return jnp.sum(v * sblk.at[c, :, pl.ds(w * _N, _N)][...], axis=1)
 
     def zero_terms():
@@ -320,9 +334,22 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       base = i * spi
       if use_vec:
         plgpu.barrier_wait(vbar.at[vb])
-      if plan.grouped:
+      if plan.grouped and not plan.small_groups:
         plgpu.barrier_wait(sbar.at[0])
+
       def run_window(w, accumulate: bool):
+        buf = lax.rem(i * n_windows + w, 2)  # the CTA's windows alternate the two buffers
+        if plan.small_groups:
+          plgpu.barrier_wait(sbar.at[buf])
+          # the other buffer's window was summed (and committed) before this one: refill it
+          @pl.when(w + 1 < n_windows)
+          def _next_window():
+            load_window(cur, w + 1, 1 - buf)
+
+          @pl.when((w + 1 == n_windows) & (i + 1 < my_items))
+          def _next_items_window():
+            load_window(nxt, 0, 1 - buf)
+
         def mma(acc_g, acc_u):
           @pl.loop(0, window)
           def _step(r8):
@@ -338,7 +365,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
             fetch(g + stages - 1, i, cur, nxt)
 
           for c, acc in enumerate((acc_g, acc_u)):
-            p = window_partials(c, acc, w, vb)
+            p = window_partials(c, acc, w, vb, buf)
             gvec.at[c][...] = gvec.at[c][...] + p if accumulate else p
           plgpu.commit_smem()
 
@@ -352,7 +379,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
       if plan.zero13:
         zero_terms()
-      if plan.grouped:  # the scale rows are read: the next item's may land
+      if plan.grouped and not plan.small_groups:  # the scale rows are read: the next item's
         @pl.when(i + 1 < my_items)
         def _next_blocks():
           load_blocks(nxt)
@@ -399,7 +426,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       plgpu.SMEM((64,), jnp.float32),  # the activation's sum (every entry)
       plgpu.SMEM((2, 4, BN), jnp.float32),  # per item: channel scales, biases
   ]
-  if plan.grouped:
+  if plan.small_groups:  # [buffer, gate / up, rows, the window's 8 groups]
+    scratch.append(plgpu.SMEM((2, 2, BN, _N), jnp.float32))
+  elif plan.grouped:
     scratch.append(plgpu.SMEM((2, BN, g1), jnp.float32))
   if plan.zero13:
     scratch += [plgpu.SMEM((2, BN, g1), jnp.dtype(jnp.uint8) if plan.int4 else plan.code),
@@ -429,7 +458,8 @@ def finish(body, scratch: list, *, plan: _Plan, stages: int, tf: tuple, n_blk: i
                        plgpu.Barrier(num_arrivals=4 if plan.small_groups else 2,
                                      num_barriers=stages),
                        plgpu.Barrier(num_arrivals=max(n_vec, 1), num_barriers=2),
-                       plgpu.Barrier(num_arrivals=n_blk, num_barriers=1)]
+                       plgpu.Barrier(num_arrivals=n_blk,
+                                     num_barriers=2 if plan.small_groups else 1)]
   if emulate:
     scratch += [plgpu.SMEM((2, BN, BK), xdt), plgpu.SMEM((BK, _N), xdt)]
   out_type = [jax.ShapeDtypeStruct(part, jnp.float32)]

@@ -176,6 +176,30 @@ def test_decode_wq_lowers_for_gpu(monkeypatch):
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,e,k,h,n", [("nvfp4", 8, 2, 4096, 14336),  # mixtral
+                                         ("mxfp4", 256, 8, 7168, 2048)])  # deepseek-v3
+def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, monkeypatch):
+  """The e2m1 / small-group kernel at full sizes (a window's scales at a time in SMEM: rings
+  of 6 stages), through the weight-only entry."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  quant = jmoe.QuantConfig(fmt)
+
+  def qw(rows, kk):
+    gs = S((e, 1), jnp.float32) if fmt == "nvfp4" else None
+    return QuantizedWeights(values=S((e, rows, kk // 2), jnp.uint8),
+                            scale=S((e, rows, kk // quant.group_size), jnp.dtype(quant.scale_dtype)),
+                            global_scale=gs, scheme=quant)
+
+  w13, w2 = qw(2 * n, h), qw(h, n)
+  assert decode_wq.max_stages(decode_wq._plan(w13, w2, False), h) == 6
+  text = jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
+      x, w13, w2, tw, ti)).trace(
+          S((1, h), jnp.bfloat16), w13, w2, S((1, k), jnp.float32),
+          S((1, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
+
+
 # --------------------------------------------------------------------------------------------
 # slots sharing experts: decode_wq_shared (up to 8 tokens per item)
 

@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import ring_step
-from jmoe.kernels.decode_wq import _codes, _plan, _Plan
+from jmoe.kernels.decode_wq import E2M1_UNIT, _codes, _plan, _Plan, e2m1_tile, float_scales
 from jmoe.kernels.grouped_gemm import kernel_activation
 
 BM = 128  # token rows per task: wgmma's N
@@ -44,6 +44,8 @@ BF = 64  # GEMM1: gate / up rows (intermediate columns) per item, one m64 A tile
 BK = 128  # the contraction step = the scale group
 BH = 128  # GEMM2: rows of H per item (one [128, 128] A tile)
 GROUP = 128
+GROUPS = (16, 32, 64, 128)  # scale groups along K
+SUB = 64  # the narrowest wgmma K Mosaic takes: groups below it share a sub-step (selects)
 BAND = 16  # tasks per band: a band's tasks sweep the weight blocks together (L2 reuse)
 _SMEM_BYTES = 232448 - 8 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 6
@@ -78,10 +80,11 @@ def _code_bytes(plan: _Plan, rows: int) -> int:
 def _stage_bytes(plan: _Plan, gemm: int) -> int:
   """One ring slot: the code tiles, the token (GEMM1) or activation (GEMM2) tile, the scale
   (and zero) rows."""
+  ng = BK // plan.group if plan.grouped else 0  # scale rows a step
   if gemm == 1:
-    vec = (2 * BF * 4 + (2 * BF if plan.zero13 else 0)) if plan.grouped else 0
+    vec = 2 * ng * BF * 4 + (2 * BF if plan.zero13 else 0)
     return 2 * _code_bytes(plan, BF) + BM * BK * 2 + vec
-  vec = (BH * 4 + (BH if plan.zero2 else 0)) if plan.grouped else 0
+  vec = ng * BH * 4 + (BH if plan.zero2 else 0)
   return _code_bytes(plan, BH) + BK * BM * 2 + vec
 
 
@@ -100,20 +103,23 @@ def unsupported(m: int, h: int, n: int, act: Activation | str, w13, w2) -> str |
   per channel or per 128 along K (zero points with the grouped ones), H and N multiples of
   128."""
   q = w13.scheme
-  if q is None or q.act_dtype is not None or q.weight_dtype not in ("int4", "int8"):
-    return f"{q}: the weight-only prefill kernels take int4 / int8 weights with bf16 tokens"
+  fp4 = q is not None and q.weight_dtype == "float4_e2m1fn"
+  if q is None or q.act_dtype is not None or q.weight_dtype not in ("int4", "int8") and not fp4:
+    return (f"{q}: the weight-only prefill kernels take int4 / int8 / e2m1 weights with bf16 "
+            "tokens")
   if w2.scheme != q:
     return "w13 and w2 must share one scheme"
-  if q.scale_dtype != "float32":
+  if q.scale_dtype != "float32" and not fp4:
     return f"{q.name}: {q.scale_dtype} scales (the kernels take float32)"
-  if not (q.weight_scale == "channel" or (q.weight_scale == "group" and q.group_size == GROUP)):
+  grouped = q.weight_scale == "group"
+  if not (q.weight_scale == "channel" and not fp4 or grouped and q.group_size in GROUPS):
     return (f"{q.name}: scales per {q.weight_scale} {q.group_size or ''} (the kernels take "
-            f"per-channel, or groups of {GROUP})")
-  if q.zero_point and q.weight_scale != "group":
+            f"per-channel, or groups of {', '.join(map(str, GROUPS))})")
+  if q.zero_point and not (grouped and q.group_size == GROUP):
     return f"{q.name}: zero points need scales per {GROUP}"
   if w13.perm is not None or w2.perm is not None:
     return "act-order (perm): the kernels read K in stored order"
-  if w13.global_scale is not None or w2.global_scale is not None:
+  if (w13.global_scale is not None or w2.global_scale is not None) and not fp4:
     return "a global scale"
   if not (w13.k_major and w2.k_major):
     return "values must be K-major"
@@ -141,21 +147,41 @@ def _item(meta_ref, lin, num_tasks, nj: int, rows: int):
   return ex, task, jb, row
 
 
-def _dequantized(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast):
-  """A code tile (SMEM, [rows, 128]) -> the bf16 register A tile: (code - zero) * scale with
-  the step's scale row s (and zero row z) per row; s None: per-channel (applied later)."""
-  a = codes[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
+def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast) -> list:
+  """A code tile (SMEM, [rows, 128]) -> the bf16 register A tiles of its 128 / g scale
+  groups, each [rows, g]: (code - zero) * scale with the step's scale rows s (SMEM
+  [128 / g, rows]; and zero row z) per row; s None: per-channel (applied to the
+  accumulator)."""
+  if plan.e2m1:
+    a = e2m1_tile(codes[...], xdt)  # values / E2M1_UNIT: the scales carry the factor
+  else:
+    a = codes[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
   if s is None:
-    return a
-  shape, row = a.shape, plgpu.Layout.WGMMA.reduce(1)
-  sv = cast(s[...], row)
-  a = a * lax.broadcast_in_dim(sv.astype(xdt), shape, [0])
-  if zero:
-    zv = cast(z[...], row).astype(jnp.float32)
-    if plan.int4:
-      zv = zv - 8.0  # the codes are u - 8: so is the zero
-    a = a - lax.broadcast_in_dim((zv * sv).astype(xdt), shape, [0])
-  return a
+    return [a]
+  rows, row = a.shape[0], plgpu.Layout.WGMMA.reduce(1)
+  g = plan.group
+  width = max(g, SUB)  # a sub-step's K: one group, or SUB // g of them
+  tiles = [a] if width == BK else [a[:, j * width:(j + 1) * width] for j in range(BK // width)]
+  per = width // g
+  col = None
+  if per > 1:  # which group a column of a sub-step belongs to
+    col = cast(lax.broadcasted_iota(jnp.int32, (rows, width), 1), plgpu.Layout.WGMMA)
+  out = []
+  for j, t in enumerate(tiles):
+    srow = lambda u: lax.broadcast_in_dim(  # noqa: E731
+        cast(s.at[j * per + u][...], row).astype(xdt), t.shape, [0])
+    sc = srow(0)
+    for u in range(1, per):
+      sc = jnp.where(col >= u * g, srow(u), sc)
+    t = t * sc
+    if zero:  # (zero points: groups of 128 only, one sub-step)
+      sv = cast(s.at[0][...], row)
+      zv = cast(z[...], row).astype(jnp.float32)
+      if plan.int4:
+        zv = zv - 8.0  # the codes are u - 8: so is the zero
+      t = t - lax.broadcast_in_dim((zv * sv).astype(xdt), t.shape, [0])
+    out.append(t)
+  return out
 
 
 def _kernel(num_sms: int, interpret, name: str, body, out_type, scratch):
@@ -178,7 +204,10 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
   use_vec = plan.has_bias or not plan.grouped
-  tf_w, tf_x = _code_transforms(plan), _compat.smem_transforms(BK, 2)
+  ng = BK // plan.group if plan.grouped else 1
+  sub = max(plan.group, SUB) if plan.grouped else BK  # a sub-step's K
+  # the token tile's K sub-steps are slices of its SMEM tiles
+  tf_w, tf_x = _code_transforms(plan), _compat.smem_transforms(min(BK, sub), 2)
   n_copies = 3 + (2 if plan.grouped else 0) + (2 if plan.zero13 else 0)
   n_vec = (0 if plan.grouped else 2) + (2 if plan.has_bias else 0)
 
@@ -227,7 +256,8 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
         for c, col in enumerate((jb * BF, n + jb * BF)):
           plgpu.copy_gmem_to_smem(w_ref.at[ex, pl.ds(col, BF), ks], ring.at[slot, c], bar)
           if plan.grouped:
-            plgpu.copy_gmem_to_smem(s_ref.at[ex, r, pl.ds(col, BF)], sring.at[slot, c], bar)
+            plgpu.copy_gmem_to_smem(s_ref.at[ex, pl.ds(r * ng, ng), pl.ds(col, BF)],
+                                    sring.at[slot, c], bar)
           if plan.zero13:
             plgpu.copy_gmem_to_smem(z_ref.at[ex, r, pl.ds(col, BF)], zring.at[slot, c], bar)
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row, BM), ks], xring.at[slot], bar)
@@ -243,14 +273,18 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
 
     def operand_a(a, which):
       if emulate:
-        t_a.at[which][...] = a
-        return t_a.at[which]
+        dst = t_a.at[which, :, pl.ds(0, a.shape[1])]
+        dst[...] = a
+        return dst
       return a
 
-    def operand_b(tile):
+    def operand_b(tile, q):
+      """Sub-step q's B: K columns [q sub, (q + 1) sub) of the token tile, as [sub, 128]."""
+      if sub < BK:
+        tile = tile.at[:, pl.ds(q * sub, sub)]
       if emulate:
-        t_b[...] = tile[...].T
-        return t_b
+        t_b.at[pl.ds(0, tile.shape[1])][...] = tile[...].T
+        return t_b.at[pl.ds(0, tile.shape[1])]
       return plgpu.transpose_ref(tile, (1, 0))  # [128 tokens, K] K-major -> [K, 128]
 
     def one_item(i, cur):
@@ -270,13 +304,13 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
           g = i * k1 + r
           slot = lax.rem(g, jnp.int32(stages))
           plgpu.barrier_wait(bars.at[slot])
-          b = operand_b(xring.at[slot])
           for c, acc in enumerate((acc_g, acc_u)):
             s = sring.at[slot, c] if plan.grouped else None
             z = zring.at[slot, c] if plan.zero13 else None
-            a = _dequantized(ring.at[slot, c], s, z, plan=plan, zero=plan.zero13, xdt=xdt,
+            tiles = _a_tiles(ring.at[slot, c], s, z, plan=plan, zero=plan.zero13, xdt=xdt,
                              cast=_cast)
-            plgpu.wgmma(acc, operand_a(a, c), b)
+            for q, a in enumerate(tiles):
+              plgpu.wgmma(acc, operand_a(a, c), operand_b(xring.at[slot], q))
           # in_flight 0: the slot's tiles are read, it takes a new step; 1: step g - 1's are
           plgpu.wgmma_wait(in_flight)
           fetch(g + stages - 1 - in_flight, i, cur, nxt)
@@ -308,7 +342,7 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
              plgpu.SMEM((BF, BM), xdt, transforms=_compat.smem_transforms(BM, 2)),
              plgpu.SMEM((2, 4, BF), jnp.float32)]
   if plan.grouped:
-    scratch.append(plgpu.SMEM((stages, 2, BF), jnp.float32))
+    scratch.append(plgpu.SMEM((stages, 2, ng, BF), jnp.float32))
   if plan.zero13:
     scratch.append(plgpu.SMEM((stages, 2, BF), jnp.dtype(jnp.uint8) if plan.int4 else
                               plan.code))
@@ -326,6 +360,7 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, 
   stages = min(stages, k2 + 1 + in_flight)  # the prologue's steps all belong to item 0
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None
+  ng = BK // plan.group if plan.grouped else 1
   tf_w, tf_a = _code_transforms(plan), _compat.smem_transforms(BM, 2)
   n_copies = 2 + (1 if plan.grouped else 0) + (1 if plan.zero2 else 0)
 
@@ -366,7 +401,7 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, 
         bar, hs = bars.at[slot], pl.ds(jb * BH, BH)
         plgpu.copy_gmem_to_smem(w_ref.at[ex, hs, pl.ds(r * BK, BK)], ring.at[slot], bar)
         if plan.grouped:
-          plgpu.copy_gmem_to_smem(s_ref.at[ex, r, hs], sring.at[slot], bar)
+          plgpu.copy_gmem_to_smem(s_ref.at[ex, pl.ds(r * ng, ng), hs], sring.at[slot], bar)
         if plan.zero2:
           plgpu.copy_gmem_to_smem(z_ref.at[ex, r, hs], zring.at[slot], bar)
         plgpu.copy_gmem_to_smem(a_ref.at[task, pl.ds(r * BK, BK)], aring.at[slot], bar)
@@ -397,13 +432,15 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, 
           g = i * k2 + r
           slot = lax.rem(g, jnp.int32(stages))
           plgpu.barrier_wait(bars.at[slot])
-          a = _dequantized(ring.at[slot], sring.at[slot] if plan.grouped else None,
+          tiles = _a_tiles(ring.at[slot], sring.at[slot] if plan.grouped else None,
                            zring.at[slot] if plan.zero2 else None, plan=plan,
                            zero=plan.zero2, xdt=xdt, cast=_cast)
-          if emulate:
-            t_a[...] = a
-            a = t_a
-          plgpu.wgmma(acc, a, aring.at[slot])
+          for q, a in enumerate(tiles):
+            width = a.shape[1]
+            if emulate:
+              t_a.at[:, pl.ds(0, width)][...] = a
+              a = t_a.at[:, pl.ds(0, width)]
+            plgpu.wgmma(acc, a, aring.at[slot, pl.ds(q * width, width)])
           plgpu.wgmma_wait(in_flight)
           fetch(g + stages - 1 - in_flight, i, cur, nxt)
 
@@ -428,7 +465,7 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, 
              plgpu.SMEM((BH, BM), xdt, transforms=tf_a),
              plgpu.SMEM((2, BH), jnp.float32)]
   if plan.grouped:
-    scratch.append(plgpu.SMEM((stages, BH), jnp.float32))
+    scratch.append(plgpu.SMEM((stages, ng, BH), jnp.float32))
   if plan.zero2:
     scratch.append(plgpu.SMEM((stages, BH), jnp.dtype(jnp.uint8) if plan.int4 else
                               plan.code))
@@ -438,6 +475,14 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, 
     scratch.append(plgpu.SMEM((BH, BK), xdt))
   out_type = jax.ShapeDtypeStruct((tasks, h, BM), xdt)
   return _kernel(num_sms, interpret, "jmoe_gg_wq", body, out_type, scratch)
+
+
+def _float_scales(w, plan: _Plan) -> jax.Array:
+  """Grouped scales as float32 [E, rows, K / g] (e2m1: the e8m0 / e4m3 scales times the global
+  scale and E2M1_UNIT, the factor the converted codes lack)."""
+  if plan.e2m1:
+    return float_scales(w, jnp.arange(w.shape[0])) * E2M1_UNIT
+  return w.scale.astype(jnp.float32)
 
 
 def _group_major(w) -> jax.Array:
@@ -496,7 +541,7 @@ def prefill_wq(xs: jax.Array, meta: jax.Array, num_tasks: jax.Array, w13, w2, *,
   meta = meta.astype(jnp.int32)
   num_tasks = num_tasks.astype(jnp.int32)
   args = [meta, num_tasks, xs, _codes(w13, plan.code)]
-  args.append(_group_major(w13.scale.astype(jnp.float32)) if plan.grouped else
+  args.append(_group_major(_float_scales(w13, plan)) if plan.grouped else
               w13.scale[:, :, 0].astype(jnp.float32))
   if plan.zero13:
     args.append(_group_major(w13.zero))
@@ -504,7 +549,7 @@ def prefill_wq(xs: jax.Array, meta: jax.Array, num_tasks: jax.Array, w13, w2, *,
     args.append(w13_bias.astype(jnp.float32))
   a_t = k1(*args)
   args = [meta, num_tasks, a_t, _codes(w2, plan.code)]
-  args.append(_group_major(w2.scale.astype(jnp.float32)) if plan.grouped else
+  args.append(_group_major(_float_scales(w2, plan)) if plan.grouped else
               w2.scale[:, :, 0].astype(jnp.float32))
   if plan.zero2:
     args.append(_group_major(w2.zero))

@@ -1,5 +1,6 @@
-"""The weight-only grouped GEMMs for prefill (w4a16 / w8a16: int4 or int8 codes, bf16 tokens),
-the codes dequantized in registers: the packed weights are the only weight bytes read.
+"""The weight-only grouped GEMMs for prefill (w4a16 / w8a16: int4 or int8 codes; mxfp4 /
+nvfp4: e2m1 codes; bf16 tokens), the codes dequantized in registers: the packed weights are
+the only weight bytes read, and no dequantized copy of the experts is made.
 
 Hopper's wgmma takes its A operand from registers, so the kernels compute the transposed
 products ("swap AB"): the weight tile, converted to bf16 in registers after its TMA load, is
@@ -14,11 +15,13 @@ A task is a tile of `grouped_gemm.tile_metadata` (block_m = 128: an expert's row
 activations stay transposed and task-major ([tasks, N, 128]: GEMM2's B tile is a plain box of
 them) and so does GEMM2's output; the final gather-sum reads each slot's column.
 
-Scales per group of 128 along K (one group per 128-deep step) and zero points multiply the
-register A tile before the MMA (one scale row per step, brought by the step's TMA from a
-transposed [E, K / 128, rows] copy); per-channel scales multiply the accumulator rows once per
-item. One warpgroup per CTA: a step converts the gate tile, issues its MMA, converts the up
-tile while that runs, and waits for both before its ring slot takes the next load.
+Scales multiply the register A tile before the MMA: a 128-deep step brings its scale rows
+([128 / g, rows], by TMA from a transposed float32 [E, K / g, rows] copy; e2m1's e8m0 / e4m3
+scales converted per call) and, for groups below 64 (wgmma's narrowest K in Mosaic), a 64-deep
+sub-step picks each column's scale with selects. Zero points (groups of 128) are subtracted
+the same way; per-channel scales multiply the accumulator rows once per item. One warpgroup
+per CTA, two CTAs per SM (`PrefillWQConfig`): a step converts the gate tile, issues its MMA,
+converts the up tile while that runs and waits for both; the other CTA's MMAs fill the gaps.
 
 Launches (besides the routing): GEMM1, GEMM2 and the gather-sum.
 """
@@ -54,23 +57,23 @@ _MAX_STAGES = 6
 @dataclasses.dataclass(frozen=True)
 class PrefillWQConfig:
   """stages1 / stages2: ring slots of GEMM1 / GEMM2 (None: as many as shared memory holds, up
-  to 6); ctas_per_sm: 1 or 2 (two CTAs share an SM's shared memory: one converts while the
-  other's MMAs run); mma_in_flight: 0 (a step waits for its MMAs) or 1 (the step's last MMA
-  runs on while the next step converts; its ring slot is refilled one step later)."""
+  to 6); ctas_per_sm: 1 or 2 (two CTAs share an SM's shared memory, 2-slot rings each: one
+  converts while the other's MMAs run; H200, 4096 tokens w4a16: mixtral 6,457 -> 5,474 µs,
+  qwen3 1,141 -> 989). A step always waits for its MMAs: leaving one in flight while the next
+  tile converts (measured 17-19 % faster on the H200) gave NaNs at qwen3, since wgmma reads
+  its register A operand asynchronously and nothing stops the compiler from reusing those
+  registers (docs/kernels.md)."""
   stages1: int | None = None
   stages2: int | None = None
-  ctas_per_sm: int = 1
-  mma_in_flight: int = 0
+  ctas_per_sm: int | None = None  # None: 2 where 2-slot rings fit a CTA's half (4-bit codes)
 
   def __post_init__(self):
     for name in ("stages1", "stages2"):
       v = getattr(self, name)
       if v is not None and v < 2:
         raise ValueError(f"{name}={v} must be >= 2")
-    if self.ctas_per_sm not in (1, 2):
+    if self.ctas_per_sm not in (None, 1, 2):
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
-    if self.mma_in_flight not in (0, 1):
-      raise ValueError(f"mma_in_flight={self.mma_in_flight} must be 0 or 1")
 
 
 def _code_bytes(plan: _Plan, rows: int) -> int:
@@ -91,7 +94,7 @@ def _stage_bytes(plan: _Plan, gemm: int) -> int:
 def max_stages(plan: _Plan, gemm: int, ctas_per_sm: int = 1) -> int:
   """The deepest ring that fits (a CTA's share of) shared memory beside the output tile and
   item vectors."""
-  out_tile = (BF if gemm == 1 else BH) * BM * 2
+  out_tile = (BF if gemm == 1 else BH // 2) * BM * 2
   fixed = out_tile + 2 * 4 * max(BF, BH) * 4
   budget = _SMEM_BYTES // ctas_per_sm - (1024 if ctas_per_sm > 1 else 0)
   return min(_MAX_STAGES, (budget - fixed) // _stage_bytes(plan, gemm))
@@ -198,9 +201,9 @@ def _code_transforms(plan: _Plan):
 
 
 def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages: int,
-                 in_flight: int, num_sms, interpret):
+                 num_sms, interpret):
   nj, k1 = n // BF, h // BK
-  stages = min(stages, k1 + 1 + in_flight)  # the prologue's steps all belong to item 0
+  stages = min(stages, k1 + 1)  # the prologue's steps all belong to item 0
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
   use_vec = plan.has_bias or not plan.grouped
@@ -268,7 +271,7 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
     def _prologue():
       if use_vec:
         load_vectors(jnp.int32(0), info0)
-      for g in range(stages - 1 - in_flight):  # the ring ahead of the first step
+      for g in range(stages - 1):  # the ring ahead of the first step
         fetch(jnp.int32(g), jnp.int32(0), info0, info0)
 
     def operand_a(a, which):
@@ -311,11 +314,9 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
                              cast=_cast)
             for q, a in enumerate(tiles):
               plgpu.wgmma(acc, operand_a(a, c), operand_b(xring.at[slot], q))
-          # in_flight 0: the slot's tiles are read, it takes a new step; 1: step g - 1's are
-          plgpu.wgmma_wait(in_flight)
-          fetch(g + stages - 1 - in_flight, i, cur, nxt)
+          plgpu.wgmma_wait(0)  # the slot's tiles (and the register A tiles) are read
+          fetch(g + stages - 1, i, cur, nxt)
 
-        plgpu.wgmma_wait(0)
         vals = []
         row = plgpu.Layout.WGMMA.reduce(1)
         for c, acc in enumerate((acc_g, acc_u)):
@@ -354,10 +355,9 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
   return _kernel(num_sms, interpret, "jmoe_gg_wq_gated", body, out_type, scratch)
 
 
-def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, num_sms,
-                 interpret):
+def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpret):
   nj, k2 = h // BH, n // BK
-  stages = min(stages, k2 + 1 + in_flight)  # the prologue's steps all belong to item 0
+  stages = min(stages, k2 + 1)  # the prologue's steps all belong to item 0
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None
   ng = BK // plan.group if plan.grouped else 1
@@ -412,7 +412,7 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, 
     def _prologue():
       if not plan.grouped:
         load_vectors(jnp.int32(0), info0)
-      for g in range(stages - 1 - in_flight):
+      for g in range(stages - 1):
         fetch(jnp.int32(g), jnp.int32(0), info0, info0)
 
     def one_item(i, cur):
@@ -441,18 +441,20 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, 
               t_a.at[:, pl.ds(0, width)][...] = a
               a = t_a.at[:, pl.ds(0, width)]
             plgpu.wgmma(acc, a, aring.at[slot, pl.ds(q * width, width)])
-          plgpu.wgmma_wait(in_flight)
-          fetch(g + stages - 1 - in_flight, i, cur, nxt)
+          plgpu.wgmma_wait(0)
+          fetch(g + stages - 1, i, cur, nxt)
 
-        plgpu.wgmma_wait(0)
         v = acc[...]
         if not plan.grouped:
           sv = _cast(vec.at[vb][...], plgpu.Layout.WGMMA.reduce(1))
           v = v * lax.broadcast_in_dim(sv, (BH, BM), [0])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem[...] = v.astype(xdt)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[task, pl.ds(jb * BH, BH)])
+        y = v.astype(xdt)
+        for half in range(2):  # through a half tile: two CTAs' rings fit beside it
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          o_smem[...] = y[half * (BH // 2):(half + 1) * (BH // 2)]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem,
+                                  out_ref.at[task, pl.ds(jb * BH + half * (BH // 2), BH // 2)])
 
       pl.run_scoped(gemm, plgpu.ACC((BH, BM), jnp.float32))
       return nxt
@@ -462,7 +464,7 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, in_flight: int, 
 
   scratch = [plgpu.SMEM((stages, BH, BK), plan.code, transforms=tf_w),
              plgpu.SMEM((stages, BK, BM), xdt, transforms=tf_a),
-             plgpu.SMEM((BH, BM), xdt, transforms=tf_a),
+             plgpu.SMEM((BH // 2, BM), xdt, transforms=tf_a),
              plgpu.SMEM((2, BH), jnp.float32)]
   if plan.grouped:
     scratch.append(plgpu.SMEM((stages, ng, BH), jnp.float32))
@@ -525,19 +527,20 @@ def prefill_wq(xs: jax.Array, meta: jax.Array, num_tasks: jax.Array, w13, w2, *,
     raise ValueError(f"w13_bias must have shape ({e}, {n2}), got {w13_bias.shape}")
   plan = _plan(w13, w2, w13_bias is not None)
   cfg = config or PrefillWQConfig()
-  caps = [max_stages(plan, gemm, cfg.ctas_per_sm) for gemm in (1, 2)]
+  ctas = cfg.ctas_per_sm or (2 if min(max_stages(plan, g, 2) for g in (1, 2)) >= 2 else 1)
+  caps = [max_stages(plan, gemm, ctas) for gemm in (1, 2)]
   st1, st2 = cfg.stages1 or caps[0], cfg.stages2 or caps[1]
   for name, st, cap in (("stages1", st1, caps[0]), ("stages2", st2, caps[1])):
-    if st > cap or st < 2 + cfg.mma_in_flight:
-      raise ValueError(f"{name}={st} does not fit shared memory (at most {cap}) or is below "
-                       f"{2 + cfg.mma_in_flight} (mma_in_flight={cfg.mma_in_flight})")
+    if st > cap or st < 2:
+      raise ValueError(f"{name}={st}: shared memory holds 2 to {cap} ring slots "
+                       f"(ctas_per_sm={ctas})")
   tasks = meta.shape[1]
   interp, nsm = _compat.launch_params(interpret)
-  nctas = nsm * (cfg.ctas_per_sm if interp is None else 1)
+  nctas = nsm * (ctas if interp is None else 1)
   k1 = _build_gemm1(h=h, n=n, rows=rows, tasks=tasks, xdt=xs.dtype, act=act, plan=plan,
-                    stages=st1, in_flight=cfg.mma_in_flight, num_sms=nctas, interpret=interp)
+                    stages=st1, num_sms=nctas, interpret=interp)
   k2 = _build_gemm2(h=h, n=n, tasks=tasks, xdt=xs.dtype, plan=plan, stages=st2,
-                    in_flight=cfg.mma_in_flight, num_sms=nctas, interpret=interp)
+                    num_sms=nctas, interpret=interp)
   meta = meta.astype(jnp.int32)
   num_tasks = num_tasks.astype(jnp.int32)
   args = [meta, num_tasks, xs, _codes(w13, plan.code)]

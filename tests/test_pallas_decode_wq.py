@@ -94,13 +94,13 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
 @pytest.mark.parametrize("sid,t,h,n,want", [
     ("w4a16", 1, 1024, 128, "decode"),
     ("w4a16", 6, 1024, 128, "decode_shared"),
-    ("w4a16", 5, 256, 128, "dequantize"),
+    ("w4a16", 5, 256, 128, "prefill"),
     pytest.param("mxfp4", 1, 512, 256, "decode", marks=pytest.mark.slow)])
 def test_weight_only_pallas_experts_match_xla(sid, t, h, n, want, rng, monkeypatch):
   """The public API with runner_backend='pallas_mosaic': one token (the decode kernel), six
   tokens on 4 experts (slots sharing experts: the shared decode kernel), a problem neither
-  takes (H = 256: the weights dequantized into the bf16 kernels) and mxfp4 at one token (the
-  decode kernel's e2m1 path), each against the XLA experts and the oracle."""
+  takes (H = 256: the weight-only prefill GEMMs) and mxfp4 at one token (the decode kernel's
+  e2m1 path), each against the XLA experts and the oracle."""
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
   x, q13, q2, tw, ids, _, _ = _problem(rng, sid, t, h, n, 4, 2)
   layout = pmoe.weight_only_layout(t, 2, h, n, as_activation("silu"), q13, q2)

@@ -38,9 +38,11 @@ def _prefill(x, q13, q2, tw, ids, b13=None, b2=None, activation="silu"):
 
 @pytest.mark.parametrize("sid,bias,activation", [
     ("w4a16", True, "silu"),
-    ("w8a16", False, "swigluoai"),  # per-channel scales: on the accumulator rows
+    ("mxfp4", True, "swigluoai"),  # e2m1 codes, groups of 32 (selects within a sub-step)
+    pytest.param("w8a16", False, "swigluoai", marks=pytest.mark.slow),  # per-channel scales
     pytest.param("w4a16-zp", True, "silu", marks=pytest.mark.slow),
     pytest.param("w8a16-g128-zp", False, "gelu", marks=pytest.mark.slow),
+    pytest.param("nvfp4", False, "silu", marks=pytest.mark.slow),  # groups of 16, global scale
 ])
 def test_prefill_wq_matches_oracle(sid, bias, activation, rng):
   """40 tokens, k = 2 on 4 experts (80 rows in one 128-row allocation: tiles that start inside
@@ -92,14 +94,25 @@ def test_prefill_wq_says_what_it_does_not_take():
   assert grouped_gemm_wq.unsupported(4096, 256, 256, silu, q13, q2) is None
   assert "gated" in grouped_gemm_wq.unsupported(4096, 256, 256, "gelu_no_mul", q13, q2)
   mx = w("mxfp4", 2, 256, 512)
-  assert "int4 / int8" in grouped_gemm_wq.unsupported(4096, 256, 256, silu, mx, mx)
-  g32 = w("w4a16", 2, 256, 512, group_size=32)
-  assert "groups of 128" in grouped_gemm_wq.unsupported(4096, 256, 256, silu, g32, g32)
+  assert grouped_gemm_wq.unsupported(4096, 256, 256, silu, mx, mx) is None
+  fp8 = w("fp8_tensor", 2, 256, 512)
+  assert "int4 / int8 / e2m1" in grouped_gemm_wq.unsupported(4096, 256, 256, silu, fp8, fp8)
+  g32zp = w("w4a16", 2, 256, 512, group_size=32, zero_point=True)
+  assert "zero points need scales per 128" in grouped_gemm_wq.unsupported(
+      4096, 256, 256, silu, g32zp, g32zp)
   assert "multiples of 128" in grouped_gemm_wq.unsupported(4096, 192, 256, silu, q13, q2)
+  gpt_oss = w("mxfp4", 2, 2880, 5760)
   with pytest.raises(ValueError, match="layout='prefill'"):
-    pmoe.weight_only_layout(4096, 2, 256, 256, silu, mx, mx, layout="prefill")
+    pmoe.weight_only_layout(4096, 2, 2880, 2880, silu, gpt_oss, gpt_oss, layout="prefill")
   with pytest.raises(ValueError, match="stages1=1"):
     grouped_gemm_wq.PrefillWQConfig(stages1=1)
+  with pytest.raises(ValueError, match="ctas_per_sm=3"):
+    grouped_gemm_wq.PrefillWQConfig(ctas_per_sm=3)
+  # auto: beyond the decode kernels while the experts average <= 512 rows, else dequantize
+  assert pmoe.weight_only_layout(64, 8, 256, 256, silu, q13, q2) == "prefill"  # 256 an expert
+  assert pmoe.weight_only_layout(4096, 2, 256, 256, silu, q13, q2) == "dequantize"  # 4096
+  w8 = w("w8a16", 2, 256, 512), w("w8a16", 2, 256, 256)  # int8: not measured faster
+  assert pmoe.weight_only_layout(64, 8, 256, 256, silu, *w8) == "dequantize"
 
 
 def test_prefill_wq_lowers_for_gpu(monkeypatch):

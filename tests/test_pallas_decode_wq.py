@@ -72,7 +72,7 @@ def _run(x, q13, q2, tw, ids, **kw):
 
 @pytest.mark.parametrize("sid,h,bias,activation", [
     ("w4a16", 1024, True, "silu"),
-    ("w8a16", 1024, False, "swigluoai"),
+    pytest.param("w8a16", 1024, False, "swigluoai", marks=pytest.mark.slow),
     pytest.param("w4a16-zp", 2048, True, "silu", marks=pytest.mark.slow),
     pytest.param("w8a16-g128-zp", 2048, True, "silu", marks=pytest.mark.slow),
     ("mxfp4", 512, True, "swigluoai"),
@@ -217,7 +217,7 @@ def test_slot_groups_cut_each_experts_run_into_eights():
 
 
 @pytest.mark.parametrize("sid,bias", [
-    ("w4a16", True),
+    pytest.param("w4a16", True, marks=pytest.mark.slow),  # (the zero-point case stays lean)
     ("w4a16-zp", False),
     pytest.param("w8a16", False, marks=pytest.mark.slow),
     pytest.param("w8a16-g128-zp", True, marks=pytest.mark.slow),

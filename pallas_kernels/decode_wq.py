@@ -486,32 +486,45 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
   return None
 
 
-def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13,
-                      w2) -> str | None:
-  """`unsupported`'s rules on the format and the sizes, without its shared-memory ones."""
+def unsupported_format(w13, w2, act: Activation | str, *, groups: tuple,
+                       kernel: str = "the decode kernel") -> str | None:
+  """The weight-only kernels' rules on the format (None: `kernel` takes it): int4 / int8 /
+  e2m1 codes with bf16 tokens, one scheme for w13 and w2, float32 scales (e2m1: its own)
+  per channel or per one of `groups` along K, zero points with groups of 128, no act-order
+  permutation, a global scale only for e2m1 (nvfp4), K-major values, a gated activation."""
   q = w13.scheme
   if q is None or q.act_dtype is not None or q.weight_dtype not in _CODE_DTYPES:
-    return (f"{q}: the weight-only decode kernel takes int4 / int8 / e2m1 weights with bf16 "
-            "tokens")
+    return f"{q}: {kernel} takes int4 / int8 / e2m1 weights with bf16 tokens"
   if w2.scheme != q:
     return "w13 and w2 must share one scheme"
   fp4 = q.weight_dtype == "float4_e2m1fn"
   if q.scale_dtype != "float32" and not fp4:
-    return f"{q.name}: {q.scale_dtype} scales (the kernel takes float32)"
+    return f"{q.name}: {q.scale_dtype} scales ({kernel} takes float32)"
   grouped = q.weight_scale == "group"
-  if not (q.weight_scale == "channel" and not fp4 or (grouped and q.group_size in GROUPS)):
-    return (f"{q.name}: scales per {q.weight_scale} {q.group_size or ''} (the kernel takes "
-            f"per-channel, or groups of {', '.join(map(str, GROUPS))})")
+  if not (q.weight_scale == "channel" and not fp4 or (grouped and q.group_size in groups)):
+    return (f"{q.name}: scales per {q.weight_scale} {q.group_size or ''} ({kernel} takes "
+            f"per-channel, or groups of {', '.join(map(str, groups))})")
   if q.zero_point and not (grouped and q.group_size == GROUP):
     return f"{q.name}: zero points need scales per {GROUP}"
   if w13.perm is not None or w2.perm is not None:
-    return "act-order (perm): the kernel reads K in stored order"
+    return f"act-order (perm): {kernel} reads K in stored order"
   if (w13.global_scale is not None or w2.global_scale is not None) and not fp4:
     return "a global scale"
   if not (w13.k_major and w2.k_major):
     return "values must be K-major"
   if not as_activation(act).is_gated:
-    return f"{as_activation(act).name}: the decode kernel takes gated activations"
+    return f"{as_activation(act).name}: {kernel} takes gated activations"
+  return None
+
+
+def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13,
+                      w2) -> str | None:
+  """`unsupported`'s rules on the format and the sizes, without its shared-memory ones."""
+  why = unsupported_format(w13, w2, act, groups=GROUPS)
+  if why is not None:
+    return why
+  q = w13.scheme
+  grouped = q.weight_scale == "group"
   if t * k > MAX_SLOTS:
     return f"{t * k} slots (the decode kernel takes at most {MAX_SLOTS})"
   step = max(q.group_size * _N, BH) if grouped else BH  # a window of 8 groups; GEMM2's step

@@ -39,7 +39,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import ring_step
-from jmoe.kernels.decode_wq import E2M1_UNIT, _codes, _plan, _Plan, e2m1_tile, float_scales
+from jmoe.kernels.decode_wq import (E2M1_UNIT, _codes, _plan, _Plan, e2m1_tile, float_scales,
+                                    unsupported_format)
 from jmoe.kernels.grouped_gemm import kernel_activation
 
 BM = 128  # token rows per task: wgmma's N
@@ -101,33 +102,12 @@ def max_stages(plan: _Plan, gemm: int, ctas_per_sm: int = 1) -> int:
 
 
 def unsupported(m: int, h: int, n: int, act: Activation | str, w13, w2) -> str | None:
-  """Why prefill_wq cannot take this problem (None: it can): a gated activation, weight-only
-  int4 / int8 codes (K-major, no act-order permutation, no global scale) with float32 scales
-  per channel or per 128 along K (zero points with the grouped ones), H and N multiples of
-  128."""
-  q = w13.scheme
-  fp4 = q is not None and q.weight_dtype == "float4_e2m1fn"
-  if q is None or q.act_dtype is not None or q.weight_dtype not in ("int4", "int8") and not fp4:
-    return (f"{q}: the weight-only prefill kernels take int4 / int8 / e2m1 weights with bf16 "
-            "tokens")
-  if w2.scheme != q:
-    return "w13 and w2 must share one scheme"
-  if q.scale_dtype != "float32" and not fp4:
-    return f"{q.name}: {q.scale_dtype} scales (the kernels take float32)"
-  grouped = q.weight_scale == "group"
-  if not (q.weight_scale == "channel" and not fp4 or grouped and q.group_size in GROUPS):
-    return (f"{q.name}: scales per {q.weight_scale} {q.group_size or ''} (the kernels take "
-            f"per-channel, or groups of {', '.join(map(str, GROUPS))})")
-  if q.zero_point and not (grouped and q.group_size == GROUP):
-    return f"{q.name}: zero points need scales per {GROUP}"
-  if w13.perm is not None or w2.perm is not None:
-    return "act-order (perm): the kernels read K in stored order"
-  if (w13.global_scale is not None or w2.global_scale is not None) and not fp4:
-    return "a global scale"
-  if not (w13.k_major and w2.k_major):
-    return "values must be K-major"
-  if not as_activation(act).is_gated:
-    return f"{as_activation(act).name}: the kernels take gated activations"
+  """Why prefill_wq cannot take this problem (None: it can): the weight-only kernels' format
+  rules (`decode_wq.unsupported_format`, scale groups of 16 / 32 / 64 / 128) and H and N
+  multiples of 128."""
+  why = unsupported_format(w13, w2, act, groups=GROUPS, kernel="the prefill kernels")
+  if why is not None:
+    return why
   if h % BK or n % BK:
     return f"H={h} and N={n} must be multiples of {BK}"
   return None

@@ -16,7 +16,7 @@ from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels import grouped_gemm_wq
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
-from jmoe.quant import QuantizedWeights, quantize_weights
+from jmoe.quant import quantize_weights
 from kernel_run import run_interpreted
 from test_pallas_decode_wq import _oracle, _problem
 
@@ -121,15 +121,11 @@ def test_prefill_wq_lowers_for_gpu(monkeypatch):
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
   quant = jmoe.QuantConfig("w4a16", zero_point=True)
   e, k, h, n, t = 8, 2, 4096, 14336, 4096
-
-  def qw(rows, kk):
-    return QuantizedWeights(values=S((e, rows, kk // 2), jnp.uint8),
-                            scale=S((e, rows, kk // 128), jnp.float32),
-                            zero=S((e, rows, kk // 128), jnp.uint8), scheme=quant)
-
+  w13, w2 = (jax.eval_shape(lambda s=shape: quantize_weights(jnp.zeros(s, jnp.bfloat16), quant))
+             for shape in ((e, h, 2 * n), (e, n, h)))
   text = jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
       x, w13, w2, tw, ti, layout="prefill")).trace(
-          S((t, h), jnp.bfloat16), qw(2 * n, h), qw(h, n), S((t, k), jnp.float32),
+          S((t, h), jnp.bfloat16), w13, w2, S((t, k), jnp.float32),
           S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   kernels = set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
   assert {"jmoe_gg_wq_gated", "jmoe_gg_wq"} <= kernels

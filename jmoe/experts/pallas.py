@@ -33,8 +33,9 @@ def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   """Why the Pallas kernels cannot run `quant` (None: they can): W8A8 with scales that factor
   out of K (fp8_tensor / fp8_channel / int8, per-token or per-tensor dynamic activation
   scales), fp8_block (128 x 128 weight blocks, 1 x 128 activation groups), and every
-  weight-only format (jmoe.kernels.moe.fused_experts_weight_only: the int4 / int8 decode
-  kernel where it applies, else the weights dequantized per call into the bf16 kernels)."""
+  weight-only format (jmoe.kernels.moe.fused_experts_weight_only: the decode kernels or the
+  grouped GEMMs on the codes where they apply, else the weights dequantized per call into the
+  bf16 kernels)."""
   if quant is None or not quant.is_quantized:
     return None
   name = quant.name

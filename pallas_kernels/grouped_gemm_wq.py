@@ -491,7 +491,8 @@ def prefill_wq(xs: jax.Array, meta: jax.Array, num_tasks: jax.Array, w13, w2, *,
 
   xs [R, H] bf16 / f16 (R >= 128, a multiple of 8; the rows sorted by expert); meta / num_tasks
   grouped_gemm.tile_metadata(group_sizes, R, 128); w13 / w2 QuantizedWeights (logical
-  [E, H, 2N] / [E, N, H], K-major int4 / int8 codes, see `unsupported`); w13_bias f32 [E, 2N].
+  [E, H, 2N] / [E, N, H], K-major int4 / int8 / e2m1 codes, see `unsupported`); w13_bias f32
+  [E, 2N]. config: PrefillWQConfig (None: its defaults).
   slot_columns maps a sorted row to its column of y_t.reshape(tasks * 128, H) after a swap of
   the last two axes."""
   act = as_activation(activation)

@@ -79,6 +79,7 @@ def test_bare_command_lists_the_commands(capsys):
     assert re.search(rf"^\s+{cmd}\s+{what}", out, re.M), cmd
 
 
+@pytest.mark.slow  # (README's main command runs the bench in every fresh-clone check)
 def test_bench_writes_json_and_plot(tmp_path, capsys):
   js, png = tmp_path / "b.json", tmp_path / "b.png"
   rc = cli.main(["bench", "--preset", "qwen3-30b-a3b", "--tokens", "1,8", "--backends",
@@ -259,6 +260,7 @@ def test_tune_train_adds_training_gemm_tables(tmp_path, capsys):
   assert sorted(k_.split(",")[1:3] for k_ in rt) == [["N=64", "K=128"], ["N=64", "K=64"]]
 
 
+@pytest.mark.slow
 def test_tune_cli_tables_option(tmp_path, capsys):
   from jmoe.kernels import _compat
   if not _compat.interpret_available():

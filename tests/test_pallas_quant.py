@@ -351,6 +351,7 @@ def test_bench_quant_reference_is_the_oracle(rng):
     bq.parse_args(["--block-variants", "3cta"])
 
 
+@pytest.mark.slow
 def test_fused_block_warp_specialized(rng):
   """fp8_block's warp-specialized GEMMs in the block: GEMM2 (two 64-row compute warpgroups)
   reads the per-task scales GEMM1's warpgroups wrote."""

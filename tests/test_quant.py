@@ -236,7 +236,8 @@ def test_moe_block_runs_quantized_weights(rng):
   assert onp.rel_err(np.asarray(yq), np.asarray(y)) < 0.1
 
 
-@pytest.mark.parametrize("scheme,a2a", [("fp8_block", "allgather"), ("fp8_block", "ragged_dedup"),
+@pytest.mark.parametrize("scheme,a2a", [pytest.param("fp8_block", "allgather", marks=pytest.mark.slow),
+                                        ("fp8_block", "ragged_dedup"),
                                         ("int8", "ragged_a2a"), ("fp8_channel", "padded_a2a")])
 def test_quantized_weights_shard_over_the_expert_axis(scheme, a2a, rng):
   """EP on 8 simulated devices (data 2 x expert 4): quantized rows and their scales ride the
@@ -262,6 +263,7 @@ def test_quantized_weights_shard_over_the_expert_axis(scheme, a2a, rng):
 # qwix
 
 
+@pytest.mark.slow
 def test_qwix_qarray_is_taken_without_copying(rng):
   qwix = pytest.importorskip("qwix")
   w13, w2 = _weights(rng, 4, 128, 256), _weights(rng, 4, 128, 128)

@@ -226,7 +226,8 @@ def _poisoned_receive_buffer(shape, dtype):
   return jnp.full(shape, jnp.iinfo(dtype).max, dtype)
 
 
-@pytest.mark.parametrize("a2a,runner", [("ragged_a2a", "xla"), ("ragged_dedup", "xla"),
+@pytest.mark.parametrize("a2a,runner", [pytest.param("ragged_a2a", "xla", marks=pytest.mark.slow),
+                                        ("ragged_dedup", "xla"),
                                         ("ragged_dedup", "reference")])
 def test_unwritten_receive_rows_are_never_read(monkeypatch, a2a, runner):
   # On the GPU the ragged paths' receive buffers are lax.empty (uninitialized; zeros on CPU).

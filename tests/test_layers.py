@@ -10,7 +10,8 @@ from jmoe.layers import MoE
 
 
 @pytest.mark.parametrize("cfg", [
-    jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=12),
+    pytest.param(jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=12),
+                 marks=pytest.mark.slow),  # (deepseek-like's options are the superset)
     jmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=6,
                    scoring_func="sigmoid", num_expert_group=4, topk_group=2,
                    use_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1),

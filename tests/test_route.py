@@ -98,7 +98,8 @@ def test_route_matches_jnp_path(rng, t, k, e, h, block_ms, case):
 
 @pytest.mark.parametrize("one_kernel_blocks", [0, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", [pytest.param("random", marks=pytest.mark.slow),
-                                  pytest.param("one_expert", marks=pytest.mark.slow), "all_empty",
+                                  pytest.param("one_expert", marks=pytest.mark.slow),
+                                  pytest.param("all_empty", marks=pytest.mark.slow),
                                   pytest.param("last_expert_only", marks=pytest.mark.slow)])
 def test_route_one_and_two_kernels(rng, one_kernel_blocks, case):
   # 3 blocks: two kernels (block counts, then scatter) or one (a block program compares its

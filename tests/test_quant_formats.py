@@ -304,10 +304,12 @@ def test_few_slots_on_many_experts_xla(rng):
     ("nvfp4", 128, 128, "silu"),
     ("mxfp4", 192, 64, "swigluoai")])  # gpt-oss' kind: H / N multiples of 64, not 128; biases
 def test_few_slots_on_many_experts_pallas(fid, h, n, activation, rng, monkeypatch):
-  """The same on the Pallas experts (the weights dequantized into the bf16 kernels), bf16
-  tokens, against the XLA experts and the oracle."""
+  """The same on the Pallas experts (the touched experts' weights dequantized into the bf16
+  kernels: the layout pinned, since the prefill GEMMs take these sizes too), bf16 tokens,
+  against the XLA experts and the oracle."""
   from jmoe.kernels import _compat
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
+  monkeypatch.setenv("JMOE_WEIGHT_ONLY_LAYOUT", "dequantize")
   quant, t, e, k = _quant(fid), 3, 16, 2
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
   q13 = quantize_weights(jnp.asarray(_weights(rng, e, h, 2 * n)), quant)

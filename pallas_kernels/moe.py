@@ -110,15 +110,10 @@ def fused_experts(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax
   # Allocate at least one row tile so the kernels never need padding or slicing copies; the
   # extra rows (and rows past sum(group_sizes)) are garbage that gather_sum never reads.
   m_alloc = gg.row_alloc(m, config1.block_m, config2.block_m)
-  route_impl = _pick_route_impl(route_impl, x, topk_ids, e, interpret)
   bms = (config1.block_m,) if config2.block_m == config1.block_m else (
       config1.block_m, config2.block_m)
-  if route_impl == "kernels":
-    xs, inv, group_sizes, metas = _route.route(x, topk_ids, e, m_alloc, bms,
-                                               interpret=interpret)
-  else:
-    xs, inv, group_sizes, metas = route_xla(x, topk_ids, e, m_alloc, bms,
-                                            permute_impl=permute_impl, interpret=interpret)
+  xs, inv, group_sizes, metas = _sorted_rows(x, topk_ids, e, m_alloc, bms, route_impl,
+                                             permute_impl, interpret)
   meta1, meta2 = metas[0], metas[-1]
   gg._validate(xs, w13, group_sizes, None, w13_bias, n13, gated=act.is_gated)
   h = gg._run(xs, w13, group_sizes, None, w13_bias, None, config1, interpret, act.is_gated, act,
@@ -170,6 +165,16 @@ def _pick_route_impl(route_impl: str, x, topk_ids, num_experts: int, interpret) 
   if route_impl not in ("kernels", "xla"):
     raise ValueError(f"route_impl={route_impl!r} must be 'auto', 'kernels' or 'xla'")
   return route_impl
+
+
+def _sorted_rows(x, topk_ids, num_experts: int, m_alloc: int, block_ms, route_impl: str,
+                 permute_impl: str, interpret):
+  """The sorted layout's routing by route_impl ("auto" resolved here): jmoe.kernels.route's
+  kernels or route_xla. Returns (xs, inv, group_sizes, [(meta, num_tasks) per block_m])."""
+  if _pick_route_impl(route_impl, x, topk_ids, num_experts, interpret) == "kernels":
+    return _route.route(x, topk_ids, num_experts, m_alloc, block_ms, interpret=interpret)
+  return route_xla(x, topk_ids, num_experts, m_alloc, block_ms, permute_impl=permute_impl,
+                   interpret=interpret)
 
 
 def route_xla(x: jax.Array, topk_ids: jax.Array, num_experts: int, m_alloc: int,
@@ -549,11 +554,8 @@ def _weight_only_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_b
   t, k = topk_ids.shape
   e = w13.shape[0]
   m_alloc = gg.row_alloc(t * k, _gg_wq.BM)
-  if _pick_route_impl("auto", x, topk_ids, e, interpret) == "kernels":
-    xs, inv, _, metas = _route.route(x, topk_ids, e, m_alloc, (_gg_wq.BM,),
-                                     interpret=interpret)
-  else:
-    xs, inv, _, metas = route_xla(x, topk_ids, e, m_alloc, (_gg_wq.BM,), interpret=interpret)
+  xs, inv, _, metas = _sorted_rows(x, topk_ids, e, m_alloc, (_gg_wq.BM,), "auto", "auto",
+                                   interpret)
   meta, num_tasks = metas[0]
   y_t = _gg_wq.prefill_wq(xs, meta, num_tasks, w13, w2, activation=act, w13_bias=w13_bias,
                           config=config, interpret=interpret)

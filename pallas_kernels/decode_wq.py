@@ -45,6 +45,7 @@ from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_columns,
                                  ring_step, store_part_row, token_operand)
+from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.permute import touched_experts
 from jmoe.quant.weights import check_quantized
@@ -202,24 +203,6 @@ def geometry(h: int, n: int, plan: _Plan, stages: int):
   return nb, k1, k2, spi, h // plan.group, tf_w, _compat.smem_transforms(BK, 2)
 
 
-# the e2m1 A tile holds the values / E2M1_UNIT (f16's exponent offset, below): the scales
-# carry the factor
-E2M1_UNIT = 2.0 ** 14
-
-
-def e2m1_tile(codes: jax.Array, xdt) -> jax.Array:
-  """e2m1 codes (an int4 register tile, the bytes as stored) -> xdt values / E2M1_UNIT.
-
-  The code's sign bit and its 3 exponent-mantissa bits, placed at f16's bits 15 and 11..9,
-  are the f16 number 2^-14 x the e2m1 value (e2m1's subnormal 0.5 lands on f16's subnormal
-  2^-15), converted exactly; Hopper has no e2m1 conversion. (A float form, 2 i - min(i, 4) /
-  2 - min(i, 6) on the magnitudes with selects for the sign, made the kernel 3 x slower on
-  the H200: docs/kernels.md.)"""
-  s = codes.astype(jnp.int16)  # sign-extended: bit 15 is the code's sign
-  bits = ((s << 9) & jnp.int16(0x0E00)) | (s & jnp.int16(-32768))
-  return lax.bitcast_convert_type(bits, jnp.float16).astype(xdt)
-
-
 def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
            interpret):
   nb, k1, k2, spi, g1, tf_w, tf_x = geometry(h, n, plan, stages)
@@ -256,7 +239,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     def dequantized(tile, which):
       """A code tile [128, 128] in SMEM -> the bf16 register tile wgmma takes as A."""
       if plan.e2m1:
-        a = e2m1_tile(tile[...], xdt)
+        a = e2m1_tile(tile[...], xdt, interpret=emulate)
       else:
         a = tile[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
       if emulate:

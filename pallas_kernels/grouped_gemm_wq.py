@@ -39,8 +39,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import ring_step
-from jmoe.kernels.decode_wq import (E2M1_UNIT, _codes, _plan, _Plan, e2m1_tile, float_scales,
+from jmoe.kernels.decode_wq import (_codes, _plan, _Plan, float_scales,
                                     unsupported_format)
+from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
 
 BM = 128  # token rows per task: wgmma's N
@@ -130,13 +131,13 @@ def _item(meta_ref, lin, num_tasks, nj: int, rows: int):
   return ex, task, jb, row
 
 
-def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast) -> list:
+def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool) -> list:
   """A code tile (SMEM, [rows, 128]) -> the bf16 register A tiles of its 128 / g scale
   groups, each [rows, g]: (code - zero) * scale with the step's scale rows s (SMEM
   [128 / g, rows]; and zero row z) per row; s None: per-channel (applied to the
   accumulator)."""
   if plan.e2m1:
-    a = e2m1_tile(codes[...], xdt)  # values / E2M1_UNIT: the scales carry the factor
+    a = e2m1_tile(codes[...], xdt, interpret=interpret)  # values / E2M1_UNIT: scales carry it
   else:
     a = codes[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
   if s is None:
@@ -291,7 +292,7 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
             s = sring.at[slot, c] if plan.grouped else None
             z = zring.at[slot, c] if plan.zero13 else None
             tiles = _a_tiles(ring.at[slot, c], s, z, plan=plan, zero=plan.zero13, xdt=xdt,
-                             cast=_cast)
+                             cast=_cast, interpret=emulate)
             for q, a in enumerate(tiles):
               plgpu.wgmma(acc, operand_a(a, c), operand_b(xring.at[slot], q))
           plgpu.wgmma_wait(0)  # the slot's tiles (and the register A tiles) are read
@@ -414,7 +415,7 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
           plgpu.barrier_wait(bars.at[slot])
           tiles = _a_tiles(ring.at[slot], sring.at[slot] if plan.grouped else None,
                            zring.at[slot] if plan.zero2 else None, plan=plan,
-                           zero=plan.zero2, xdt=xdt, cast=_cast)
+                           zero=plan.zero2, xdt=xdt, cast=_cast, interpret=emulate)
           for q, a in enumerate(tiles):
             width = a.shape[1]
             if emulate:

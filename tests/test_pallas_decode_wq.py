@@ -181,7 +181,7 @@ def test_decode_wq_lowers_for_gpu(monkeypatch):
                                          ("mxfp4", 256, 8, 7168, 2048)])  # deepseek-v3
 def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, monkeypatch):
   """The e2m1 / small-group kernel at full sizes (a window's scales at a time in SMEM: rings
-  of 6 stages), through the weight-only entry."""
+  of 6 stages; e2m1's table conversion), through the weight-only entry."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
   quant = jmoe.QuantConfig(fmt)
 
@@ -198,6 +198,7 @@ def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, monkeypatch):
           S((1, h), jnp.bfloat16), w13, w2, S((1, k), jnp.float32),
           S((1, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
+  assert "prmt.b32" in text  # the codes go through e2m1's byte-permute tables
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""e2m1 codes (mxfp4 / nvfp4 values, read as int4 register tiles) -> 16-bit register tiles.
+
+Hopper has no e2m1 conversion. Two forms, the same values bit for bit:
+- `lut` (the GPU kernels): per 4 codes, PTX byte permutes (`prmt`) pick each value's low and
+  high byte from 8-entry tables (the high byte's table chosen by the code's sign), then two
+  more interleave them into 16-bit pairs; ~2.5 instructions a value, close to Mosaic's own
+  int4 -> bf16 upcast (CUTLASS's trick).
+- `bits` (interpret mode, which has no inline PTX; and the GPU form before the table): the
+  codes go to int16 and the sign and the 3 exponent-mantissa bits move to f16's bits 15 and
+  11..9 -- the f16 number 2^-14 x the value, e2m1's subnormal 0.5 on f16's subnormal 2^-15 --
+  then to the MMA dtype.
+Both give the values / E2M1_UNIT; the kernels fold the factor into the scales.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+E2M1_UNIT = 2.0 ** 14  # the converted tiles hold value / E2M1_UNIT (f16's exponent offset)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # by the code's 3 magnitude bits
+FORMS = ("lut", "bits")
+_FORM = "lut"  # the GPU kernels' form (benchmarks may switch it, with a fresh jit)
+
+
+def _word(bytes4) -> int:
+  return int(sum(int(b) << (8 * i) for i, b in enumerate(bytes4)))
+
+
+def lut_words(dtype) -> dict[str, tuple[int, int]]:
+  """The prmt tables for a 16-bit dtype: per code magnitude m (0..7), the low byte ("lo",
+  sign-independent), the high byte of +value ("hi_pos") and of -value ("hi_neg") of
+  dtype(value(m) / E2M1_UNIT), each 8 bytes as two little-endian 32-bit words."""
+  np_dt = ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.float16
+  vals = np.asarray(E2M1_VALUES, np.float32) / np.float32(E2M1_UNIT)
+  out = {}
+  for name, v in (("lo", vals), ("hi_pos", vals), ("hi_neg", -vals)):
+    bits = v.astype(np_dt).view(np.uint16)
+    part = bits & 0xFF if name == "lo" else bits >> 8
+    out[name] = (_word(part[:4]), _word(part[4:]))
+  return out
+
+
+def e2m1_tile(codes: jax.Array, xdt, *, interpret: bool = False) -> jax.Array:
+  """codes: an int4 register tile (the e2m1 bytes as stored) -> xdt (bf16 / f16) values /
+  E2M1_UNIT, the same shape. The GPU form needs codes in the WGMMA layout."""
+  if interpret or _FORM == "bits":
+    return _bits_form(codes, xdt)
+  return _lut_form(codes, xdt)
+
+
+def _bits_form(codes: jax.Array, xdt) -> jax.Array:
+  s = codes.astype(jnp.int16)  # sign-extended: bit 15 is the code's sign
+  bits = ((s << 9) & jnp.int16(0x0E00)) | (s & jnp.int16(-32768))
+  return lax.bitcast_convert_type(bits, jnp.float16).astype(xdt)
+
+
+def _lut_asm(dtype) -> str:
+  """4 codes in $2's low 16 bits -> two 32-bit words of 16-bit values ($0: codes 0, 1; $1:
+  codes 2, 3). prmt(a, b, sel) picks byte sel_i (of a's 4 then b's 4) for output byte i;
+  the magnitudes index the tables, sign_i picks hi_neg's byte over hi_pos's."""
+  t = lut_words(dtype)
+  return f"""
+  {{
+  .reg .b32 sel, sgn, lo, hp, hn, hi;
+  and.b32 sel, $2, 0x7777;
+  and.b32 sgn, $2, 0x8888;
+  shr.u32 sgn, sgn, 1;
+  or.b32 sgn, sgn, 0x3210;
+  prmt.b32 lo, {t["lo"][0]}, {t["lo"][1]}, sel;
+  prmt.b32 hp, {t["hi_pos"][0]}, {t["hi_pos"][1]}, sel;
+  prmt.b32 hn, {t["hi_neg"][0]}, {t["hi_neg"][1]}, sel;
+  prmt.b32 hi, hp, hn, sgn;
+  prmt.b32 $0, lo, hi, 0x5140;
+  prmt.b32 $1, lo, hi, 0x7362;
+  }}
+  """
+
+
+def _lut_form(codes: jax.Array, xdt) -> jax.Array:
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(layout,),
+                     return_type=plgpu.ShapeDtypeStruct(codes.shape, xdt, layout=layout))
+  def convert(_ctx, arr):
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils
+
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    out_el = utils.dtype_to_ir_type(jnp.dtype(xdt))
+    asm = _lut_asm(xdt)
+    regs = arr.registers
+    flat = list(regs.flat)
+    vec_len = ir.VectorType(flat[0].type).shape[0]
+
+    def four(word16):  # an i16 of 4 codes -> two vector<2 x xdt>
+      pair = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [arith.extui(i32, word16)],
+                             asm, "=r,=r,r")
+      two = ir.VectorType.get((2,), out_el)
+      return [utils.bitcast(llvm.extractvalue(i32, pair, (j,)), two) for j in range(2)]
+
+    out = []
+    if vec_len == 2:  # pairs of registers: 4 codes a call
+      if len(flat) % 2:
+        raise NotImplementedError("e2m1 LUT: an odd register count")
+      for r0, r1 in zip(flat[0::2], flat[1::2]):
+        out += four(utils.bitcast(utils.vector_concat([r0, r1]), i16))
+    elif vec_len % 4 == 0:
+      for r in flat:
+        word = utils.bitcast(r, ir.IntegerType.get_signless(4 * vec_len))
+        parts = []
+        for c in range(vec_len // 4):
+          piece = arith.shrui(word, utils.c(16 * c, word.type)) if c else word
+          parts += four(arith.trunci(i16, piece) if vec_len > 4 else piece)
+        out.append(utils.vector_concat(parts))
+    else:
+      raise NotImplementedError(f"e2m1 LUT: vector length {vec_len}")
+    new = np.empty_like(regs)
+    for idx, v in zip(np.ndindex(regs.shape), out):
+      new[idx] = v
+    return mgpu.FragmentedArray(_registers=new, _layout=arr.layout, _is_signed=None)
+
+  return convert(codes)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -134,14 +135,48 @@ def store_b_tile(tile, a_smem, asum_smem, asum_dst) -> None:
     plgpu.copy_smem_to_gmem(asum_smem.at[pl.ds(0, _N)], asum_dst)
 
 
+def item_col(jb, n: int):
+  """Item jb's first intermediate column: jb * 128, the last item shifted back inside N
+  where 128 does not divide it (gpt-oss: N = 2880), its first `item_skip` rows the previous
+  item's (masked out of GEMM2)."""
+  return jb * BN if n % BN == 0 else pl.multiple_of(jnp.minimum(jb * BN, n - BN), 64)
+
+
+def item_skip(jb, n: int):
+  """The rows of item jb that the previous item computes (0 but for a shifted last item)."""
+  return jb * BN - item_col(jb, n)
+
+
+def k_col(r, h: int):
+  """GEMM1 step r's first code column (a tile of 128): a step past H - 128 reads the last
+  128 columns, the token tiles (`_token_tiles`) zeroing what earlier steps covered."""
+  return r * BK if h % BK == 0 else pl.multiple_of(jnp.minimum(r * BK, h - BK), 64)
+
+
+def h_row(c, h: int):
+  """GEMM2 step c's first output row (256 a step; the last shifted back inside H, its
+  overlap written twice with the same values)."""
+  return c * BH if h % BH == 0 else pl.multiple_of(jnp.minimum(c * BH, h - BH), 64)
+
+
+def item_group(jb, n: int, group: int):
+  """item_col(jb, n) / group, said with products and a minimum (which keep the start's
+  known divisibility, as the scale boxes' TMA copies need)."""
+  per = BN // group
+  if n % BN == 0:
+    return jb * per
+  last = (n - BN) // group
+  return pl.multiple_of(jnp.minimum(jb * per, last), math.gcd(per, last))
+
+
 def s2_start(jb, n: int, plan: _Plan):
   """The first of the 8 GEMM2 scale columns item jb reads (its groups are 128 / g of them
-  from jb * 128 / g; the box never passes the array's N / g columns)."""
-  return jnp.minimum(jb * (BN // plan.group), n // plan.group - _N)
+  from item_group; the box never passes the array's N / g columns)."""
+  return jnp.minimum(item_group(jb, n, plan.group), n // plan.group - _N)
 
 
 def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: int, total,
-                 use_vec: bool):
+                 use_vec: bool, h: int):
   """The weight-only decode kernels' load stream: fetch(g, i, cur, nxt) loads the CTA's step
   g (item i's, `cur`, or item i + 1's, `nxt`: (slot, expert, block, token tile)) into ring
   slot g % stages: a GEMM1 step a gate, an up and a token tile (bars1), a GEMM2 step two w2
@@ -161,7 +196,7 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
         @pl.when(r == 0)
         def _vectors():
           vb = lax.rem(it, 2)
-          for c, col in enumerate((jb * BN, n + jb * BN)):
+          for c, col in enumerate((item_col(jb, n), n + item_col(jb, n))):
             if not plan.grouped:
               plgpu.copy_gmem_to_smem(refs["c13"].at[ex, pl.ds(col, BN)], vec.at[vb, c],
                                       vbar.at[vb])
@@ -171,17 +206,20 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
 
       @pl.when(r < k1)
       def _w13():
-        cols, bar = pl.ds(r * BK, BK), refs["bars1"].at[slot]
-        plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(jb * BN, BN), cols], dst.at[0], bar)
-        plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + jb * BN, BN), cols], dst.at[1], bar)
-        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), cols], xring.at[slot], bar)
+        cols, bar = pl.ds(k_col(r, h), BK), refs["bars1"].at[slot]
+        col0 = item_col(jb, n)
+        plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(col0, BN), cols], dst.at[0], bar)
+        plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + col0, BN), cols], dst.at[1], bar)
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), pl.ds(r * BK, BK)],
+                                xring.at[slot], bar)
 
       @pl.when(r >= k1)
       def _w2():
         c, bar = r - k1, refs["bars2"].at[slot]
         for half in range(2):
-          rows = pl.ds(c * BH + half * (BH // 2), BH // 2)
-          plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(jb * BN, BN)], dst.at[half], bar)
+          rows = pl.ds(h_row(c, h) + half * (BH // 2), BH // 2)
+          plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(item_col(jb, n), BN)],
+                                  dst.at[half], bar)
           if plan.small_groups:  # the rows' scales of block j's groups (and the next's)
             plgpu.copy_gmem_to_smem(
                 s2_ref.at[sid_ref[info[0]], rows, pl.ds(s2_start(jb, n, plan), _N)],
@@ -190,17 +228,31 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
   return fetch
 
 
+def window_steps(plan: _Plan) -> int:
+  """GEMM1 steps whose partials share an accumulator (grouped: 8 groups, column j group
+  8w + j; per channel: every step)."""
+  return max(_N * plan.group // BK, 1) if plan.grouped else 0
+
+
+def k1_steps(h: int, plan: _Plan) -> int:
+  """GEMM1 steps an item: ceil(H / 128), grouped rounded up to whole windows (the extra
+  steps' token tiles are zeros)."""
+  k1, w = -(-h // BK), window_steps(plan)
+  return -(-k1 // w) * w if w else k1
+
+
 def geometry(h: int, n: int, plan: _Plan, stages: int):
   """(blocks of N, GEMM1 steps, GEMM2 steps, steps per item, scale groups along H, the code
   tiles' SMEM transforms, the token tiles') of a weight-only decode kernel; checks stages."""
-  nb, k1, k2 = n // BN, h // BK, h // BH
+  nb, k1, k2 = -(-n // BN), k1_steps(h, plan), -(-h // BH)
   spi = k1 + k2
   if stages - 1 >= spi:
     raise ValueError(f"stages={stages} must be at most {spi} (steps per item)")
   bits = 4 if plan.int4 else 8
-  swz = plgpu.find_swizzle(BK * bits)
+  # sizes 128 does not divide: 64-column tiles (TMA's source must be whole tiles; 64 divides)
+  swz = plgpu.find_swizzle((BK if h % BK == 0 and n % BN == 0 else 64) * bits)
   tf_w = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
-  return nb, k1, k2, spi, h // plan.group, tf_w, _compat.smem_transforms(BK, 2)
+  return nb, k1, k2, spi, k1 * BK // plan.group, tf_w, _compat.smem_transforms(BK, 2)
 
 
 def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
@@ -210,9 +262,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
   use_vec = plan.has_bias or not plan.grouped
   # steps whose partials share one accumulator: a window is 8 groups (column j: group 8w + j)
-  window = _N * plan.group // BK if plan.grouped else k1
+  window = window_steps(plan) or k1
   n_windows = k1 // window
-  cols2 = BN // plan.group if plan.small_groups else 1  # GEMM2's groups in an item
 
   def body(*refs):
     refs = list(refs)
@@ -255,13 +306,13 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         refs=dict(ring=ring, xring=xring, w13=w13_ref, w2=w2_ref, x=x_ref, c13=c13_ref,
                   b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2, s2=s2_ref,
                   s2ring=s2ring, sid=sid_ref),
-        plan=plan, n=n, k1=k1, spi=spi, stages=stages, total=total, use_vec=use_vec)
+        plan=plan, n=n, k1=k1, spi=spi, stages=stages, total=total, use_vec=use_vec, h=h)
 
     def load_window(info, w, buf):
       """Small groups: window w's scales [128, 8] for gate and up into buffer buf (from the
       scale array's row sid[slot]: the touched experts' copy for e2m1)."""
       slot_id, _, jb, _ = info
-      for c, row in enumerate((jb * BN, n + jb * BN)):
+      for c, row in enumerate((item_col(jb, n), n + item_col(jb, n))):
         plgpu.copy_gmem_to_smem(s13_ref.at[sid_ref[slot_id], pl.ds(row, BN), pl.ds(w * _N, _N)],
                                 sblk.at[buf, c], sbar.at[buf])
 
@@ -377,10 +428,13 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       plgpu.commit_smem()
       a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
       tile = lax.broadcast_in_dim(a, (ROWS_A, BN), [1]).astype(xdt)
-      if plan.small_groups:  # B column t: the activations of scale column s2_start + t
+      if plan.small_groups or n % BN:
         grp = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 1), plgpu.Layout.WGMMA)
+      if n % BN:  # a shifted last item: its first rows are the previous item's
+        tile = jnp.where(grp >= item_skip(jb, n), tile, jnp.zeros((), xdt))
+      if plan.small_groups:  # B column t: the activations of scale column s2_start + t
         row = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 0), plgpu.Layout.WGMMA)
-        off = s2_start(jb, n, plan) - jb * cols2  # <= 0 at the last items
+        off = s2_start(jb, n, plan) - item_group(jb, n, plan.group)  # <= 0 at the last items
         tile = jnp.where(grp // plan.group == row + off, tile, jnp.zeros((), xdt))
       store_b_tile(tile, a_smem, asum_smem, asum_ref.at[jb, slot_id] if plan.zero2 else None)
 
@@ -395,7 +449,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
                           lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem), BH // 2,
                           scales=s2ring.at[slot] if plan.small_groups else None)
         fetch(g + stages - 1, i, cur, nxt)
-        store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(c * BH, BH)])
+        store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(h_row(c, h), BH)])
 
       return nxt
 
@@ -457,9 +511,11 @@ def finish(body, scratch: list, *, plan: _Plan, stages: int, tf: tuple, n_blk: i
 def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) -> str | None:
   """Why fused_experts_decode_wq cannot take this problem (None: it can): a gated
   activation, <= 128 slots, weight-only int4 / int8 codes with float32 scales per channel or
-  per 128 along K, no act-order permutation, H a multiple of 1024 (grouped; 256 per channel)
-  and N of 128, and scale / zero rows whose bytes a TMA copy can move."""
-  why = unsupported_codes(t, k, h, n, act, w13, w2)
+  per 16 / 32 / 128 along K, no act-order permutation, H a multiple of 1024 (groups of 128)
+  and N of 128 -- or, per channel and with groups of 16 / 32 without zero points, H and N
+  multiples of 64 (the last item and steps shifted back inside them: gpt-oss' 2880) --, and
+  scale / zero rows whose bytes a TMA copy can move."""
+  why = unsupported_codes(t, k, h, n, act, w13, w2, tails=True)
   if why is not None:
     return why
   if w13.scheme.zero_point and (h // GROUP) % 16:
@@ -501,8 +557,9 @@ def unsupported_format(w13, w2, act: Activation | str, *, groups: tuple,
 
 
 def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13,
-                      w2) -> str | None:
-  """`unsupported`'s rules on the format and the sizes, without its shared-memory ones."""
+                      w2, *, tails: bool = False) -> str | None:
+  """`unsupported`'s rules on the format and the sizes, without its shared-memory ones (tails:
+  decode_wq's shifted last item and steps, for sizes 128 does not divide)."""
   why = unsupported_format(w13, w2, act, groups=GROUPS)
   if why is not None:
     return why
@@ -510,9 +567,13 @@ def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13
   grouped = q.weight_scale == "group"
   if t * k > MAX_SLOTS:
     return f"{t * k} slots (the decode kernel takes at most {MAX_SLOTS})"
-  step = max(q.group_size * _N, BH) if grouped else BH  # a window of 8 groups; GEMM2's step
-  if n % BN or h % step:
-    return f"H={h} must be a multiple of {step} and N={n} of {BN}"
+  if tails and not q.zero_point and (not grouped or q.group_size < BN):
+    if h % 64 or n % 64 or h < BH or n < BN:
+      return f"H={h} and N={n} must be multiples of 64, H >= {BH} and N >= {BN}"
+  else:
+    step = max(q.group_size * _N, BH) if grouped else BH  # a window of 8 groups; GEMM2's step
+    if n % BN or h % step:
+      return f"H={h} must be a multiple of {step} and N={n} of {BN}"
   if grouped and q.group_size < BN and n < _N * q.group_size:
     return f"N={n}: groups of {q.group_size} need N >= {_N * q.group_size} (GEMM2's 8 scales)"
   return None
@@ -536,14 +597,25 @@ def _codes(w, code) -> jax.Array:
   return w.values
 
 
-def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP) -> jax.Array:
-  """x [T, H] -> the B rows [T * 8, H]: row j of a token keeps the columns of the groups g
-  with g % 8 == j (grouped), or row 0 keeps all (per channel)."""
+def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP,
+                 k1: int | None = None) -> jax.Array:
+  """x [T, H] -> the B rows [T * 8, k1 * 128] of GEMM1's k1 steps: row j of a token keeps the
+  columns of the groups g with g % 8 == j (grouped), or row 0 keeps all (per channel). Where
+  128 does not divide H, the last real step's tile ends with H's last H % 128 columns and
+  starts with zeros (its codes are H's last 128: `k_col`); steps past it are zeros."""
   t, h = x.shape
   j = jnp.arange(_N)[:, None]
   keep = (jnp.arange(h)[None, :] // group) % _N == j if grouped else jnp.broadcast_to(
       j == 0, (_N, h))
-  return jnp.where(keep[None], x[:, None, :], 0).reshape(t * _N, h)
+  tiles = jnp.where(keep[None], x[:, None, :], 0).reshape(t * _N, h)
+  width = (k1 or -(-h // BK)) * BK
+  if width == h:
+    return tiles
+  full = h // BK * BK
+  zeros = lambda c: jnp.zeros((t * _N, c), x.dtype)  # noqa: E731
+  parts = [tiles[:, :full]] + ([zeros(BK - (h - full)), tiles[:, full:]] if h > full else [])
+  used = full + (BK if h > full else 0)
+  return jnp.concatenate(parts + ([zeros(width - used)] if width > used else []), axis=1)
 
 
 def float_scales(w, experts: jax.Array) -> jax.Array:
@@ -554,6 +626,11 @@ def float_scales(w, experts: jax.Array) -> jax.Array:
     g = w.global_scale[experts].astype(jnp.float32)
     s = s * jnp.repeat(g, s.shape[1] // g.shape[1], axis=1)[:, :, None]
   return s
+
+
+def _padded_last(a: jax.Array, size: int) -> jax.Array:
+  """a with its last axis zero-padded to size."""
+  return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, size - a.shape[-1])])
 
 
 def _w2_scaled(part, asum, ids, w2, plan: _Plan, e: int) -> jax.Array:
@@ -598,7 +675,7 @@ def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, 
     check_quantized(w, argname=name)
   plan = _plan(w13, w2, w13_bias is not None)
   cap = stage_cap(plan, h)
-  stages = (config or DecodeWQConfig()).stages or min(cap, h // BK + h // BH)
+  stages = (config or DecodeWQConfig()).stages or min(cap, k1_steps(h, plan) + -(-h // BH))
   if stages > cap or stages < 2:
     raise ValueError(f"stages={stages} does not fit shared memory at H={h} (at most {cap})")
   return t, k, e, n, h, plan, stages
@@ -630,17 +707,19 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   interp, nsm = _compat.launch_params(interpret)
   kern = _build(h=h, n=n, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
                 num_sms=nsm, interpret=interp)
-  if plan.small_groups and plan.e2m1:  # float32 scales per call: the touched experts'
-    touched, sid = touched_experts(ids, e)
-    s13 = float_scales(w13, touched) * E2M1_UNIT
-    s2 = float_scales(w2, touched) * E2M1_UNIT
+  k1 = k1_steps(h, plan)
+  if plan.small_groups and (plan.e2m1 or h % BK or n % BN):  # float32 scales per call: the
+    touched, sid = touched_experts(ids, e)  # touched experts', padded: windows past H get
+    unit = E2M1_UNIT if plan.e2m1 else 1.0  # zero scales, w2's rows 16-byte strides
+    s13 = _padded_last(float_scales(w13, touched) * unit, k1 * BK // plan.group)
+    s2 = _padded_last(float_scales(w2, touched) * unit, -(-n // plan.group // 4) * 4)
     args = [ids, sid]
   elif plan.small_groups:  # float32 already: the stored arrays, by expert
     s13, s2 = w13.scale, w2.scale
     args = [ids, jnp.clip(ids, 0, e - 1)]
   else:
     args = [ids]
-  args += [_token_tiles(x, plan.grouped, plan.group), _codes(w13, plan.code),
+  args += [_token_tiles(x, plan.grouped, plan.group, k1), _codes(w13, plan.code),
            _codes(w2, plan.code)]
   if plan.small_groups:
     args.append(s13)

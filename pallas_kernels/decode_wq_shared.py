@@ -131,7 +131,7 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
     fetch = step_fetcher(
         refs=dict(ring=ring, xring=xring, w13=w13_ref, w2=w2_ref, x=x_ref, c13=c13_ref,
                   b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2),
-        plan=plan, n=n, k1=k1, spi=spi, stages=stages, total=total, use_vec=use_vec)
+        plan=plan, n=n, k1=k1, spi=spi, stages=stages, total=total, use_vec=use_vec, h=h)
 
     def load_blocks(info):
       """The item's transposed scale (and zero) blocks [H / 128, 128] for gate and up."""

@@ -91,6 +91,27 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
                        f"{sid} decode_wq vs oracle")
 
 
+@pytest.mark.parametrize("sid,h,n", [
+    ("mxfp4", 320, 320),  # gpt-oss-like: 2.5 GEMM1 steps (padded to a window), 2.5 items
+    pytest.param("w8a16", 448, 192, marks=pytest.mark.slow),  # per channel: 3.5 steps
+    pytest.param("nvfp4", 384, 192, marks=pytest.mark.slow),  # 128 divides H, not N
+])
+def test_decode_wq_sizes_128_does_not_divide(sid, h, n, rng):
+  """H or N not a multiple of 128 (gpt-oss: 2880): the last item and the last GEMM1 / GEMM2
+  steps shifted back inside the arrays, their overlap masked (GEMM1 by the token tiles, the
+  item by its activations) or written twice (GEMM2's output rows)."""
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 3, h, n, 4, 2, bias=True)
+  ids[2, 0] = -1
+  out = _run(x, q13, q2, tw, ids, w13_bias=b13, w2_bias=b2, activation="swigluoai")
+  assert out.shape == (3, h) and np.isfinite(out).all()
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, b13, b2, "swigluoai"), TOL,
+                       f"{sid} H={h} N={n} decode_wq vs oracle")
+  w = lambda rows, kk: jax.eval_shape(  # noqa: E731
+      lambda: quantize_weights(jnp.zeros((4, rows, kk), jnp.float32), q13.scheme))
+  assert "multiples of 64" in decode_wq.unsupported(1, 2, h + 32, n, "silu",
+                                                    w(h + 32, 2 * n), w(n, h + 32))
+
+
 @pytest.mark.parametrize("sid,t,h,n,want", [
     ("w4a16", 1, 1024, 128, "decode"),
     ("w4a16", 6, 1024, 128, "decode_shared"),
@@ -130,7 +151,7 @@ def test_decode_wq_says_what_it_does_not_take(rng):
   mx = w("mxfp4", 2, 1024, 256)  # small groups and e2m1: decode_wq's, not the shared kernel's
   assert decode_wq.unsupported(1, 2, 1024, 256, silu, mx, mx) is None
   assert "shared kernel takes" in decode_wq_shared.unsupported(1, 2, 1024, 256, silu, mx, mx)
-  assert "multiple of 256" in decode_wq.unsupported(1, 2, 128, 128, silu, mx, mx)
+  assert "H >= 256" in decode_wq.unsupported(1, 2, 128, 128, silu, mx, mx)
   assert "N >= 256" in decode_wq.unsupported(1, 2, 1024, 128, silu, mx, mx)
   # e2m1: decode_wq while slots rarely share experts, the dequantized weights where they do
   assert pmoe.weight_only_layout(1, 2, 1024, 256, silu, mx, mx) == "decode"
@@ -178,7 +199,8 @@ def test_decode_wq_lowers_for_gpu(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,e,k,h,n", [("nvfp4", 8, 2, 4096, 14336),  # mixtral
-                                         ("mxfp4", 256, 8, 7168, 2048)])  # deepseek-v3
+                                         ("mxfp4", 256, 8, 7168, 2048),  # deepseek-v3
+                                         ("mxfp4", 128, 4, 2880, 2880)])  # gpt-oss-120b
 def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, monkeypatch):
   """The e2m1 / small-group kernel at full sizes (a window's scales at a time in SMEM: rings
   of 6 stages; e2m1's table conversion), through the weight-only entry."""

@@ -171,8 +171,19 @@ def item_group(jb, n: int, group: int):
 
 def s2_start(jb, n: int, plan: _Plan):
   """The first of the 8 GEMM2 scale columns item jb reads (its groups are 128 / g of them
-  from item_group; the box never passes the array's N / g columns)."""
-  return jnp.minimum(item_group(jb, n, plan.group), n // plan.group - _N)
+  from item_group). TMA faults on a box whose start is not 16-byte aligned (H200, gpt-oss'
+  N / 32 = 90 columns): with 128 dividing N the box never passes the array's N / g columns
+  (multiples of 4); else the start is rounded down to 4 columns in a copy padded past them
+  (`s2_columns`)."""
+  if n % BN == 0:
+    return jnp.minimum(item_group(jb, n, plan.group), n // plan.group - _N)
+  return pl.multiple_of(item_group(jb, n, plan.group) // 4 * 4, 4)
+
+
+def s2_columns(n: int, plan: _Plan) -> int:
+  """The GEMM2 scale copy's columns where 128 does not divide N: N / g rounded up to 4, and 4
+  more (the last box's start rounded down by up to 3, its 8 columns past the item's)."""
+  return -(-(n // plan.group) // 4) * 4 + 4
 
 
 def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: int, total,
@@ -709,10 +720,11 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
                 num_sms=nsm, interpret=interp)
   k1 = k1_steps(h, plan)
   if plan.small_groups and (plan.e2m1 or h % BK or n % BN):  # float32 scales per call: the
-    touched, sid = touched_experts(ids, e)  # touched experts', padded: windows past H get
-    unit = E2M1_UNIT if plan.e2m1 else 1.0  # zero scales, w2's rows 16-byte strides
+    touched, sid = touched_experts(ids, e)  # touched experts' (padded: windows past H get
+    unit = E2M1_UNIT if plan.e2m1 else 1.0  # zero scales; w2's, s2_columns)
     s13 = _padded_last(float_scales(w13, touched) * unit, k1 * BK // plan.group)
-    s2 = _padded_last(float_scales(w2, touched) * unit, -(-n // plan.group // 4) * 4)
+    s2 = float_scales(w2, touched) * unit
+    s2 = _padded_last(s2, s2_columns(n, plan)) if n % BN else s2
     args = [ids, sid]
   elif plan.small_groups:  # float32 already: the stored arrays, by expert
     s13, s2 = w13.scale, w2.scale

@@ -199,16 +199,22 @@ def test_training_rows_by_scatter_equal_the_jnp_layout(rng, monkeypatch, case):
 
 
 @pytest.mark.parametrize("t,k,e,h,block_ms,case,m_alloc,one_kernel_blocks", [
-    (40, 2, 8, 64, (64,), "random", None, 1),          # a few empty slots: a short tail
+    pytest.param(40, 2, 8, 64, (64,), "random", None, 1,  # a few empty slots: a short tail
+                 marks=pytest.mark.slow),
     (1, 8, 128, 128, (64,), "random", None, 1),        # T=1: 8 slots, 56 zero rows, 2 col chunks
-    (6, 2, 6, 128, (64,), "random", 512, 1),           # m_alloc >> T*k: several stripes a program
+    pytest.param(6, 2, 6, 128, (64,), "random", 512, 1,  # m_alloc >> T*k: several stripes a
+                 marks=pytest.mark.slow),                # program
     (20, 2, 8, 64, (64, 128), "out_of_range", None, 1),  # ids < 0 and >= E; two tile lists
     (5, 2, 8, 64, (64,), "all_empty", None, 1),        # every row is tail
-    (24, 4, 16, 64, (64,), "one_expert", None, 1),     # one middle expert; the last gets the tail
-    (24, 2, 6, 64, (64,), "aligned", None, 1),         # counts multiples of 8: no padding
+    pytest.param(24, 4, 16, 64, (64,), "one_expert", None, 1,  # one middle expert; the last
+                 marks=pytest.mark.slow),                      # gets the tail
+    pytest.param(24, 2, 6, 64, (64,), "aligned", None, 1,  # counts multiples of 8: no padding
+                 marks=pytest.mark.slow),
     (75, 2, 8, 64, (64, 128), "random", None, 1),      # 150 slots: two kernels
-    (75, 2, 8, 64, (64,), "random", None, 2),          # 150 slots in one kernel
-    (3, 2, 8, 64, (64,), "random", None, 0),           # one block through two kernels
+    pytest.param(75, 2, 8, 64, (64,), "random", None, 2,  # 150 slots in one kernel
+                 marks=pytest.mark.slow),
+    pytest.param(3, 2, 8, 64, (64,), "random", None, 0,  # one block through two kernels
+                 marks=pytest.mark.slow),
     (16, 8, 100, 64, (64,), "random", None, 1),        # E=100: grid rows past the experts, and
                                                        # one with a partial share of padding
 ])

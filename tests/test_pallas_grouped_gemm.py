@@ -326,7 +326,8 @@ def _act_grad_reference(dout, rhs, gs, h, act):
 
 @pytest.mark.parametrize("name,cfg", [
     ("silu", CFG_PLAIN), ("silu", CFG_XI), ("silu", CFG_WS_N), ("silu", CFG_WS_M),
-    ("gelu", CFG_PLAIN), ("gelu_tanh", CFG_XI), ("swigluoai", CFG_PLAIN),
+    pytest.param("gelu", CFG_PLAIN, marks=pytest.mark.slow),
+    pytest.param("gelu_tanh", CFG_XI, marks=pytest.mark.slow), ("swigluoai", CFG_PLAIN),
     ("silu_no_mul", CFG_PLAIN), ("relu2_no_mul", CFG_XI)],
     ids=lambda v: v if isinstance(v, str) else "")
 def test_grouped_gemm_act_grad(rng, name, cfg):

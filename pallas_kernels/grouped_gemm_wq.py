@@ -23,6 +23,11 @@ the same way; per-channel scales multiply the accumulator rows once per item. On
 per CTA, two CTAs per SM (`PrefillWQConfig`): a step converts the gate tile, issues its MMA,
 converts the up tile while that runs and waits for both; the other CTA's MMAs fill the gaps.
 
+Sizes 128 does not divide (H and N multiples of 64: gpt-oss' 2880): a contraction's last
+128-deep step is shifted back inside K (`step_col`) with its overlap zeroed in the A tile, and
+GEMM2's last block of H rows is shifted back inside H (its overlap written twice, equal); the
+code tiles are then 64 columns wide (TMA's source dimensions must be whole SMEM tiles).
+
 Launches (besides the routing): GEMM1, GEMM2 and the gather-sum.
 """
 from __future__ import annotations
@@ -104,13 +109,14 @@ def max_stages(plan: _Plan, gemm: int, ctas_per_sm: int = 1) -> int:
 
 def unsupported(m: int, h: int, n: int, act: Activation | str, w13, w2) -> str | None:
   """Why prefill_wq cannot take this problem (None: it can): the weight-only kernels' format
-  rules (`decode_wq.unsupported_format`, scale groups of 16 / 32 / 64 / 128) and H and N
-  multiples of 128."""
+  rules (`decode_wq.unsupported_format`, scale groups of 16 / 32 / 64 / 128), H and N
+  multiples of 64 and at least 128 (128 where there are zero points)."""
   why = unsupported_format(w13, w2, act, groups=GROUPS, kernel="the prefill kernels")
   if why is not None:
     return why
-  if h % BK or n % BK:
-    return f"H={h} and N={n} must be multiples of {BK}"
+  step = BK if w13.scheme.zero_point else 64
+  if h % step or n % step or h < BK or n < BK:
+    return f"H={h} and N={n} must be multiples of {step}, at least {BK}"
   return None
 
 
@@ -131,15 +137,49 @@ def _item(meta_ref, lin, num_tasks, nj: int, rows: int):
   return ex, task, jb, row
 
 
-def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool) -> list:
+def steps(kdim: int) -> int:
+  """128-deep steps along a contraction of kdim (the last shifted back where 128 does not
+  divide it: `step_col`)."""
+  return -(-kdim // BK)
+
+
+def step_col(r, kdim: int):
+  """Step r's first K column: r * 128, the last step shifted back inside K where 128 does not
+  divide it (gpt-oss: 2880), its first `step_skip` columns the previous step's."""
+  return r * BK if kdim % BK == 0 else pl.multiple_of(jnp.minimum(r * BK, kdim - BK), 64)
+
+
+def step_skip(r, kdim: int):
+  """The columns of step r that the previous step covers (zeroed in its A tile)."""
+  return r * BK - step_col(r, kdim)
+
+
+def step_group(r, kdim: int, group: int):
+  """step_col(r, kdim) / group, as a product and a minimum."""
+  ng = BK // group
+  return r * ng if kdim % BK == 0 else jnp.minimum(r * ng, (kdim - BK) // group)
+
+
+def block_row(jb, size: int, block: int):
+  """Output block jb's first row (blocks of `block`; the last shifted back inside `size`,
+  its overlap written twice with the same values)."""
+  return jb * block if size % block == 0 else pl.multiple_of(
+      jnp.minimum(jb * block, size - block), 64)
+
+
+def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool,
+             skip=None) -> list:
   """A code tile (SMEM, [rows, 128]) -> the bf16 register A tiles of its 128 / g scale
   groups, each [rows, g]: (code - zero) * scale with the step's scale rows s (SMEM
   [128 / g, rows]; and zero row z) per row; s None: per-channel (applied to the
-  accumulator)."""
+  accumulator). skip: its first `skip` columns zeroed (a shifted last step)."""
   if plan.e2m1:
     a = e2m1_tile(codes[...], xdt, interpret=interpret)  # values / E2M1_UNIT: scales carry it
   else:
     a = codes[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
+  if skip is not None:  # a shifted last step: its first columns are the previous step's
+    col = cast(lax.broadcasted_iota(jnp.int32, a.shape, 1), plgpu.Layout.WGMMA)
+    a = jnp.where(col >= skip, a, jnp.zeros((), xdt))
   if s is None:
     return [a]
   rows, row = a.shape[0], plgpu.Layout.WGMMA.reduce(1)
@@ -175,15 +215,17 @@ def _kernel(num_sms: int, interpret, name: str, body, out_type, scratch):
       name=name)
 
 
-def _code_transforms(plan: _Plan):
+def _code_transforms(plan: _Plan, kdim: int):
+  """The code tiles' SMEM transforms; 64-column tiles where 128 does not divide the
+  contraction (TMA's source dimensions must be whole tiles)."""
   bits = 4 if plan.int4 else 8
-  swz = plgpu.find_swizzle(BK * bits)
+  swz = plgpu.find_swizzle((BK if kdim % BK == 0 else 64) * bits)
   return plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz)
 
 
 def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages: int,
                  num_sms, interpret):
-  nj, k1 = n // BF, h // BK
+  nj, k1 = n // BF, steps(h)
   stages = min(stages, k1 + 1)  # the prologue's steps all belong to item 0
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
@@ -191,7 +233,7 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
   ng = BK // plan.group if plan.grouped else 1
   sub = max(plan.group, SUB) if plan.grouped else BK  # a sub-step's K
   # the token tile's K sub-steps are slices of its SMEM tiles
-  tf_w, tf_x = _code_transforms(plan), _compat.smem_transforms(min(BK, sub), 2)
+  tf_w, tf_x = _code_transforms(plan, h), _compat.smem_transforms(min(BK, sub), 2)
   n_copies = 3 + (2 if plan.grouped else 0) + (2 if plan.zero13 else 0)
   n_vec = (0 if plan.grouped else 2) + (2 if plan.has_bias else 0)
 
@@ -236,12 +278,13 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
         _, r, it_info, slot = ring_step(g, i, cur, nxt, spi=k1, stages=stages)
         ex, _, jb, row = it_info
         row = pl.multiple_of(row, 8)  # (the select between items hides it from Mosaic)
-        bar, ks = bars.at[slot], pl.ds(r * BK, BK)
+        bar, ks = bars.at[slot], pl.ds(step_col(r, h), BK)
         for c, col in enumerate((jb * BF, n + jb * BF)):
           plgpu.copy_gmem_to_smem(w_ref.at[ex, pl.ds(col, BF), ks], ring.at[slot, c], bar)
           if plan.grouped:
-            plgpu.copy_gmem_to_smem(s_ref.at[ex, pl.ds(r * ng, ng), pl.ds(col, BF)],
-                                    sring.at[slot, c], bar)
+            plgpu.copy_gmem_to_smem(
+                s_ref.at[ex, pl.ds(step_group(r, h, plan.group), ng), pl.ds(col, BF)],
+                sring.at[slot, c], bar)
           if plan.zero13:
             plgpu.copy_gmem_to_smem(z_ref.at[ex, r, pl.ds(col, BF)], zring.at[slot, c], bar)
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row, BM), ks], xring.at[slot], bar)
@@ -292,7 +335,8 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
             s = sring.at[slot, c] if plan.grouped else None
             z = zring.at[slot, c] if plan.zero13 else None
             tiles = _a_tiles(ring.at[slot, c], s, z, plan=plan, zero=plan.zero13, xdt=xdt,
-                             cast=_cast, interpret=emulate)
+                             cast=_cast, interpret=emulate,
+                             skip=step_skip(r, h) if h % BK else None)
             for q, a in enumerate(tiles):
               plgpu.wgmma(acc, operand_a(a, c), operand_b(xring.at[slot], q))
           plgpu.wgmma_wait(0)  # the slot's tiles (and the register A tiles) are read
@@ -337,12 +381,12 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
 
 
 def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpret):
-  nj, k2 = h // BH, n // BK
+  nj, k2 = -(-h // BH), steps(n)
   stages = min(stages, k2 + 1)  # the prologue's steps all belong to item 0
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None
   ng = BK // plan.group if plan.grouped else 1
-  tf_w, tf_a = _code_transforms(plan), _compat.smem_transforms(BM, 2)
+  tf_w, tf_a = _code_transforms(plan, n), _compat.smem_transforms(BM, 2)
   n_copies = 2 + (1 if plan.grouped else 0) + (1 if plan.zero2 else 0)
 
   def body(*refs):
@@ -371,7 +415,8 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
 
     def load_vectors(i, it_info):
       ex, _, jb = it_info
-      plgpu.copy_gmem_to_smem(c_ref.at[ex, pl.ds(jb * BH, BH)], vec.at[lax.rem(i, 2)],
+      plgpu.copy_gmem_to_smem(c_ref.at[ex, pl.ds(block_row(jb, h, BH), BH)],
+                              vec.at[lax.rem(i, 2)],
                               vbar.at[lax.rem(i, 2)])
 
     def fetch(g, i, cur, nxt):
@@ -379,13 +424,15 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
       def _fetch():
         _, r, it_info, slot = ring_step(g, i, cur, nxt, spi=k2, stages=stages)
         ex, task, jb = it_info
-        bar, hs = bars.at[slot], pl.ds(jb * BH, BH)
-        plgpu.copy_gmem_to_smem(w_ref.at[ex, hs, pl.ds(r * BK, BK)], ring.at[slot], bar)
+        bar, hs = bars.at[slot], pl.ds(block_row(jb, h, BH), BH)
+        ks = pl.ds(step_col(r, n), BK)
+        plgpu.copy_gmem_to_smem(w_ref.at[ex, hs, ks], ring.at[slot], bar)
         if plan.grouped:
-          plgpu.copy_gmem_to_smem(s_ref.at[ex, pl.ds(r * ng, ng), hs], sring.at[slot], bar)
+          plgpu.copy_gmem_to_smem(
+              s_ref.at[ex, pl.ds(step_group(r, n, plan.group), ng), hs], sring.at[slot], bar)
         if plan.zero2:
           plgpu.copy_gmem_to_smem(z_ref.at[ex, r, hs], zring.at[slot], bar)
-        plgpu.copy_gmem_to_smem(a_ref.at[task, pl.ds(r * BK, BK)], aring.at[slot], bar)
+        plgpu.copy_gmem_to_smem(a_ref.at[task, ks], aring.at[slot], bar)
 
     info0 = info(jnp.int32(0))
 
@@ -415,7 +462,8 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
           plgpu.barrier_wait(bars.at[slot])
           tiles = _a_tiles(ring.at[slot], sring.at[slot] if plan.grouped else None,
                            zring.at[slot] if plan.zero2 else None, plan=plan,
-                           zero=plan.zero2, xdt=xdt, cast=_cast, interpret=emulate)
+                           zero=plan.zero2, xdt=xdt, cast=_cast, interpret=emulate,
+                           skip=step_skip(r, n) if n % BK else None)
           for q, a in enumerate(tiles):
             width = a.shape[1]
             if emulate:
@@ -434,8 +482,8 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           o_smem[...] = y[half * (BH // 2):(half + 1) * (BH // 2)]
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem,
-                                  out_ref.at[task, pl.ds(jb * BH + half * (BH // 2), BH // 2)])
+          plgpu.copy_smem_to_gmem(
+              o_smem, out_ref.at[task, pl.ds(block_row(jb, h, BH) + half * (BH // 2), BH // 2)])
 
       pl.run_scoped(gemm, plgpu.ACC((BH, BM), jnp.float32))
       return nxt

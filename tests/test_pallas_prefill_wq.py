@@ -57,6 +57,22 @@ def test_prefill_wq_matches_oracle(sid, bias, activation, rng):
                        f"{sid} prefill_wq vs oracle")
 
 
+@pytest.mark.parametrize("sid,h,n", [
+    ("mxfp4", 320, 192),  # gpt-oss-like: 2.5 GEMM1 steps, 2.5 GEMM2 row blocks, 1.5 steps
+    pytest.param("w8a16", 192, 320, marks=pytest.mark.slow),  # per channel
+])
+def test_prefill_wq_sizes_128_does_not_divide(sid, h, n, rng):
+  """H and N multiples of 64, not of 128 (gpt-oss: 2880): the last K step of each GEMM
+  shifted back inside K with its overlap zeroed in the A tile, GEMM2's last row block shifted
+  back inside H (its overlap written twice)."""
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 24, h, n, 4, 2, bias=True)
+  ids[5, 0] = -1
+  out = _prefill(x, q13, q2, tw, ids, b13, b2, "swigluoai")
+  assert out.shape == (24, h) and np.isfinite(out).all()
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, b13, b2, "swigluoai"), TOL,
+                       f"{sid} H={h} N={n} prefill_wq vs oracle")
+
+
 @pytest.mark.slow
 def test_prefill_wq_one_expert_many_tiles(rng):
   """All 300 slots on one expert (3 row tiles, the last shifted back inside the rows) but
@@ -100,10 +116,11 @@ def test_prefill_wq_says_what_it_does_not_take():
   g32zp = w("w4a16", 2, 256, 512, group_size=32, zero_point=True)
   assert "zero points need scales per 128" in grouped_gemm_wq.unsupported(
       4096, 256, 256, silu, g32zp, g32zp)
-  assert "multiples of 128" in grouped_gemm_wq.unsupported(4096, 192, 256, silu, q13, q2)
-  gpt_oss = w("mxfp4", 2, 2880, 5760)
-  with pytest.raises(ValueError, match="layout='prefill'"):
-    pmoe.weight_only_layout(4096, 2, 2880, 2880, silu, gpt_oss, gpt_oss, layout="prefill")
+  assert "multiples of 64" in grouped_gemm_wq.unsupported(4096, 160, 256, silu, q13, q2)
+  zp = w("w4a16", 2, 256, 512, zero_point=True)
+  assert "multiples of 128" in grouped_gemm_wq.unsupported(4096, 192, 256, silu, zp, zp)
+  gpt_oss = w("mxfp4", 2, 2880, 5760)  # H = N = 2880: 45 blocks of 64
+  assert grouped_gemm_wq.unsupported(4096, 2880, 2880, silu, gpt_oss, gpt_oss) is None
   with pytest.raises(ValueError, match="stages1=1"):
     grouped_gemm_wq.PrefillWQConfig(stages1=1)
   with pytest.raises(ValueError, match="ctas_per_sm=3"):

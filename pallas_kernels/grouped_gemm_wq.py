@@ -44,8 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import ring_step
-from jmoe.kernels.decode_wq import (_codes, _plan, _Plan, float_scales,
-                                    unsupported_format)
+from jmoe.kernels.decode_wq import _codes, _plan, _Plan, unsupported_format
 from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
 
@@ -508,12 +507,24 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
   return _kernel(num_sms, interpret, "jmoe_gg_wq", body, out_type, scratch)
 
 
-def _float_scales(w, plan: _Plan) -> jax.Array:
-  """Grouped scales as float32 [E, rows, K / g] (e2m1: the e8m0 / e4m3 scales times the global
-  scale and E2M1_UNIT, the factor the converted codes lack)."""
-  if plan.e2m1:
-    return float_scales(w, jnp.arange(w.shape[0])) * E2M1_UNIT
-  return w.scale.astype(jnp.float32)
+def _group_major_scales(w, plan: _Plan) -> jax.Array:
+  """Grouped scales as float32 [E, K / g, rows] (`_group_major`; e2m1: the e8m0 / e4m3 scales
+  times the global scale and E2M1_UNIT, the factor the converted codes lack). The 8-bit
+  scales are transposed as bytes before they widen: fused into the conversion, XLA's
+  transposing loop took 410 µs for gpt-oss' w13 at 0.65 TB/s (H200)."""
+  s = w.scale
+  if jnp.dtype(s.dtype).itemsize == 1:
+    raw = lax.optimization_barrier(_group_major(lax.bitcast_convert_type(s, jnp.uint8)))
+    s = lax.bitcast_convert_type(raw, s.dtype)
+  else:
+    s = _group_major(s)
+  s = s.astype(jnp.float32)
+  if not plan.e2m1:
+    return s
+  if w.global_scale is not None:  # [E, S] along the rows (now the last axis)
+    g = w.global_scale.astype(jnp.float32)
+    s = s * jnp.repeat(g, s.shape[2] // g.shape[1], axis=1)[:, None, :]
+  return s * E2M1_UNIT
 
 
 def _group_major(w) -> jax.Array:
@@ -574,7 +585,7 @@ def prefill_wq(xs: jax.Array, meta: jax.Array, num_tasks: jax.Array, w13, w2, *,
   meta = meta.astype(jnp.int32)
   num_tasks = num_tasks.astype(jnp.int32)
   args = [meta, num_tasks, xs, _codes(w13, plan.code)]
-  args.append(_group_major(_float_scales(w13, plan)) if plan.grouped else
+  args.append(_group_major_scales(w13, plan) if plan.grouped else
               w13.scale[:, :, 0].astype(jnp.float32))
   if plan.zero13:
     args.append(_group_major(w13.zero))
@@ -582,7 +593,7 @@ def prefill_wq(xs: jax.Array, meta: jax.Array, num_tasks: jax.Array, w13, w2, *,
     args.append(w13_bias.astype(jnp.float32))
   a_t = k1(*args)
   args = [meta, num_tasks, a_t, _codes(w2, plan.code)]
-  args.append(_group_major(_float_scales(w2, plan)) if plan.grouped else
+  args.append(_group_major_scales(w2, plan) if plan.grouped else
               w2.scale[:, :, 0].astype(jnp.float32))
   if plan.zero2:
     args.append(_group_major(w2.zero))

@@ -516,8 +516,9 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   experts on average (T * k >= 2 E) or decode_wq refuses only what decode_wq_shared takes
   (zero points at H / 128 not a multiple of 16); decode where it takes the problem, except
   where slots share experts and decode_wq_shared refuses the format (e2m1, groups of 16 /
-  32); else dequantize (H200: the rule picks the faster layout in every measured case;
-  docs/kernels.md, "Slots that share experts", "e2m1 and small groups")."""
+  32): there prefill for 4-bit codes; else dequantize (H200: the rule picks the faster layout
+  in every measured case; docs/kernels.md, "Slots that share experts", "e2m1 and small
+  groups")."""
   if layout not in ("auto", "decode", "decode_shared", "prefill", "dequantize"):
     raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared', 'prefill' or "
                      "'dequantize'")
@@ -537,11 +538,14 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
     sharing = t * k >= 2 * e  # slots share experts on average
     if why_shared is None and (why is not None or sharing):
       return "decode_shared"
-    # decode_wq streams an expert per slot: where slots share experts and the shared kernel
-    # refuses the format (e2m1, small groups), the dequantized weights win (H200: mixtral
-    # 16 tokens mxfp4, docs/kernels.md)
     if why is None and not sharing:
       return "decode"
+    # decode_wq streams an expert per slot: where slots share experts and the shared kernel
+    # refuses the format (e2m1, small groups), the prefill GEMMs stream each expert once
+    # (H200, mixtral mxfp4 at 16 tokens: 888 us against 2,414 decode_wq, 2,333 dequantized;
+    # docs/kernels.md, "e2m1 and small groups")
+    if why_prefill is None and w13.packed and t * k <= PREFILL_MAX_ROWS_PER_EXPERT * e:
+      return "prefill"
     return "dequantize"
   return layout
 

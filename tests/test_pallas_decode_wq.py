@@ -153,9 +153,12 @@ def test_decode_wq_says_what_it_does_not_take(rng):
   assert "shared kernel takes" in decode_wq_shared.unsupported(1, 2, 1024, 256, silu, mx, mx)
   assert "H >= 256" in decode_wq.unsupported(1, 2, 128, 128, silu, mx, mx)
   assert "N >= 256" in decode_wq.unsupported(1, 2, 1024, 128, silu, mx, mx)
-  # e2m1: decode_wq while slots rarely share experts, the dequantized weights where they do
+  # e2m1: decode_wq while slots rarely share experts, the prefill GEMMs where they do (4-bit
+  # codes), else the dequantized weights
   assert pmoe.weight_only_layout(1, 2, 1024, 256, silu, mx, mx) == "decode"
-  assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, mx, mx) == "dequantize"
+  assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, mx, mx) == "prefill"
+  w8g32 = w("w8a16", 2, 1024, 256, weight_scale="group", group_size=32)
+  assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, w8g32, w8g32) == "dequantize"
   assert "groups of 16, 32, 128" in decode_wq.unsupported(
       1, 2, 1024, 128, silu, *(2 * [w("w4a16", 2, 1024, 256, group_size=64)]))
   zp13, zp2 = w("w4a16", 2, 1024, 256, zero_point=True), w("w4a16", 2, 128, 1024,

@@ -106,9 +106,9 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
         if runner == "pallas_mosaic" and quant.act_dtype is None:
           chose += (" (weight-only: the decode_wq kernels at <= 128 slots where they take "
                     "the format, one slot or up to 8 slots of an expert per work item; past "
-                    "that, 4-bit codes on the grouped_gemm_wq GEMMs while experts average "
-                    "<= 512 rows; else the weights dequantized per call into the bf16 "
-                    "kernels)")
+                    "that, or where slots share experts in a format the shared kernel lacks, "
+                    "4-bit codes on the grouped_gemm_wq GEMMs while experts average <= 512 "
+                    "rows; else the weights dequantized per call into the bf16 kernels)")
       return runner, "; ".join(skipped + [chose])
     skipped.append(f"{runner} skipped: {why}")
   what = f"{quant}" if quant is not None and quant.is_quantized else "this call"

@@ -135,49 +135,35 @@ def store_b_tile(tile, a_smem, asum_smem, asum_dst) -> None:
     plgpu.copy_smem_to_gmem(asum_smem.at[pl.ds(0, _N)], asum_dst)
 
 
-def item_col(jb, n: int):
-  """Item jb's first intermediate column: jb * 128, the last item shifted back inside N
-  where 128 does not divide it (gpt-oss: N = 2880), its first `item_skip` rows the previous
-  item's (masked out of GEMM2)."""
-  return jb * BN if n % BN == 0 else pl.multiple_of(jnp.minimum(jb * BN, n - BN), 64)
+def block_start(i, size: int, block: int):
+  """Block i's first index along a dimension of `size` cut into blocks of `block`: i * block,
+  the last block shifted back inside `size` where `block` does not divide it (gpt-oss: 2880;
+  the callers mask its overlap with the previous block, or write it twice with equal
+  values). The weight-only kernels' items, K steps and output steps."""
+  if size % block == 0:
+    return i * block
+  return pl.multiple_of(jnp.minimum(i * block, size - block), 64)
 
 
-def item_skip(jb, n: int):
-  """The rows of item jb that the previous item computes (0 but for a shifted last item)."""
-  return jb * BN - item_col(jb, n)
-
-
-def k_col(r, h: int):
-  """GEMM1 step r's first code column (a tile of 128): a step past H - 128 reads the last
-  128 columns, the token tiles (`_token_tiles`) zeroing what earlier steps covered."""
-  return r * BK if h % BK == 0 else pl.multiple_of(jnp.minimum(r * BK, h - BK), 64)
-
-
-def h_row(c, h: int):
-  """GEMM2 step c's first output row (256 a step; the last shifted back inside H, its
-  overlap written twice with the same values)."""
-  return c * BH if h % BH == 0 else pl.multiple_of(jnp.minimum(c * BH, h - BH), 64)
-
-
-def item_group(jb, n: int, group: int):
-  """item_col(jb, n) / group, said with products and a minimum (which keep the start's
-  known divisibility, as the scale boxes' TMA copies need)."""
-  per = BN // group
-  if n % BN == 0:
-    return jb * per
-  last = (n - BN) // group
-  return pl.multiple_of(jnp.minimum(jb * per, last), math.gcd(per, last))
+def block_group(i, size: int, block: int, group: int):
+  """block_start(i, size, block) / group, said with products and a minimum (which keep the
+  start's known divisibility, as the scale boxes' TMA copies need)."""
+  per = block // group
+  if size % block == 0:
+    return i * per
+  last = (size - block) // group
+  return pl.multiple_of(jnp.minimum(i * per, last), math.gcd(per, last))
 
 
 def s2_start(jb, n: int, plan: _Plan):
   """The first of the 8 GEMM2 scale columns item jb reads (its groups are 128 / g of them
-  from item_group). TMA faults on a box whose start is not 16-byte aligned (H200, gpt-oss'
+  from block_group). TMA faults on a box whose start is not 16-byte aligned (H200, gpt-oss'
   N / 32 = 90 columns): with 128 dividing N the box never passes the array's N / g columns
   (multiples of 4); else the start is rounded down to 4 columns in a copy padded past them
   (`s2_columns`)."""
   if n % BN == 0:
-    return jnp.minimum(item_group(jb, n, plan.group), n // plan.group - _N)
-  return pl.multiple_of(item_group(jb, n, plan.group) // 4 * 4, 4)
+    return jnp.minimum(block_group(jb, n, BN, plan.group), n // plan.group - _N)
+  return pl.multiple_of(block_group(jb, n, BN, plan.group) // 4 * 4, 4)
 
 
 def s2_columns(n: int, plan: _Plan) -> int:
@@ -207,7 +193,7 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
         @pl.when(r == 0)
         def _vectors():
           vb = lax.rem(it, 2)
-          for c, col in enumerate((item_col(jb, n), n + item_col(jb, n))):
+          for c, col in enumerate((block_start(jb, n, BN), n + block_start(jb, n, BN))):
             if not plan.grouped:
               plgpu.copy_gmem_to_smem(refs["c13"].at[ex, pl.ds(col, BN)], vec.at[vb, c],
                                       vbar.at[vb])
@@ -217,8 +203,8 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
 
       @pl.when(r < k1)
       def _w13():
-        cols, bar = pl.ds(k_col(r, h), BK), refs["bars1"].at[slot]
-        col0 = item_col(jb, n)
+        cols, bar = pl.ds(block_start(r, h, BK), BK), refs["bars1"].at[slot]
+        col0 = block_start(jb, n, BN)
         plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(col0, BN), cols], dst.at[0], bar)
         plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + col0, BN), cols], dst.at[1], bar)
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), pl.ds(r * BK, BK)],
@@ -228,8 +214,8 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
       def _w2():
         c, bar = r - k1, refs["bars2"].at[slot]
         for half in range(2):
-          rows = pl.ds(h_row(c, h) + half * (BH // 2), BH // 2)
-          plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(item_col(jb, n), BN)],
+          rows = pl.ds(block_start(c, h, BH) + half * (BH // 2), BH // 2)
+          plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(block_start(jb, n, BN), BN)],
                                   dst.at[half], bar)
           if plan.small_groups:  # the rows' scales of block j's groups (and the next's)
             plgpu.copy_gmem_to_smem(
@@ -323,7 +309,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       """Small groups: window w's scales [128, 8] for gate and up into buffer buf (from the
       scale array's row sid[slot]: the touched experts' copy for e2m1)."""
       slot_id, _, jb, _ = info
-      for c, row in enumerate((item_col(jb, n), n + item_col(jb, n))):
+      for c, row in enumerate((block_start(jb, n, BN), n + block_start(jb, n, BN))):
         plgpu.copy_gmem_to_smem(s13_ref.at[sid_ref[slot_id], pl.ds(row, BN), pl.ds(w * _N, _N)],
                                 sblk.at[buf, c], sbar.at[buf])
 
@@ -442,10 +428,10 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       if plan.small_groups or n % BN:
         grp = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 1), plgpu.Layout.WGMMA)
       if n % BN:  # a shifted last item: its first rows are the previous item's
-        tile = jnp.where(grp >= item_skip(jb, n), tile, jnp.zeros((), xdt))
+        tile = jnp.where(grp >= jb * BN - block_start(jb, n, BN), tile, jnp.zeros((), xdt))
       if plan.small_groups:  # B column t: the activations of scale column s2_start + t
         row = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 0), plgpu.Layout.WGMMA)
-        off = s2_start(jb, n, plan) - item_group(jb, n, plan.group)  # <= 0 at the last items
+        off = s2_start(jb, n, plan) - block_group(jb, n, BN, plan.group)  # <= 0 at the last items
         tile = jnp.where(grp // plan.group == row + off, tile, jnp.zeros((), xdt))
       store_b_tile(tile, a_smem, asum_smem, asum_ref.at[jb, slot_id] if plan.zero2 else None)
 
@@ -460,7 +446,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
                           lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem), BH // 2,
                           scales=s2ring.at[slot] if plan.small_groups else None)
         fetch(g + stages - 1, i, cur, nxt)
-        store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(h_row(c, h), BH)])
+        store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(block_start(c, h, BH), BH)])
 
       return nxt
 
@@ -613,7 +599,7 @@ def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP,
   """x [T, H] -> the B rows [T * 8, k1 * 128] of GEMM1's k1 steps: row j of a token keeps the
   columns of the groups g with g % 8 == j (grouped), or row 0 keeps all (per channel). Where
   128 does not divide H, the last real step's tile ends with H's last H % 128 columns and
-  starts with zeros (its codes are H's last 128: `k_col`); steps past it are zeros."""
+  starts with zeros (its codes are H's last 128: `block_start`); steps past it are zeros."""
   t, h = x.shape
   j = jnp.arange(_N)[:, None]
   keep = (jnp.arange(h)[None, :] // group) % _N == j if grouped else jnp.broadcast_to(

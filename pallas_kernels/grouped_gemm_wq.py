@@ -24,7 +24,7 @@ per CTA, two CTAs per SM (`PrefillWQConfig`): a step converts the gate tile, iss
 converts the up tile while that runs and waits for both; the other CTA's MMAs fill the gaps.
 
 Sizes 128 does not divide (H and N multiples of 64: gpt-oss' 2880): a contraction's last
-128-deep step is shifted back inside K (`step_col`) with its overlap zeroed in the A tile, and
+128-deep step is shifted back inside K (`decode_wq.block_start`) with its overlap zeroed in the A tile, and
 GEMM2's last block of H rows is shifted back inside H (its overlap written twice, equal); the
 code tiles are then 64 columns wide (TMA's source dimensions must be whole SMEM tiles).
 
@@ -44,7 +44,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import ring_step
-from jmoe.kernels.decode_wq import _codes, _plan, _Plan, unsupported_format
+from jmoe.kernels.decode_wq import (_codes, _plan, _Plan, block_group, block_start,
+                                    unsupported_format)
 from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
 
@@ -138,32 +139,8 @@ def _item(meta_ref, lin, num_tasks, nj: int, rows: int):
 
 def steps(kdim: int) -> int:
   """128-deep steps along a contraction of kdim (the last shifted back where 128 does not
-  divide it: `step_col`)."""
+  divide it: `decode_wq.block_start`)."""
   return -(-kdim // BK)
-
-
-def step_col(r, kdim: int):
-  """Step r's first K column: r * 128, the last step shifted back inside K where 128 does not
-  divide it (gpt-oss: 2880), its first `step_skip` columns the previous step's."""
-  return r * BK if kdim % BK == 0 else pl.multiple_of(jnp.minimum(r * BK, kdim - BK), 64)
-
-
-def step_skip(r, kdim: int):
-  """The columns of step r that the previous step covers (zeroed in its A tile)."""
-  return r * BK - step_col(r, kdim)
-
-
-def step_group(r, kdim: int, group: int):
-  """step_col(r, kdim) / group, as a product and a minimum."""
-  ng = BK // group
-  return r * ng if kdim % BK == 0 else jnp.minimum(r * ng, (kdim - BK) // group)
-
-
-def block_row(jb, size: int, block: int):
-  """Output block jb's first row (blocks of `block`; the last shifted back inside `size`,
-  its overlap written twice with the same values)."""
-  return jb * block if size % block == 0 else pl.multiple_of(
-      jnp.minimum(jb * block, size - block), 64)
 
 
 def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool,
@@ -277,12 +254,12 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
         _, r, it_info, slot = ring_step(g, i, cur, nxt, spi=k1, stages=stages)
         ex, _, jb, row = it_info
         row = pl.multiple_of(row, 8)  # (the select between items hides it from Mosaic)
-        bar, ks = bars.at[slot], pl.ds(step_col(r, h), BK)
+        bar, ks = bars.at[slot], pl.ds(block_start(r, h, BK), BK)
         for c, col in enumerate((jb * BF, n + jb * BF)):
           plgpu.copy_gmem_to_smem(w_ref.at[ex, pl.ds(col, BF), ks], ring.at[slot, c], bar)
           if plan.grouped:
             plgpu.copy_gmem_to_smem(
-                s_ref.at[ex, pl.ds(step_group(r, h, plan.group), ng), pl.ds(col, BF)],
+                s_ref.at[ex, pl.ds(block_group(r, h, BK, plan.group), ng), pl.ds(col, BF)],
                 sring.at[slot, c], bar)
           if plan.zero13:
             plgpu.copy_gmem_to_smem(z_ref.at[ex, r, pl.ds(col, BF)], zring.at[slot, c], bar)
@@ -335,7 +312,7 @@ def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages
             z = zring.at[slot, c] if plan.zero13 else None
             tiles = _a_tiles(ring.at[slot, c], s, z, plan=plan, zero=plan.zero13, xdt=xdt,
                              cast=_cast, interpret=emulate,
-                             skip=step_skip(r, h) if h % BK else None)
+                             skip=r * BK - block_start(r, h, BK) if h % BK else None)
             for q, a in enumerate(tiles):
               plgpu.wgmma(acc, operand_a(a, c), operand_b(xring.at[slot], q))
           plgpu.wgmma_wait(0)  # the slot's tiles (and the register A tiles) are read
@@ -414,7 +391,7 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
 
     def load_vectors(i, it_info):
       ex, _, jb = it_info
-      plgpu.copy_gmem_to_smem(c_ref.at[ex, pl.ds(block_row(jb, h, BH), BH)],
+      plgpu.copy_gmem_to_smem(c_ref.at[ex, pl.ds(block_start(jb, h, BH), BH)],
                               vec.at[lax.rem(i, 2)],
                               vbar.at[lax.rem(i, 2)])
 
@@ -423,12 +400,12 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
       def _fetch():
         _, r, it_info, slot = ring_step(g, i, cur, nxt, spi=k2, stages=stages)
         ex, task, jb = it_info
-        bar, hs = bars.at[slot], pl.ds(block_row(jb, h, BH), BH)
-        ks = pl.ds(step_col(r, n), BK)
+        bar, hs = bars.at[slot], pl.ds(block_start(jb, h, BH), BH)
+        ks = pl.ds(block_start(r, n, BK), BK)
         plgpu.copy_gmem_to_smem(w_ref.at[ex, hs, ks], ring.at[slot], bar)
         if plan.grouped:
           plgpu.copy_gmem_to_smem(
-              s_ref.at[ex, pl.ds(step_group(r, n, plan.group), ng), hs], sring.at[slot], bar)
+              s_ref.at[ex, pl.ds(block_group(r, n, BK, plan.group), ng), hs], sring.at[slot], bar)
         if plan.zero2:
           plgpu.copy_gmem_to_smem(z_ref.at[ex, r, hs], zring.at[slot], bar)
         plgpu.copy_gmem_to_smem(a_ref.at[task, ks], aring.at[slot], bar)
@@ -462,7 +439,7 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
           tiles = _a_tiles(ring.at[slot], sring.at[slot] if plan.grouped else None,
                            zring.at[slot] if plan.zero2 else None, plan=plan,
                            zero=plan.zero2, xdt=xdt, cast=_cast, interpret=emulate,
-                           skip=step_skip(r, n) if n % BK else None)
+                           skip=r * BK - block_start(r, n, BK) if n % BK else None)
           for q, a in enumerate(tiles):
             width = a.shape[1]
             if emulate:
@@ -482,7 +459,7 @@ def _build_gemm2(*, h, n, tasks, xdt, plan: _Plan, stages: int, num_sms, interpr
           o_smem[...] = y[half * (BH // 2):(half + 1) * (BH // 2)]
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(
-              o_smem, out_ref.at[task, pl.ds(block_row(jb, h, BH) + half * (BH // 2), BH // 2)])
+              o_smem, out_ref.at[task, pl.ds(block_start(jb, h, BH) + half * (BH // 2), BH // 2)])
 
       pl.run_scoped(gemm, plgpu.ACC((BH, BM), jnp.float32))
       return nxt

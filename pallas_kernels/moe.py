@@ -532,18 +532,15 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
                        f"call: {reason}")
   if layout == "auto":
     e = w13.shape[0]
-    if why is not None and why_shared is not None and why_prefill is None and (
-        t * k <= PREFILL_MAX_ROWS_PER_EXPERT * e) and w13.packed:  # 4-bit codes (measured)
-      return "prefill"
     sharing = t * k >= 2 * e  # slots share experts on average
     if why_shared is None and (why is not None or sharing):
       return "decode_shared"
     if why is None and not sharing:
       return "decode"
-    # decode_wq streams an expert per slot: where slots share experts and the shared kernel
-    # refuses the format (e2m1, small groups), the prefill GEMMs stream each expert once
-    # (H200, mixtral mxfp4 at 16 tokens: 888 us against 2,414 decode_wq, 2,333 dequantized;
-    # docs/kernels.md, "e2m1 and small groups")
+    # past the decode kernels, or where slots share experts and the shared kernel refuses the
+    # format (e2m1, small groups: decode_wq streams an expert per slot), the prefill GEMMs
+    # stream each expert once, for 4-bit codes (measured; H200, mixtral mxfp4 at 16 tokens:
+    # 888 us against 2,414 decode_wq, 2,333 dequantized; docs/kernels.md)
     if why_prefill is None and w13.packed and t * k <= PREFILL_MAX_ROWS_PER_EXPERT * e:
       return "prefill"
     return "dequantize"

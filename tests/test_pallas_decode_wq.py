@@ -294,9 +294,11 @@ def test_slot_groups_random_routings(seed):
   assert used[:used.sum()].all()  # the groups come first
   seen = gs[used][gs[used] >= 0]
   assert sorted(seen) == sorted(np.flatnonzero(valid))
+  assert gs.shape == (m, 8)  # at most 8 slots a group
   for g in np.flatnonzero(used):
     members = gs[g][gs[g] >= 0]
-    assert 1 <= len(members) <= 8, (g, members)
+    assert len(members) >= 1, (g, members)  # no empty group
+    assert (gs[g][:len(members)] >= 0).all(), (g, gs[g])  # members first, then -1
     np.testing.assert_array_equal(ids[members], ge[g])
   assert (gs[~used] == -1).all()
   for s in np.flatnonzero(valid):

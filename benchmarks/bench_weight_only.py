@@ -56,6 +56,7 @@ from jmoe.config import PRESETS as JMOE_PRESETS, QUANT_SCHEMES, QuantConfig  # n
 from jmoe.experts._common import add_bias, sort_slots_by_expert  # noqa: E402
 from jmoe.kernels.activations import Activation  # noqa: E402
 from jmoe.quant import dequantize, weight_bytes  # noqa: E402
+from jmoe.quant.activations import fake_quantize  # noqa: E402
 from bench_quant import (BW, log, make_inputs, make_weights, quantize_chunked,  # noqa: E402
                          rel_err, time_fn)
 from check_common import top_kernels  # noqa: E402  (benchmarks/, the script's directory)
@@ -78,6 +79,9 @@ SMOKE_PRESETS = {
                      bias=True),
 }
 WEIGHT_ONLY = tuple(n for n, s in QUANT_SCHEMES.items() if s.get("act_dtype") is None)
+CODES4 = ("int4", "float4_e2m1fn")
+CODES4_FP8 = tuple(n for n, s in QUANT_SCHEMES.items()
+                   if s.get("act_dtype") and s["weight_dtype"] in CODES4)
 GROUPS = (128, 64, 32, 16)
 
 
@@ -99,9 +103,10 @@ def parse_scheme(spec: str, h: int, n: int) -> tuple[str, QuantConfig]:
     else:
       raise ValueError(f"scheme {spec!r}: modifier {m!r} is not gNNN or zp")
   q = QuantConfig(base, **kw)
-  if not q.weight_only:
+  if not q.weight_only and q.weight_dtype not in CODES4:
     raise ValueError(f"scheme {spec!r} quantizes activations too; this benchmark is for the "
-                     f"weight-only ones ({', '.join(WEIGHT_ONLY)}); use bench_quant.py")
+                     f"weight-only ones ({', '.join(WEIGHT_ONLY)}) and 4-bit codes with fp8 "
+                     f"tokens ({', '.join(CODES4_FP8)}); use bench_quant.py")
   label = spec
   if q.weight_scale == "group" and (h % q.group_size or n % q.group_size):
     fit = [g for g in GROUPS if h % g == 0 and n % g == 0 and g < q.group_size]
@@ -128,16 +133,31 @@ def dequantize_chunked(q, dtype, chunk: int = 32):
 # ----------------------------------------------------------------------------- reference
 
 
-@functools.partial(jax.jit, static_argnames="act")
-def _reference_core(x, tw, pos, w13, w2, b13, b2, act):
+def fp8_per_block(a, block: int = 128):
+  """a [..., N] through e4m3 with one scale (amax / 448) per `block` columns: the fp8 decode
+  kernels' intermediate (N padded to whole blocks)."""
+  n = a.shape[-1]
+  pad = -n % block
+  ap = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]).reshape(*a.shape[:-1], -1, block)
+  amax = jnp.max(jnp.abs(ap), axis=-1, keepdims=True)
+  s = jnp.where(amax > 0, amax / 448.0, 1.0)
+  q = jnp.clip(ap / s, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s
+  return q.reshape(*a.shape[:-1], n + pad)[..., :n]
+
+
+@functools.partial(jax.jit, static_argnames=("act", "requant"))
+def _reference_core(x, tw, pos, w13, w2, b13, b2, act, requant=False):
   """f32 block of the tokens x [t, H] on the dense experts w13 [u, H, 2N], w2 [u, N, H]
-  (pos [t, k]: each slot's expert among the u)."""
+  (pos [t, k]: each slot's expert among the u); requant: the intermediate through
+  fp8_per_block."""
   xf = x.astype(jnp.float32)
   h = jnp.einsum("th,uhn->tun", xf, w13, precision=_HI)
   h = jnp.take_along_axis(h, pos[:, :, None], axis=1)  # [t, k, 2N]
   if b13 is not None:
     h = h + b13[pos]
   a = act(h)  # [t, k, N]
+  if requant:
+    a = fp8_per_block(a)
   y = jnp.einsum("tkn,unh->tkuh", a, w2, precision=_HI)
   y = jnp.take_along_axis(y, pos[:, :, None, None], axis=2)[:, :, 0]  # [t, k, H]
   if b2 is not None:
@@ -145,7 +165,7 @@ def _reference_core(x, tw, pos, w13, w2, b13, b2, act):
   return jnp.einsum("tk,tkh->th", tw.astype(jnp.float32), y, precision=_HI)
 
 
-def reference(x, tw, ti, dense13, dense2, b13, b2, act) -> np.ndarray:
+def reference(x, tw, ti, dense13, dense2, b13, b2, act, requant=False) -> np.ndarray:
   """float32 reference on dense weights of the experts the slots use: dense13(ids) [u, H, 2N]
   and dense2(ids) [u, N, H] (f32, e.g. a scheme's dequantize of just those experts)."""
   ti = np.asarray(ti)
@@ -154,7 +174,7 @@ def reference(x, tw, ti, dense13, dense2, b13, b2, act) -> np.ndarray:
   jids = jnp.asarray(ids)
   out = _reference_core(x, tw, pos, dense13(jids), dense2(jids),
                         None if b13 is None else b13[jids].astype(jnp.float32),
-                        None if b2 is None else b2[jids].astype(jnp.float32), act)
+                        None if b2 is None else b2[jids].astype(jnp.float32), act, requant)
   return np.asarray(out, np.float64)
 
 
@@ -399,9 +419,13 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
     t0 = time.time()
     out = jax.block_until_ready(fn(*qsets[0]))
     r["compile_s"] = time.time() - t0
-    ref = reference(x[:nchk], tw[:nchk], ti[:nchk],
+    # fp8-token schemes: the reference of the decode kernel's scheme (the tokens' fp8 values,
+    # the intermediate per 128 columns; the XLA experts quantize it per token instead)
+    xr = fake_quantize(x[:nchk], quant) if quant.act_dtype else x[:nchk]
+    ref = reference(xr, tw[:nchk], ti[:nchk],
                     lambda ids: dequantize(take_experts(q13, ids), jnp.float32),
-                    lambda ids: dequantize(take_experts(q2, ids), jnp.float32), b13, b2, p["act"])
+                    lambda ids: dequantize(take_experts(q2, ids), jnp.float32), b13, b2, p["act"],
+                    requant=quant.act_dtype is not None)
     r["err_vs_dequant_ref"] = rel_err(out[:nchk].astype(jnp.float32), ref)
     r["err_vs_bf16"] = rel_err(out.astype(jnp.float32), out_ref)
     timed(args, fn, qsets, r)

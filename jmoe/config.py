@@ -67,6 +67,16 @@ QUANT_SCHEMES: dict[str, dict[str, Any]] = {
                   scale_dtype="float8_e8m0fnu"),
     "nvfp4": dict(weight_dtype="float4_e2m1fn", weight_scale="group", group_size=16,
                   scale_dtype="float8_e4m3fn"),
+    # 4-bit weights with fp8 tokens (one scale per token): the codes convert to e4m3
+    # exactly, so the decode kernel's MMAs are 8-bit (SGLang's "w4afp8": int4 per 128)
+    "w4afp8": dict(weight_dtype="int4", weight_scale="group", group_size=128,
+                   act_dtype="float8_e4m3fn", act_scale="dynamic_token"),
+    "mxfp4_fp8": dict(weight_dtype="float4_e2m1fn", weight_scale="group", group_size=32,
+                      scale_dtype="float8_e8m0fnu", act_dtype="float8_e4m3fn",
+                      act_scale="dynamic_token"),
+    "nvfp4_fp8": dict(weight_dtype="float4_e2m1fn", weight_scale="group", group_size=16,
+                      scale_dtype="float8_e4m3fn", act_dtype="float8_e4m3fn",
+                      act_scale="dynamic_token"),
 }
 QUANT_FORMATS = (None, *QUANT_SCHEMES, "custom")
 _SCHEME_DEFAULTS = dict(weight_dtype=None, weight_scale=None, block_shape=None, group_size=None,
@@ -158,8 +168,8 @@ class QuantConfig:
       raise ValueError(f"{q}act_dtype='int8' needs weight_dtype='int8' (an int8 x int8 GEMM), "
                        f"got weight_dtype={self.weight_dtype!r}")
     if self.act_dtype == "float8_e4m3fn" and self.weight_dtype not in ("float8_e4m3fn",
-                                                                       "float4_e2m1fn"):
-      raise ValueError(f"{q}act_dtype='float8_e4m3fn' needs fp8 or fp4 weights, got "
+                                                                       "float4_e2m1fn", "int4"):
+      raise ValueError(f"{q}act_dtype='float8_e4m3fn' needs fp8, fp4 or int4 weights, got "
                        f"weight_dtype={self.weight_dtype!r}")
 
   @property

@@ -109,6 +109,10 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
                     "that, or where slots share experts in a format the shared kernel lacks, "
                     "4-bit codes on the grouped_gemm_wq GEMMs while experts average <= 512 "
                     "rows; else the weights dequantized per call into the bf16 kernels)")
+        elif runner == "pallas_mosaic" and quant.weight_dtype in ("int4", "float4_e2m1fn"):
+          chose += (" (4-bit codes with fp8 tokens: the decode_wq kernel's 8-bit MMAs at "
+                    "<= 128 slots; past that the XLA experts, the weights dequantized per "
+                    "call)")
       return runner, "; ".join(skipped + [chose])
     skipped.append(f"{runner} skipped: {why}")
   what = f"{quant}" if quant is not None and quant.is_quantized else "this call"

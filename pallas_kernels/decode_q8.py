@@ -42,6 +42,7 @@ from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_colum
                                  ring_step, store_part_row, token_operand)
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import Q8_MAX
+from jmoe.quant.activations import ROW_SCALES
 
 _N = 8  # wgmma's N: the token (or activation) row, 8 times
 BN = 128  # intermediate columns per item (GEMM1's M per gate / up, GEMM2's K)
@@ -225,7 +226,7 @@ def supports(t: int, k: int, h: int, n: int, act: Activation | str, quant) -> bo
   channel weights, per-token or per-tensor dynamic activations)."""
   return (as_activation(act).is_gated and t * k <= MAX_SLOTS and h % BH == 0 and n % BN == 0
           and quant.weight_scale in ("tensor", "channel")
-          and quant.act_scale in ("dynamic_token", "dynamic_tensor")
+          and quant.act_scale in ROW_SCALES
           and jnp.dtype(quant.act_dtype) in Q8_MAX)
 
 

@@ -27,6 +27,13 @@ by the final reduction (XLA), which reads them for the touched experts in their 
 a per-item row scale has no TMA box (4 bytes a row), and it multiplies a whole part row. With
 w2 zero points the kernel also writes each item's activation sum, which that reduction needs.
 
+fp8 tokens (schemes with act_dtype float8_e4m3fn over 4-bit codes: mxfp4_fp8, nvfp4_fp8,
+w4afp8): the codes convert to e4m3 instead (exactly: every int4 and e2m1 value is an e4m3
+number), the token tiles are prepare's fp8 rows, and the MMAs are 8-bit wgmma m64n8k32 --
+half the instructions of bf16's m64n8k16, which is what bounds a step. The token's scale
+multiplies the item's dot products; the intermediate is quantized per item (128 columns of a
+slot, like decode_q8) and its scale multiplies the item's GEMM2 partial rows.
+
 Launches: the token-tile fusion, this kernel and the reduction.
 """
 from __future__ import annotations
@@ -46,9 +53,11 @@ from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_columns,
                                  ring_step, store_part_row, token_operand)
-from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile
+from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile, e4m3_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
+from jmoe.kernels.grouped_gemm_q8 import FP8_MAX
 from jmoe.kernels.permute import touched_experts
+from jmoe.quant.activations import ROW_SCALES
 from jmoe.quant.weights import check_quantized
 
 _N = 8  # wgmma's N: the token's (masked) rows, and the window length in steps
@@ -64,6 +73,7 @@ _MAX_STAGES = 8
 # the codes' dtype in the kernel per weight_dtype (e2m1 codes are read as signed int4)
 _CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8),
                 "float4_e2m1fn": jnp.dtype(jnp.int4)}
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +98,7 @@ class _Plan:
   has_bias: bool
   e2m1: bool = False  # the int4 codes are e2m1 (mxfp4 / nvfp4): converted in registers
   group: int = GROUP
+  act8: bool = False  # fp8 tokens and intermediate: codes -> e4m3, 8-bit wgmma (xdt: fp8)
 
   @property
   def int4(self) -> bool:
@@ -104,12 +115,12 @@ class _Plan:
 def _stage_bytes(plan: _Plan) -> int:
   code_bytes = BN * BK // 2 if plan.int4 else BN * BK
   s2_bytes = 2 * (BH // 2) * _N * 4 if plan.small_groups else 0  # GEMM2's scale tiles
-  return 2 * code_bytes + _N * BK * 2 + s2_bytes
+  return 2 * code_bytes + _N * BK * (1 if plan.act8 else 2) + s2_bytes
 
 
 def _fixed_bytes(plan: _Plan, h: int) -> int:
   g1 = h // plan.group
-  fixed = ROWS_A * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 64 * 4
+  fixed = ROWS_A * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 2 * 64 * 4
   if plan.small_groups:  # a window's scales at a time, double-buffered
     fixed += 2 * 2 * BN * _N * 4
   elif plan.grouped:
@@ -124,12 +135,14 @@ def max_stages(plan: _Plan, h: int) -> int:
   return min(_MAX_STAGES, (_SMEM_BYTES - _fixed_bytes(plan, h)) // _stage_bytes(plan))
 
 
-def store_b_tile(tile, a_smem, asum_smem, asum_dst) -> None:
-  """GEMM2's B tile (the activations, xdt) into a_smem; with w2 zero points (asum_dst, the
-  item's [8] row of the sums output) also each B row's sum, for the zero points' term."""
+def store_b_tile(tile, a_smem, asum_smem, asum_dst, row_scale=None) -> None:
+  """GEMM2's B tile (the activations, xdt or fp8) into a_smem; with w2 zero points (asum_dst,
+  the item's [8] row of the sums output) also each B row's sum (times row_scale [rows], fp8's
+  scale), for the zero points' term."""
   a_smem[...] = tile
   if asum_dst is not None:
-    asum_smem[...] = jnp.sum(tile.astype(jnp.float32), axis=1)
+    sums = jnp.sum(tile.astype(jnp.float32), axis=1)
+    asum_smem[...] = sums if row_scale is None else sums * row_scale
   plgpu.commit_smem()
   if asum_dst is not None:
     plgpu.copy_smem_to_gmem(asum_smem.at[pl.ds(0, _N)], asum_dst)
@@ -249,7 +262,8 @@ def geometry(h: int, n: int, plan: _Plan, stages: int):
   # sizes 128 does not divide: 64-column tiles (TMA's source must be whole tiles; 64 divides)
   swz = plgpu.find_swizzle((BK if h % BK == 0 and n % BN == 0 else 64) * bits)
   tf_w = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
-  return nb, k1, k2, spi, k1 * BK // plan.group, tf_w, _compat.smem_transforms(BK, 2)
+  tf_x = _compat.smem_transforms(BK, 1 if plan.act8 else 2)
+  return nb, k1, k2, spi, k1 * BK // plan.group, tf_w, tf_x
 
 
 def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
@@ -266,6 +280,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     refs = list(refs)
     ids_ref = refs.pop(0)
     sid_ref = refs.pop(0) if plan.small_groups else None
+    xsc_ref = refs.pop(0) if plan.act8 else None  # fp8 tokens: their scales [T]
     x_ref, w13_ref, w2_ref = refs[:3]
     del refs[:3]
     s13_ref = refs.pop(0) if plan.grouped else None
@@ -280,13 +295,17 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     sblk = refs.pop(0) if plan.grouped else None
     zblk, xsblk = (refs.pop(0), refs.pop(0)) if plan.zero13 else (None, None)
     s2ring = refs.pop(0) if plan.small_groups else None
+    sa_smem = refs.pop(0) if plan.act8 else None  # the item's intermediate scale (every entry)
     bars1, bars2, vbar, sbar = refs[:4]
     t_a, t_b = refs[4:6] if emulate else (None, None)
     sm = lax.axis_index("sm")
 
     def dequantized(tile, which):
-      """A code tile [128, 128] in SMEM -> the bf16 register tile wgmma takes as A."""
-      if plan.e2m1:
+      """A code tile [128, 128] in SMEM -> the register tile wgmma takes as A (bf16, or the
+      codes' values in e4m3 with fp8 tokens)."""
+      if plan.act8:
+        a = e4m3_tile(tile[...], e2m1=plan.e2m1, interpret=emulate)
+      elif plan.e2m1:
         a = e2m1_tile(tile[...], xdt, interpret=emulate)
       else:
         a = tile[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
@@ -418,22 +437,31 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       vals = []
       for c in range(2):
         v = _cast(gvec.at[c][...], plgpu.Layout.WGMMA.reduce(1))
+        if plan.act8:  # the dot products of the token's fp8 values: times its scale
+          v = v * xsc_ref[cur[3]]
         if plan.has_bias:
           v = v + _cast(vec.at[vb, 2 + c][...], plgpu.Layout.WGMMA.reduce(1))
         vals.append(lax.broadcast_in_dim(v, (BN, _N), [0]))
       a_vec[...] = jnp.max(kernel_activation(act, *vals), axis=1)
       plgpu.commit_smem()
       a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
-      tile = lax.broadcast_in_dim(a, (ROWS_A, BN), [1]).astype(xdt)
+      tile = lax.broadcast_in_dim(a, (ROWS_A, BN), [1])  # f32: masked before the cast
       if plan.small_groups or n % BN:
         grp = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 1), plgpu.Layout.WGMMA)
       if n % BN:  # a shifted last item: its first rows are the previous item's
-        tile = jnp.where(grp >= jb * BN - block_start(jb, n, BN), tile, jnp.zeros((), xdt))
+        tile = jnp.where(grp >= jb * BN - block_start(jb, n, BN), tile, 0.0)
+      sa = None
+      if plan.act8:  # one scale for the item's columns: every row holds them, so a per-row
+        amax = jnp.max(jnp.abs(tile), axis=1)  # max is the amax
+        sa = jnp.where(amax > 0.0, amax / FP8_MAX, 1.0)
+        sa_smem[...] = sa
+        tile = jnp.clip(tile / lax.broadcast_in_dim(sa, (ROWS_A, BN), [0]), -FP8_MAX, FP8_MAX)
       if plan.small_groups:  # B column t: the activations of scale column s2_start + t
         row = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 0), plgpu.Layout.WGMMA)
         off = s2_start(jb, n, plan) - block_group(jb, n, BN, plan.group)  # <= 0 at the last items
-        tile = jnp.where(grp // plan.group == row + off, tile, jnp.zeros((), xdt))
-      store_b_tile(tile, a_smem, asum_smem, asum_ref.at[jb, slot_id] if plan.zero2 else None)
+        tile = jnp.where(grp // plan.group == row + off, tile, 0.0)
+      store_b_tile(tile.astype(xdt), a_smem, asum_smem,
+                   asum_ref.at[jb, slot_id] if plan.zero2 else None, row_scale=sa)
 
       @pl.loop(0, k2)
       def _gemm2(c):
@@ -446,6 +474,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
                           lambda: dequantized(ring.at[slot, 1], 1), rhs(a_smem), BH // 2,
                           scales=s2ring.at[slot] if plan.small_groups else None)
         fetch(g + stages - 1, i, cur, nxt)
+        if plan.act8:  # the intermediate's fp8 values: times the item's scale
+          ys = [y * sa_smem[0] for y in ys]
         store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1), pl.ds(block_start(c, h, BH), BH)])
 
       return nxt
@@ -469,6 +499,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
                 plgpu.SMEM((g1,), jnp.float32)]
   if plan.small_groups:  # GEMM2 steps' scale tiles [2 halves, 128 rows, 8 groups]
     scratch.append(plgpu.SMEM((stages, 2, BH // 2, _N), jnp.float32))
+  if plan.act8:
+    scratch.append(plgpu.SMEM((ROWS_A,), jnp.float32))
   return finish(body, scratch, plan=plan, stages=stages, tf=(tf_w, tf_x),
                 n_blk=2 + (3 if plan.zero13 else 0), xdt=xdt, part=(nb, m, h), asum_rows=m,
                 emulate=emulate, num_sms=num_sms, interpret=interpret,
@@ -512,7 +544,7 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
   and N of 128 -- or, per channel and with groups of 16 / 32 without zero points, H and N
   multiples of 64 (the last item and steps shifted back inside them: gpt-oss' 2880) --, and
   scale / zero rows whose bytes a TMA copy can move."""
-  why = unsupported_codes(t, k, h, n, act, w13, w2, tails=True)
+  why = unsupported_codes(t, k, h, n, act, w13, w2, tails=True, act8=True)
   if why is not None:
     return why
   if w13.scheme.zero_point and (h // GROUP) % 16:
@@ -523,14 +555,24 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
 
 
 def unsupported_format(w13, w2, act: Activation | str, *, groups: tuple,
-                       kernel: str = "the decode kernel") -> str | None:
+                       kernel: str = "the decode kernel", act8: bool = False) -> str | None:
   """The weight-only kernels' rules on the format (None: `kernel` takes it): int4 / int8 /
-  e2m1 codes with bf16 tokens, one scheme for w13 and w2, float32 scales (e2m1: its own)
-  per channel or per one of `groups` along K, zero points with groups of 128, no act-order
-  permutation, a global scale only for e2m1 (nvfp4), K-major values, a gated activation."""
+  e2m1 codes with bf16 tokens (act8: also 4-bit codes with fp8 tokens, per-token or
+  per-tensor scales), one scheme for w13 and w2, float32 scales (e2m1: its own) per channel
+  or per one of `groups` along K, zero points with groups of 128, no act-order permutation,
+  a global scale only for e2m1 (nvfp4), K-major values, a gated activation."""
   q = w13.scheme
-  if q is None or q.act_dtype is not None or q.weight_dtype not in _CODE_DTYPES:
-    return f"{q}: {kernel} takes int4 / int8 / e2m1 weights with bf16 tokens"
+  if q is None or q.weight_dtype not in _CODE_DTYPES:
+    return f"{q}: {kernel} takes int4 / int8 / e2m1 weights"
+  if q.act_dtype is not None:
+    if not act8:
+      return f"{q.name}: {kernel} takes bf16 tokens, not {q.act_dtype} activations"
+    if q.act_dtype != "float8_e4m3fn" or q.weight_dtype == "int8":
+      return (f"{q.name}: {q.act_dtype} activations with {q.weight_dtype} weights ({kernel} "
+              "takes fp8 tokens with 4-bit codes, whose values e4m3 holds)")
+    if q.act_scale not in ROW_SCALES:
+      return (f"{q.name}: act_scale={q.act_scale!r} ({kernel} takes one fp8 scale per token "
+              "or per tensor)")
   if w2.scheme != q:
     return "w13 and w2 must share one scheme"
   fp4 = q.weight_dtype == "float4_e2m1fn"
@@ -554,10 +596,11 @@ def unsupported_format(w13, w2, act: Activation | str, *, groups: tuple,
 
 
 def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13,
-                      w2, *, tails: bool = False) -> str | None:
+                      w2, *, tails: bool = False, act8: bool = False) -> str | None:
   """`unsupported`'s rules on the format and the sizes, without its shared-memory ones (tails:
-  decode_wq's shifted last item and steps, for sizes 128 does not divide)."""
-  why = unsupported_format(w13, w2, act, groups=GROUPS)
+  decode_wq's shifted last item and steps, for sizes 128 does not divide; act8: its fp8
+  tokens)."""
+  why = unsupported_format(w13, w2, act, groups=GROUPS, act8=act8)
   if why is not None:
     return why
   q = w13.scheme
@@ -582,7 +625,8 @@ def _plan(w13, w2, has_bias: bool) -> _Plan:
   return _Plan(code=_CODE_DTYPES[q.weight_dtype], grouped=grouped,
                zero13=w13.zero is not None, zero2=w2.zero is not None, has_bias=has_bias,
                e2m1=q.weight_dtype == "float4_e2m1fn",
-               group=q.group_size if grouped else GROUP)
+               group=q.group_size if grouped else GROUP,
+               act8=q.act_dtype == "float8_e4m3fn")
 
 
 def _codes(w, code) -> jax.Array:
@@ -659,11 +703,15 @@ def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, 
   if topk_weights.shape != (t, k):
     raise ValueError(f"topk_weights must have shape ({t}, {k}) like topk_ids, got "
                      f"{topk_weights.shape}")
-  if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise ValueError(f"x dtype {x.dtype}: bfloat16 or float16")
   reason = why(t, k, h, n, act, w13, w2)
   if reason is not None:
     raise ValueError(f"{kernel}: {reason}")
+  if w13.scheme.act_dtype is not None:
+    if jnp.dtype(x.dtype) != FP8:
+      raise ValueError(f"x dtype {x.dtype}: {w13.scheme.name} takes prepare's float8_e4m3fn "
+                       "tokens (jmoe.quant.quantize_activations)")
+  elif jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"x dtype {x.dtype}: bfloat16 or float16")
   if w13_bias is not None and w13_bias.shape != (e, n2):
     raise ValueError(f"w13_bias must have shape ({e}, {n2}), got {w13_bias.shape}")
   if w2_bias is not None and w2_bias.shape != (e, h):
@@ -684,21 +732,32 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
                             w13_bias: jax.Array | None = None,
                             w2_bias: jax.Array | None = None, out_dtype=None,
                             config: DecodeWQConfig | None = None,
-                            interpret: Any = False) -> jax.Array:
+                            interpret: Any = False,
+                            x_scale: jax.Array | None = None) -> jax.Array:
   """The weight-only decode block: out[t] = sum_j topk_weights[t, j] * (act(x[t] @ dq(w13[e])
   + b13[e]) @ dq(w2[e]) + b2[e]), e = topk_ids[t, j], dq = jmoe.quant.dequantize.
 
-  x [T, H] bf16 / f16; w13 / w2 jmoe.quant.QuantizedWeights of one weight-only int4 / int8
-  scheme (w4a16, w8a16, grouped w8a16; K-major values [E, 2N, H] / [E, H, N], int4 packed
-  [E, 2N, H/2] / [E, H, N/2]; float32 scales per channel or per 128 along K; zero points
-  with grouped scales); topk_weights / topk_ids [T, k] (-1 or >= E: empty slot),
-  T * k <= 128; biases f32 [E, 2N] / [E, H]. `unsupported` says which sizes. Returns [T, H]
-  (out_dtype, default x.dtype).
+  x [T, H] bf16 / f16; w13 / w2 jmoe.quant.QuantizedWeights of one weight-only int4 / int8 /
+  e2m1 scheme (w4a16, w8a16, mxfp4, nvfp4; K-major values [E, 2N, H] / [E, H, N], 4-bit
+  packed [E, 2N, H/2] / [E, H, N/2]; scales per channel or per 16 / 32 / 128 along K; zero
+  points with groups of 128) -- or, for 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8,
+  w4afp8), x [T, H] float8_e4m3fn and x_scale [T, 1] / [1, 1] f32 (prepare's
+  jmoe.quant.quantize_activations), the intermediate quantized per item of 128 columns;
+  topk_weights / topk_ids [T, k] (-1 or >= E: empty slot), T * k <= 128; biases f32
+  [E, 2N] / [E, H]. `unsupported` says which sizes. Returns [T, H] (out_dtype, default
+  x.dtype; bf16 for fp8 tokens).
   """
   act = as_activation(activation)
   t, k, e, n, h, plan, stages = checked_call(
       x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config,
       kernel="fused_experts_decode_wq", why=unsupported, stage_cap=max_stages)
+  if plan.act8 != (x_scale is not None):
+    raise ValueError(f"x_scale: {w13.scheme.name} " + (
+        "needs the fp8 tokens' scales [T, 1] or [1, 1]" if plan.act8 else
+        "has bf16 tokens; x_scale is for fp8 ones"))
+  if plan.act8 and x_scale.shape not in ((t, 1), (1, 1)):
+    raise ValueError(f"x_scale must be per-token [{t}, 1] or per-tensor [1, 1], got "
+                     f"{x_scale.shape}")
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
   interp, nsm = _compat.launch_params(interpret)
@@ -707,7 +766,8 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   k1 = k1_steps(h, plan)
   if plan.small_groups and (plan.e2m1 or h % BK or n % BN):  # float32 scales per call: the
     touched, sid = touched_experts(ids, e)  # touched experts' (padded: windows past H get
-    unit = E2M1_UNIT if plan.e2m1 else 1.0  # zero scales; w2's, s2_columns)
+    unit = E2M1_UNIT if plan.e2m1 and not plan.act8 else 1.0  # zero scales; w2's,
+    # s2_columns; e4m3 tiles hold the e2m1 values themselves)
     s13 = _padded_last(float_scales(w13, touched) * unit, k1 * BK // plan.group)
     s2 = float_scales(w2, touched) * unit
     s2 = _padded_last(s2, s2_columns(n, plan)) if n % BN else s2
@@ -717,6 +777,8 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
     args = [ids, jnp.clip(ids, 0, e - 1)]
   else:
     args = [ids]
+  if plan.act8:
+    args.append(jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (t,)))
   args += [_token_tiles(x, plan.grouped, plan.group, k1), _codes(w13, plan.code),
            _codes(w2, plan.code)]
   if plan.small_groups:
@@ -737,4 +799,4 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   if not plan.small_groups:  # small groups: scaled in the kernel
     part = _w2_scaled(part, asum, ids, w2, plan, e)
   return combine_parts(part, ids, topk_weights, w2_bias, num_experts=e,
-                       out_dtype=out_dtype or x.dtype)
+                       out_dtype=out_dtype or (jnp.bfloat16 if plan.act8 else x.dtype))

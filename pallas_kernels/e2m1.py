@@ -1,4 +1,5 @@
-"""e2m1 codes (mxfp4 / nvfp4 values, read as int4 register tiles) -> 16-bit register tiles.
+"""e2m1 codes (mxfp4 / nvfp4 values, read as int4 register tiles) -> 16-bit register tiles;
+e2m1 or int4 codes -> fp8 e4m3 register tiles (the fp8-token kernels: both hold exactly).
 
 Hopper has no e2m1 conversion. Two forms, the same values bit for bit:
 - `lut` (the GPU kernels): per 4 codes, PTX byte permutes (`prmt`) pick each value's low and
@@ -10,6 +11,11 @@ Hopper has no e2m1 conversion. Two forms, the same values bit for bit:
   11..9 -- the f16 number 2^-14 x the value, e2m1's subnormal 0.5 on f16's subnormal 2^-15 --
   then to the MMA dtype.
 Both give the values / E2M1_UNIT; the kernels fold the factor into the scales.
+
+To e4m3 (`e4m3_tile`, for the 8-bit wgmma): every e2m1 value and every int4 value (-8..7) is
+an e4m3 number, so one `prmt` per 4 codes picks each byte from a 16-entry table (codes 0-7
+and 8-15 in two 8-byte tables, the code's top bit choosing), ~1.75 instructions a value; the
+interpreter's form converts through float32.
 """
 from __future__ import annotations
 
@@ -123,6 +129,79 @@ def _lut_form(codes: jax.Array, xdt) -> jax.Array:
     new = np.empty_like(regs)
     for idx, v in zip(np.ndindex(regs.shape), out):
       new[idx] = v
+    return mgpu.FragmentedArray(_registers=new, _layout=arr.layout, _is_signed=None)
+
+  return convert(codes)
+
+
+def e4m3_words(e2m1: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+  """The prmt tables of `e4m3_tile`: the e4m3 byte of each 4-bit code's value (e2m1: sign and
+  magnitude; else int4, two's complement), codes 0-7 and codes 8-15, each 8 bytes as two
+  little-endian 32-bit words."""
+  codes = np.arange(16)
+  if e2m1:
+    vals = np.where(codes >= 8, -1.0, 1.0) * np.asarray(E2M1_VALUES * 2)
+  else:
+    vals = np.where(codes >= 8, codes - 16, codes).astype(np.float64)
+  b = vals.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+  return (_word(b[0:4]), _word(b[4:8])), (_word(b[8:12]), _word(b[12:16]))
+
+
+def _e4m3_asm(e2m1: bool) -> str:
+  """4 codes in $1's low 16 bits -> $0: their 4 e4m3 bytes in order. The low 3 bits index
+  both tables; the top bit picks the second table's byte (prmt's selector 4 + i)."""
+  lo, hi = e4m3_words(e2m1)
+  return f"""
+  {{
+  .reg .b32 sel, top, p, q;
+  and.b32 sel, $1, 0x7777;
+  and.b32 top, $1, 0x8888;
+  shr.u32 top, top, 1;
+  or.b32 top, top, 0x3210;
+  prmt.b32 p, {lo[0]}, {lo[1]}, sel;
+  prmt.b32 q, {hi[0]}, {hi[1]}, sel;
+  prmt.b32 $0, p, q, top;
+  }}
+  """
+
+
+def e4m3_tile(codes: jax.Array, *, e2m1: bool, interpret: bool = False) -> jax.Array:
+  """codes: an int4 register tile (e2m1 codes as stored, or signed int4 codes) -> their values
+  as float8_e4m3fn, exactly, the same shape. The GPU form needs codes in the WGMMA_8BIT
+  layout (wgmma's 8-bit register A operand)."""
+  if interpret:
+    v = _bits_form(codes, jnp.float32) * E2M1_UNIT if e2m1 else codes.astype(jnp.float32)
+    return v.astype(jnp.float8_e4m3fn)
+  layout = plgpu.Layout.WGMMA_8BIT
+
+  @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(
+      codes.shape, jnp.float8_e4m3fn, layout=layout))
+  def convert(_ctx, arr):
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils
+
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    asm = _e4m3_asm(e2m1)
+    regs = arr.registers
+    vec_len = ir.VectorType(regs.flat[0].type).shape[0]
+    if vec_len % 4:
+      raise NotImplementedError(f"e4m3 LUT: vector length {vec_len}")
+    four_ty = ir.VectorType.get((4,), utils.dtype_to_ir_type(jnp.dtype(jnp.float8_e4m3fn)))
+
+    def four(word16):  # an i16 of 4 codes -> vector<4 x f8e4m3fn>
+      out = llvm.inline_asm(i32, [arith.extui(i32, word16)], asm, "=r,r")
+      return utils.bitcast(out, four_ty)
+
+    new = np.empty_like(regs)
+    for idx in np.ndindex(regs.shape):
+      word = utils.bitcast(regs[idx], ir.IntegerType.get_signless(4 * vec_len))
+      parts = []
+      for c in range(vec_len // 4):
+        piece = arith.shrui(word, utils.c(16 * c, word.type)) if c else word
+        parts.append(four(arith.trunci(i16, piece) if vec_len > 4 else piece))
+      new[idx] = utils.vector_concat(parts) if len(parts) > 1 else parts[0]
     return mgpu.FragmentedArray(_registers=new, _layout=arr.layout, _is_signed=None)
 
   return convert(codes)

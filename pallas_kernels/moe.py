@@ -518,7 +518,8 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   where slots share experts and decode_wq_shared refuses the format (e2m1, groups of 16 /
   32): there prefill for 4-bit codes; else dequantize (H200: the rule picks the faster layout
   in every measured case; docs/kernels.md, "Slots that share experts", "e2m1 and small
-  groups")."""
+  groups"). fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8) only run decode_wq: auto gives
+  "decode" where it takes the call, else "dequantize" (which the experts run on XLA)."""
   if layout not in ("auto", "decode", "decode_shared", "prefill", "dequantize"):
     raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared', 'prefill' or "
                      "'dequantize'")
@@ -530,6 +531,8 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
     if layout == name and reason is not None:
       raise ValueError(f"layout={name!r}: the weight-only {name} kernel does not take this "
                        f"call: {reason}")
+  if layout == "auto" and w13.scheme.act_dtype is not None:
+    return "decode" if why is None else "dequantize"
   if layout == "auto":
     e = w13.shape[0]
     sharing = t * k >= 2 * e  # slots share experts on average
@@ -570,24 +573,31 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
                               topk_ids: jax.Array, *, activation: Activation | str = "silu",
                               w13_bias: jax.Array | None = None,
                               w2_bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
-                              interpret: Any = False, layout: str = "auto") -> jax.Array:
+                              interpret: Any = False, layout: str = "auto",
+                              x_scale: jax.Array | None = None) -> jax.Array:
   """fused_experts for weight-only quantized experts (w4a16, w8a16, mxfp4, nvfp4 with bf16
   tokens): x [T, H] bf16 / f16, w13 / w2 jmoe.quant.QuantizedWeights (logical [E, H, 2N] /
-  [E, N, H]), topk_weights / topk_ids [T, k]; layout: weight_only_layout's. Returns [T, H]
-  out_dtype."""
+  [E, N, H]), topk_weights / topk_ids [T, k]; layout: weight_only_layout's. 4-bit codes with
+  fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): x float8_e4m3fn and x_scale [T, 1] / [1, 1],
+  the decode layout only. Returns [T, H] out_dtype."""
   act = as_activation(activation)
   t, k = topk_ids.shape
   _, h, n13 = w13.shape
   n = n13 // 2 if act.is_gated else n13
   chosen = weight_only_layout(t, k, h, n, act, w13, w2, layout)
+  if w13.scheme.act_dtype is not None and chosen != "decode":
+    raise ValueError(f"{w13.scheme.name}: fp8 tokens run the decode kernel only "
+                     f"({_decode_wq.unsupported(t, k, h, n, act, w13, w2)}); the Pallas "
+                     "experts run such calls on XLA")
   if chosen == "prefill":
     return _weight_only_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,
                                 out_dtype, interpret)
   if chosen in ("decode", "decode_shared"):
     run = (_decode_wq.fused_experts_decode_wq if chosen == "decode" else
            _decode_wq_shared.fused_experts_decode_wq_shared)
+    kw = dict(x_scale=x_scale) if x_scale is not None else {}
     return run(x, w13, w2, topk_weights, topk_ids, activation=act, w13_bias=w13_bias,
-               w2_bias=w2_bias, out_dtype=out_dtype, interpret=interpret)
+               w2_bias=w2_bias, out_dtype=out_dtype, interpret=interpret, **kw)
   out = fused_experts(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), topk_weights,
                       topk_ids, activation=act, w13_bias=w13_bias, w2_bias=w2_bias,
                       interpret=interpret)

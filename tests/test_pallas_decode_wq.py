@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from jmoe.kernels import _compat
 from jmoe.kernels import decode_wq, decode_wq_shared
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
-from jmoe.quant import QuantizedWeights, quantize_weights
+from jmoe.quant import QuantizedWeights, quantize_activations, quantize_weights
 from kernel_run import run_interpreted
 from test_quant_formats import np_dequant
 
@@ -36,6 +37,11 @@ SCHEMES = {
     "mxfp4": dict(format="mxfp4"),  # e2m1 codes, e8m0 scales per 32
     "nvfp4": dict(format="nvfp4"),  # e4m3 scales per 16 and a global scale
     "w4a16-g32": dict(format="w4a16", group_size=32),
+    # 4-bit codes with fp8 tokens (the 8-bit MMA form)
+    "mxfp4_fp8": dict(format="mxfp4_fp8"),
+    "nvfp4_fp8": dict(format="nvfp4_fp8"),
+    "w4afp8": dict(format="w4afp8"),
+    "w4afp8-zp": dict(format="w4afp8", zero_point=True),
 }
 
 
@@ -110,6 +116,91 @@ def test_decode_wq_sizes_128_does_not_divide(sid, h, n, rng):
       lambda: quantize_weights(jnp.zeros((4, rows, kk), jnp.float32), q13.scheme))
   assert "multiples of 64" in decode_wq.unsupported(1, 2, h + 32, n, "silu",
                                                     w(h + 32, 2 * n), w(n, h + 32))
+
+
+def _fp8_per_block(a: np.ndarray, block: int = 128) -> np.ndarray:
+  """The fp8 kernels' intermediate: e4m3 with one scale (amax / 448) per 128 columns."""
+  out = np.empty_like(a)
+  for c in range(0, a.shape[-1], block):
+    blk = a[..., c:c + block]
+    s = np.abs(blk).max() / 448.0 or 1.0
+    out[..., c:c + block] = (blk / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
+  return out
+
+
+@pytest.mark.parametrize("sid,h,n,bias,activation", [
+    ("mxfp4_fp8", 512, 256, True, "swigluoai"),
+    ("w4afp8-zp", 2048, 256, True, "silu"),
+    pytest.param("nvfp4_fp8", 320, 320, False, "silu", marks=pytest.mark.slow),  # tails
+    pytest.param("w4afp8", 1024, 256, False, "silu", marks=pytest.mark.slow),
+])
+def test_decode_wq_fp8_tokens_match_oracle(sid, h, n, bias, activation, rng):
+  """4-bit codes with prepare's fp8 tokens (codes -> e4m3, 8-bit wgmma): the oracle on the
+  tokens' fp8 values times their scales, the intermediate quantized per 128 columns as the
+  kernel does; T = 3 with an empty slot."""
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 3, h, n, 4, 2, bias=bias)
+  ids[1, 1] = -1
+  xq, xs = quantize_activations(x, q13.scheme)
+  assert xq.dtype == jnp.float8_e4m3fn and xs.shape == (3, 1)
+  out = _run(xq, q13, q2, tw, ids, w13_bias=b13, w2_bias=b2, activation=activation,
+             x_scale=xs)
+  assert out.shape == (3, h) and np.isfinite(out).all()
+  kw = {} if b13 is None else dict(w13_bias=np.asarray(b13, np.float64),
+                                   w2_bias=np.asarray(b2, np.float64))
+  x_hat = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(xs, np.float64)
+  want = onp.fused_moe(x_hat, np_dequant(q13), np_dequant(q2), tw, ids, activation=activation,
+                       requant=_fp8_per_block, **kw)
+  onp.assert_rel_close(out, want, TOL, f"{sid} decode_wq (fp8 tokens) vs oracle")
+
+
+@pytest.mark.parametrize("sid,t", [("nvfp4_fp8", 1), pytest.param("w4afp8", 80, marks=pytest.mark.slow)])
+def test_fp8_token_schemes_through_the_api(sid, t, rng, monkeypatch):
+  """fused_moe with runner_backend='pallas_mosaic': one token runs the decode kernel's 8-bit
+  form (its intermediate quantized per 128 columns: the oracle of that scheme, and XLA's
+  per-token one within two fp8 roundings), 160 slots (past its 128) the XLA experts."""
+  monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
+  x, q13, q2, tw, ids, _, _ = _problem(rng, sid, t, 512, 256, 4, 2)
+  out = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                  runner_backend="pallas_mosaic"), np.float32)
+  assert not _compat.races_found()
+  xla = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                  runner_backend="xla"), np.float32)
+  assert out.shape == (t, 512) and np.isfinite(out).all()
+  if t * 2 > 128:  # the XLA experts' own result
+    onp.assert_rel_close(out, xla, 1e-6, f"{sid} T={t}: pallas (XLA fallback) vs xla")
+    return
+  onp.assert_rel_close(out, xla, 2.5 * TOL, f"{sid} T={t}: pallas vs xla")
+  xq, xs = quantize_activations(x, q13.scheme)
+  x_hat = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(xs, np.float64)
+  want = onp.fused_moe(x_hat, np_dequant(q13), np_dequant(q2), tw, ids,
+                       requant=_fp8_per_block)
+  onp.assert_rel_close(out, want, TOL, f"{sid} T={t}: pallas vs the oracle of its scheme")
+
+
+def test_decode_wq_fp8_tokens_say_what_they_need(rng):
+  """fp8 tokens only for 4-bit codes, with their scales; the other weight-only kernels
+  refuse the schemes by name, so the layout is the decode kernel or the fallback."""
+  x, q13, q2, tw, ids, _, _ = _problem(rng, "mxfp4_fp8", 1, 512, 256, 4, 2)
+  xq, xs = quantize_activations(x, q13.scheme)
+  silu = as_activation("silu")
+  with pytest.raises(ValueError, match="x_scale: mxfp4_fp8 needs"):
+    decode_wq.fused_experts_decode_wq(xq, q13, q2, jnp.asarray(tw), jnp.asarray(ids))
+  with pytest.raises(ValueError, match="float8_e4m3fn tokens"):
+    decode_wq.fused_experts_decode_wq(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                      x_scale=xs)
+  with pytest.raises(ValueError, match="per-token"):
+    decode_wq.fused_experts_decode_wq(xq, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                      x_scale=jnp.ones((1, 4)))
+  assert "bf16 tokens, not float8_e4m3fn" in decode_wq_shared.unsupported(
+      1, 2, 512, 256, silu, q13, q2)
+  assert pmoe.weight_only_layout(1, 2, 512, 256, silu, q13, q2) == "decode"
+  assert pmoe.weight_only_layout(8, 2, 512, 256, silu, q13, q2) == "decode"  # slots share
+  assert pmoe.weight_only_layout(80, 2, 512, 256, silu, q13, q2) == "dequantize"
+  g = jmoe.QuantConfig("w4afp8", act_scale="dynamic_group", act_group_size=128)
+  wg = quantize_weights(jnp.ones((4, 512, 512), jnp.float32), g)
+  assert "one fp8 scale per token" in decode_wq.unsupported(1, 2, 512, 256, silu, wg,
+                                                            quantize_weights(
+                                                                jnp.ones((4, 256, 512)), g))
 
 
 @pytest.mark.parametrize("sid,t,h,n,want", [

@@ -296,7 +296,9 @@ def test_oracle_walks_candidates_with_reasons(no_backend_env):
     _, experts, why = jmoe.select_backend(quant=jmoe.QuantConfig(scheme))
     assert experts.name == "xla" and f"for QuantConfig({scheme})" in why
     assert pallas_quant_support(jmoe.QuantConfig(scheme)) is None
-  assert "fp8 e4m3 / int8" in pallas_quant_support(
+  # 4-bit codes with fp8 tokens: the decode kernel's 8-bit form takes per-token scales only
+  assert pallas_quant_support(jmoe.QuantConfig("mxfp4_fp8")) is None
+  assert "one scale per token or per tensor" in pallas_quant_support(
       jmoe.QuantConfig("custom", weight_dtype="float4_e2m1fn", weight_scale="group",
                        group_size=32, act_dtype="float8_e4m3fn", act_scale="dynamic_group",
                        act_group_size=32))

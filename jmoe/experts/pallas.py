@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.config import QuantConfig
+from jmoe.quant.activations import ROW_SCALES
 from jmoe.experts._common import check_weights_for_activation, narrow_to_touched, weights_quant
 from jmoe.modular import (ActivationFormat, BatchedExperts, Experts, ExpertsInput, ExpertWeights,
                           NoOp, local_expert_ids)
@@ -27,6 +28,7 @@ from jmoe.registry import register_runner
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _Q8 = ("float8_e4m3fn", "int8")
+_CODES4 = ("int4", "float4_e2m1fn")  # 4-bit codes: with fp8 tokens, decode_wq's 8-bit form
 
 
 def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
@@ -35,11 +37,18 @@ def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   scales), fp8_block (128 x 128 weight blocks, 1 x 128 activation groups), and every
   weight-only format (jmoe.kernels.moe.fused_experts_weight_only: the decode kernels or the
   grouped GEMMs on the codes where they apply, else the weights dequantized per call into the
-  bf16 kernels)."""
+  bf16 kernels), and 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8: the decode
+  kernel where it takes the call, the XLA experts elsewhere)."""
   if quant is None or not quant.is_quantized:
     return None
   name = quant.name
   if quant.act_dtype is None:  # weight-only: fused_experts_weight_only takes every format
+    return None
+  if quant.weight_dtype in _CODES4:
+    if quant.act_dtype != "float8_e4m3fn" or quant.act_scale not in ROW_SCALES:
+      return (f"{name}: {quant.weight_dtype} weights with {quant.act_dtype} activations "
+              f"scaled {quant.act_scale} (the Pallas decode kernel takes fp8 tokens with one "
+              "scale per token or per tensor)")
     return None
   if quant.weight_dtype not in _Q8:
     return f"{name}: {quant.weight_dtype} weights (the Pallas kernels take fp8 e4m3 / int8)"
@@ -48,7 +57,7 @@ def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   if quant.scale_dtype != "float32":
     return f"{name}: {quant.scale_dtype} scales (the Pallas kernels take float32 scales)"
   if quant.weight_scale in ("tensor", "channel"):
-    if quant.act_scale not in ("dynamic_token", "dynamic_tensor"):
+    if quant.act_scale not in ROW_SCALES:
       return (f"{name}: act_scale={quant.act_scale!r} with {quant.weight_scale} weight scales "
               "(the Pallas kernels take per-token or per-tensor dynamic activation scales)")
     return None
@@ -203,6 +212,8 @@ class PallasExperts(Experts):
     kernel_out = dt if dt in _DTYPES else jnp.dtype(jnp.bfloat16)
     if quant.act_dtype is None:
       return self._apply_weight_only(inp, weights, activation, local, kernel_out).astype(dt)
+    if quant.weight_dtype in _CODES4:
+      return self._apply_codes_fp8(inp, weights, activation, expert_map, local, out_dtype)
     _check_quantized_problem(inp, weights, activation)
     from jmoe.kernels.moe import fused_experts_quantized  # noqa: PLC0415
     out = fused_experts_quantized(inp.a, inp.a_scale, weights.w13, weights.w2, inp.topk_weights,
@@ -230,6 +241,25 @@ class PallasExperts(Experts):
                                      activation=activation, w13_bias=weights.w13_bias,
                                      w2_bias=weights.w2_bias, out_dtype=out_dtype,
                                      interpret=self.interpret, layout=layout)
+
+
+  def _apply_codes_fp8(self, inp, weights, activation, expert_map, local, out_dtype):
+    """4-bit codes with prepare's fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): the decode
+    kernel's 8-bit form where it takes the call (jmoe.kernels.decode_wq: <= 128 slots), the
+    XLA experts elsewhere (the weights dequantized per call; no Pallas prefill form yet)."""
+    check_weights_for_activation(weights, activation)
+    from jmoe.kernels.moe import fused_experts_weight_only, weight_only_layout  # noqa: PLC0415
+    t, k = local.shape
+    if weight_only_layout(t, k, weights.hidden_size, weights.intermediate_size, activation,
+                          weights.w13, weights.w2) != "decode":
+      from jmoe.experts.xla import XlaExperts  # noqa: PLC0415
+      return XlaExperts().apply(inp, weights, activation=activation, expert_map=expert_map,
+                                out_dtype=out_dtype)
+    out = fused_experts_weight_only(inp.a, weights.w13, weights.w2, inp.topk_weights, local,
+                                    activation=activation, w13_bias=weights.w13_bias,
+                                    w2_bias=weights.w2_bias, interpret=self.interpret,
+                                    layout="decode", x_scale=inp.a_scale)
+    return out.astype(out_dtype)
 
 
 def _batched_forward(act, interpret, a, ent, w13, w2, b13, b2):

@@ -20,6 +20,10 @@ import jax.numpy as jnp
 from jmoe.config import QuantConfig
 from jmoe.quant.weights import QMAX
 
+# dynamic scales constant along K (one per row, or one per call): a GEMM applies them once,
+# after its contraction -- what the Pallas 8-bit decode kernels take
+ROW_SCALES = ("dynamic_token", "dynamic_tensor")
+
 
 def act_scale_shape(quant: QuantConfig, rows_shape: tuple[int, ...], h: int) -> tuple[int, ...]:
   """The scale's shape for rows [..., H] under `quant`."""

@@ -111,8 +111,8 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
                     "rows; else the weights dequantized per call into the bf16 kernels)")
         elif runner == "pallas_mosaic" and quant.weight_dtype in ("int4", "float4_e2m1fn"):
           chose += (" (4-bit codes with fp8 tokens: the decode_wq kernel's 8-bit MMAs at "
-                    "<= 128 slots; past that the XLA experts, the weights dequantized per "
-                    "call)")
+                    "<= 128 slots where slots rarely share experts; elsewhere the tokens "
+                    "dequantized to bf16 into the weight-only kernels, the intermediate bf16)")
       return runner, "; ".join(skipped + [chose])
     skipped.append(f"{runner} skipped: {why}")
   what = f"{quant}" if quant is not None and quant.is_quantized else "this call"

@@ -210,10 +210,8 @@ class PallasExperts(Experts):
     local = local_expert_ids(inp.topk_ids, weights.num_experts, expert_map)
     dt = jnp.dtype(out_dtype)
     kernel_out = dt if dt in _DTYPES else jnp.dtype(jnp.bfloat16)
-    if quant.act_dtype is None:
+    if quant.act_dtype is None or quant.weight_dtype in _CODES4:  # (4-bit: fp8 tokens too)
       return self._apply_weight_only(inp, weights, activation, local, kernel_out).astype(dt)
-    if quant.weight_dtype in _CODES4:
-      return self._apply_codes_fp8(inp, weights, activation, expert_map, local, out_dtype)
     _check_quantized_problem(inp, weights, activation)
     from jmoe.kernels.moe import fused_experts_quantized  # noqa: PLC0415
     out = fused_experts_quantized(inp.a, inp.a_scale, weights.w13, weights.w2, inp.topk_weights,
@@ -223,11 +221,13 @@ class PallasExperts(Experts):
     return out.astype(out_dtype)
 
   def _apply_weight_only(self, inp, weights, activation, local, out_dtype):
-    """w4a16 / w8a16 / mxfp4 / nvfp4 with bf16 tokens: fused_experts_weight_only's, in the
-    layout env JMOE_WEIGHT_ONLY_LAYOUT names (read at trace time; default "auto": see
+    """w4a16 / w8a16 / mxfp4 / nvfp4 with bf16 tokens, and 4-bit codes with prepare's fp8
+    tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): fused_experts_weight_only's, in the layout env
+    JMOE_WEIGHT_ONLY_LAYOUT names (read at trace time; default "auto": see
     jmoe.kernels.moe.weight_only_layout) -- for benchmarks that compare the layouts."""
     check_weights_for_activation(weights, activation)
-    if jnp.dtype(inp.a.dtype) not in _DTYPES:
+    fp8_tokens = weights_quant(weights).act_dtype is not None
+    if not fp8_tokens and jnp.dtype(inp.a.dtype) not in _DTYPES:
       raise ValueError(f"runner_backend='pallas_mosaic' takes bf16/f16 hidden_states with "
                        f"weight-only {weights_quant(weights)}, got {inp.a.dtype}")
     from jmoe.kernels.moe import fused_experts_weight_only, weight_only_layout  # noqa: PLC0415
@@ -240,26 +240,8 @@ class PallasExperts(Experts):
     return fused_experts_weight_only(inp.a, weights.w13, weights.w2, inp.topk_weights, local,
                                      activation=activation, w13_bias=weights.w13_bias,
                                      w2_bias=weights.w2_bias, out_dtype=out_dtype,
-                                     interpret=self.interpret, layout=layout)
-
-
-  def _apply_codes_fp8(self, inp, weights, activation, expert_map, local, out_dtype):
-    """4-bit codes with prepare's fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): the decode
-    kernel's 8-bit form where it takes the call (jmoe.kernels.decode_wq: <= 128 slots), the
-    XLA experts elsewhere (the weights dequantized per call; no Pallas prefill form yet)."""
-    check_weights_for_activation(weights, activation)
-    from jmoe.kernels.moe import fused_experts_weight_only, weight_only_layout  # noqa: PLC0415
-    t, k = local.shape
-    if weight_only_layout(t, k, weights.hidden_size, weights.intermediate_size, activation,
-                          weights.w13, weights.w2) != "decode":
-      from jmoe.experts.xla import XlaExperts  # noqa: PLC0415
-      return XlaExperts().apply(inp, weights, activation=activation, expert_map=expert_map,
-                                out_dtype=out_dtype)
-    out = fused_experts_weight_only(inp.a, weights.w13, weights.w2, inp.topk_weights, local,
-                                    activation=activation, w13_bias=weights.w13_bias,
-                                    w2_bias=weights.w2_bias, interpret=self.interpret,
-                                    layout="decode", x_scale=inp.a_scale)
-    return out.astype(out_dtype)
+                                     interpret=self.interpret, layout=layout,
+                                     x_scale=inp.a_scale if fp8_tokens else None)
 
 
 def _batched_forward(act, interpret, a, ent, w13, w2, b13, b2):

@@ -197,6 +197,13 @@ def block_fn(act, runner):
   return jax.jit(block)
 
 
+def fp8_decode_layout(p, t, q13, q2) -> bool:
+  """Whether the Pallas experts run this fp8-token call in decode_wq's 8-bit form."""
+  from jmoe.kernels.moe import weight_only_layout  # noqa: PLC0415
+  layout = os.environ.get("JMOE_WEIGHT_ONLY_LAYOUT", "auto")  # (--layouts sets it)
+  return weight_only_layout(t, p["k"], p["H"], p["N"], p["act"], q13, q2, layout) == "decode"
+
+
 def oracle_choice(runner, quant, h, n) -> tuple[str, str]:
   """(experts class, reason) the oracle picks for this call (what fused_moe will run)."""
   try:
@@ -427,13 +434,18 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
     t0 = time.time()
     out = jax.block_until_ready(fn(*qsets[0]))
     r["compile_s"] = time.time() - t0
-    # fp8-token schemes: the reference of the decode kernel's scheme (the tokens' fp8 values,
-    # the intermediate per 128 columns; the XLA experts quantize it per token instead)
+    # fp8-token schemes: the reference sees the tokens' fp8 values and, where the decode
+    # kernel runs them (its 8-bit form), the intermediate per 128 columns as it quantizes it
+    # (elsewhere the bf16-token kernels keep it bf16; the XLA experts quantize it per token)
     xr = fake_quantize(x[:nchk], quant) if quant.act_dtype else x[:nchk]
+    requant = bool(quant.act_dtype) and backend == "PallasExperts" and fp8_decode_layout(
+        p, t, q13, q2)
+    r["reference"] = "fp8 tokens, intermediate fp8 per 128" if requant else (
+        "fp8 tokens" if quant.act_dtype else "bf16 tokens")
     ref = reference(xr, tw[:nchk], ti[:nchk],
                     lambda ids: dequantize(take_experts(q13, ids), jnp.float32),
                     lambda ids: dequantize(take_experts(q2, ids), jnp.float32), b13, b2, p["act"],
-                    requant=quant.act_dtype is not None)
+                    requant=requant)
     r["err_vs_dequant_ref"] = rel_err(out[:nchk].astype(jnp.float32), ref)
     r["err_vs_bf16"] = rel_err(out.astype(jnp.float32), out_ref)
     timed(args, fn, qsets, r)

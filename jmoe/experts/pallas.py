@@ -165,8 +165,10 @@ class PallasExperts(Experts):
     if jnp.dtype(dtype) not in _DTYPES:
       return f"{jnp.dtype(dtype).name} activations: the Pallas kernels take bf16/f16"
     # the 8-bit GEMMs' K step is 128; weight-only formats the decode kernels refuse are
-    # dequantized into the bf16 kernels (K step 64), so they take what bf16 takes
-    step = 128 if quant is not None and quant.act_dtype is not None else 64
+    # dequantized into the bf16 kernels (K step 64), so they take what bf16 takes, and so do
+    # 4-bit codes with fp8 tokens (decode_wq takes multiples of 64; else the bf16 kernels)
+    w8a8 = quant is not None and quant.act_dtype is not None and quant.weight_dtype not in _CODES4
+    step = 128 if w8a8 else 64
     if hidden_size % step or intermediate_size % step:
       return (f"hidden {hidden_size} / intermediate {intermediate_size} not multiples of "
               f"{step} (pad the weights once at load time)")

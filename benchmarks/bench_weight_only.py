@@ -169,18 +169,18 @@ def _reference_gemm2(a, tw, pos, w2, b2):
   return jnp.einsum("tk,tkh->th", tw.astype(jnp.float32), y, precision=_HI)
 
 
-def reference(x, tw, ti, dense13, dense2, b13, b2, act, requant=False) -> np.ndarray:
+def reference(x, tw, ti, dense13, dense2, b13, b2, act, requant=None) -> np.ndarray:
   """float32 reference on dense weights of the experts the slots use: dense13(ids) [u, H, 2N]
   and dense2(ids) [u, N, H] (f32, e.g. a scheme's dequantize of just those experts);
-  requant: the intermediate through fp8_per_block."""
+  requant: the intermediate [t, k, N] -> as the block quantizes it (None: unrounded)."""
   ti = np.asarray(ti)
   ids = np.unique(ti)
   pos = jnp.asarray(np.searchsorted(ids, ti).astype(np.int32))
   jids = jnp.asarray(ids)
   a = _reference_gemm1(x, pos, dense13(jids),
                        None if b13 is None else b13[jids].astype(jnp.float32), act)
-  if requant:  # the fp8 decode kernels' intermediate
-    a = jnp.asarray(fp8_per_block(np.asarray(a)))
+  if requant is not None:  # the scheme's intermediate, outside the jitted halves
+    a = requant(a)
   out = _reference_gemm2(a, tw, pos, dense2(jids),
                          None if b2 is None else b2[jids].astype(jnp.float32))
   return np.asarray(out, np.float64)
@@ -438,10 +438,13 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
     # kernel runs them (its 8-bit form), the intermediate per 128 columns as it quantizes it
     # (elsewhere the bf16-token kernels keep it bf16; the XLA experts quantize it per token)
     xr = fake_quantize(x[:nchk], quant) if quant.act_dtype else x[:nchk]
-    requant = bool(quant.act_dtype) and backend == "PallasExperts" and fp8_decode_layout(
-        p, t, q13, q2)
-    r["reference"] = "fp8 tokens, intermediate fp8 per 128" if requant else (
-        "fp8 tokens" if quant.act_dtype else "bf16 tokens")
+    requant = None
+    if quant.act_dtype and backend != "PallasExperts":
+      requant = functools.partial(fake_quantize, quant=quant)  # XLA's: per token (eager)
+    elif quant.act_dtype and fp8_decode_layout(p, t, q13, q2):
+      requant = lambda a: jnp.asarray(fp8_per_block(np.asarray(a)))  # noqa: E731
+    r["reference"] = ("bf16 tokens" if not quant.act_dtype else "fp8 tokens" + (
+        ", intermediate fp8" if requant is not None else ""))
     ref = reference(xr, tw[:nchk], ti[:nchk],
                     lambda ids: dequantize(take_experts(q13, ids), jnp.float32),
                     lambda ids: dequantize(take_experts(q2, ids), jnp.float32), b13, b2, p["act"],

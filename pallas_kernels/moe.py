@@ -609,8 +609,10 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
     if (x_scale is None) or jnp.dtype(x.dtype) != jnp.dtype(jnp.float8_e4m3fn):
       raise ValueError(f"x / x_scale: {w13.scheme.name} takes prepare's float8_e4m3fn tokens "
                        f"and their scales, got {x.dtype} and x_scale={x_scale is not None}")
-    if chosen != "decode":  # the bf16-token kernels on the tokens' values
-      x = dequantize_activations(x, x_scale, jnp.bfloat16)
+    if chosen != "decode":  # the bf16-token kernels on the tokens' values (the barrier keeps
+      # XLA from folding prepare's f32 -> fp8 -> bf16 round trip into no rounding at all,
+      # which it did on the H200: the tokens came out unquantized)
+      x = dequantize_activations(lax.optimization_barrier(x), x_scale, jnp.bfloat16)
       w13, w2, x_scale = weight_only_view(w13), weight_only_view(w2), None
   if chosen == "prefill":
     return _weight_only_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,

@@ -237,7 +237,8 @@ def test_moe_block_runs_quantized_weights(rng):
 
 
 @pytest.mark.parametrize("scheme,a2a", [pytest.param("fp8_block", "allgather", marks=pytest.mark.slow),
-                                        ("fp8_block", "ragged_dedup"),
+                                        pytest.param("fp8_block", "ragged_dedup",
+                                                     marks=pytest.mark.slow),
                                         ("int8", "ragged_a2a"), ("fp8_channel", "padded_a2a")])
 def test_quantized_weights_shard_over_the_expert_axis(scheme, a2a, rng):
   """EP on 8 simulated devices (data 2 x expert 4): quantized rows and their scales ride the

@@ -58,6 +58,7 @@ from jmoe.experts._common import add_bias, sort_slots_by_expert  # noqa: E402
 from jmoe.kernels.activations import Activation  # noqa: E402
 from jmoe.quant import dequantize, weight_bytes  # noqa: E402
 from jmoe.quant.activations import fake_quantize  # noqa: E402
+from jmoe.quant.weights import PACKED_4BIT  # noqa: E402
 from bench_quant import (BW, log, make_inputs, make_weights, quantize_chunked,  # noqa: E402
                          rel_err, time_fn)
 from check_common import top_kernels  # noqa: E402  (benchmarks/, the script's directory)
@@ -80,7 +81,7 @@ SMOKE_PRESETS = {
                      bias=True),
 }
 WEIGHT_ONLY = tuple(n for n, s in QUANT_SCHEMES.items() if s.get("act_dtype") is None)
-CODES4 = ("int4", "float4_e2m1fn")
+CODES4 = PACKED_4BIT
 CODES4_FP8 = tuple(n for n, s in QUANT_SCHEMES.items()
                    if s.get("act_dtype") and s["weight_dtype"] in CODES4)
 GROUPS = (128, 64, 32, 16)

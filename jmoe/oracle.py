@@ -17,6 +17,7 @@ import jax
 from jmoe import registry
 from jmoe.config import A2A_BACKENDS, RUNNER_BACKENDS, ParallelConfig, QuantConfig, check_choice
 from jmoe.modular import ActivationFormat, Experts, PrepareFinalize, compatibility
+from jmoe.quant.weights import is_packed
 
 log = logging.getLogger("jmoe.oracle")
 
@@ -109,7 +110,7 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
                     "that, or where slots share experts in a format the shared kernel lacks, "
                     "4-bit codes on the grouped_gemm_wq GEMMs while experts average <= 512 "
                     "rows; else the weights dequantized per call into the bf16 kernels)")
-        elif runner == "pallas_mosaic" and quant.weight_dtype in ("int4", "float4_e2m1fn"):
+        elif runner == "pallas_mosaic" and is_packed(quant):
           chose += (" (4-bit codes with fp8 tokens: the decode_wq kernel's 8-bit MMAs at "
                     "<= 128 slots where slots rarely share experts; elsewhere the tokens "
                     "dequantized to bf16 into the weight-only kernels, the intermediate bf16)")

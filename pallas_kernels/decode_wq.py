@@ -120,7 +120,9 @@ def _stage_bytes(plan: _Plan) -> int:
 
 def _fixed_bytes(plan: _Plan, h: int) -> int:
   g1 = h // plan.group
-  fixed = ROWS_A * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 2 * 64 * 4
+  fixed = ROWS_A * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 64 * 4
+  if plan.act8:  # the item's intermediate scale
+    fixed += 64 * 4
   if plan.small_groups:  # a window's scales at a time, double-buffered
     fixed += 2 * 2 * BN * _N * 4
   elif plan.grouped:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jmoe.config import QuantConfig
 from jmoe.quant.activations import ROW_SCALES
+from jmoe.quant.weights import is_packed
 from jmoe.experts._common import check_weights_for_activation, narrow_to_touched, weights_quant
 from jmoe.modular import (ActivationFormat, BatchedExperts, Experts, ExpertsInput, ExpertWeights,
                           NoOp, local_expert_ids)
@@ -28,7 +29,6 @@ from jmoe.registry import register_runner
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _Q8 = ("float8_e4m3fn", "int8")
-_CODES4 = ("int4", "float4_e2m1fn")  # 4-bit codes: with fp8 tokens, decode_wq's 8-bit form
 
 
 def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
@@ -37,14 +37,15 @@ def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   scales), fp8_block (128 x 128 weight blocks, 1 x 128 activation groups), and every
   weight-only format (jmoe.kernels.moe.fused_experts_weight_only: the decode kernels or the
   grouped GEMMs on the codes where they apply, else the weights dequantized per call into the
-  bf16 kernels), and 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8: the decode
-  kernel where it takes the call, the XLA experts elsewhere)."""
+  bf16 kernels), and 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8: decode_wq's
+  8-bit form where it takes the call, else the tokens dequantized into the weight-only
+  kernels)."""
   if quant is None or not quant.is_quantized:
     return None
   name = quant.name
   if quant.act_dtype is None:  # weight-only: fused_experts_weight_only takes every format
     return None
-  if quant.weight_dtype in _CODES4:
+  if is_packed(quant):  # 4-bit codes with quantized tokens
     if quant.act_dtype != "float8_e4m3fn" or quant.act_scale not in ROW_SCALES:
       return (f"{name}: {quant.weight_dtype} weights with {quant.act_dtype} activations "
               f"scaled {quant.act_scale} (the Pallas decode kernel takes fp8 tokens with one "
@@ -167,7 +168,7 @@ class PallasExperts(Experts):
     # the 8-bit GEMMs' K step is 128; weight-only formats the decode kernels refuse are
     # dequantized into the bf16 kernels (K step 64), so they take what bf16 takes, and so do
     # 4-bit codes with fp8 tokens (decode_wq takes multiples of 64; else the bf16 kernels)
-    w8a8 = quant is not None and quant.act_dtype is not None and quant.weight_dtype not in _CODES4
+    w8a8 = quant is not None and quant.act_dtype is not None and not is_packed(quant)
     step = 128 if w8a8 else 64
     if hidden_size % step or intermediate_size % step:
       return (f"hidden {hidden_size} / intermediate {intermediate_size} not multiples of "
@@ -212,7 +213,7 @@ class PallasExperts(Experts):
     local = local_expert_ids(inp.topk_ids, weights.num_experts, expert_map)
     dt = jnp.dtype(out_dtype)
     kernel_out = dt if dt in _DTYPES else jnp.dtype(jnp.bfloat16)
-    if quant.act_dtype is None or quant.weight_dtype in _CODES4:  # (4-bit: fp8 tokens too)
+    if quant.act_dtype is None or is_packed(quant):  # (4-bit codes: fp8 tokens too)
       return self._apply_weight_only(inp, weights, activation, local, kernel_out).astype(dt)
     _check_quantized_problem(inp, weights, activation)
     from jmoe.kernels.moe import fused_experts_quantized  # noqa: PLC0415

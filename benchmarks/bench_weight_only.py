@@ -198,11 +198,11 @@ def block_fn(act, runner):
   return jax.jit(block)
 
 
-def fp8_decode_layout(p, t, q13, q2) -> bool:
-  """Whether the Pallas experts run this fp8-token call in decode_wq's 8-bit form."""
+def weight_only_layout_of(p, t, q13, q2) -> str:
+  """The layout the Pallas experts run this call in (`moe.weight_only_layout`)."""
   from jmoe.kernels.moe import weight_only_layout  # noqa: PLC0415
   layout = os.environ.get("JMOE_WEIGHT_ONLY_LAYOUT", "auto")  # (--layouts sets it)
-  return weight_only_layout(t, p["k"], p["H"], p["N"], p["act"], q13, q2, layout) == "decode"
+  return weight_only_layout(t, p["k"], p["H"], p["N"], p["act"], q13, q2, layout)
 
 
 def oracle_choice(runner, quant, h, n) -> tuple[str, str]:
@@ -437,12 +437,14 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
     r["compile_s"] = time.time() - t0
     # fp8-token schemes: the reference sees the tokens' fp8 values and, where the decode
     # kernel runs them (its 8-bit form), the intermediate per 128 columns as it quantizes it
-    # (elsewhere the bf16-token kernels keep it bf16; the XLA experts quantize it per token)
+    # (the bf16-token kernels keep it bf16; the XLA experts and the fp8-token prefill GEMMs
+    # quantize it per token)
     xr = fake_quantize(x[:nchk], quant) if quant.act_dtype else x[:nchk]
     requant = None
-    if quant.act_dtype and backend != "PallasExperts":
+    layout8 = weight_only_layout_of(p, t, q13, q2) if quant.act_dtype else None
+    if quant.act_dtype and (backend != "PallasExperts" or layout8 == "prefill_fp8"):
       requant = functools.partial(fake_quantize, quant=quant)  # XLA's: per token (eager)
-    elif quant.act_dtype and fp8_decode_layout(p, t, q13, q2):
+    elif layout8 == "decode":
       requant = lambda a: jnp.asarray(fp8_per_block(np.asarray(a)))  # noqa: E731
     r["reference"] = ("bf16 tokens" if not quant.act_dtype else "fp8 tokens" + (
         ", intermediate fp8" if requant is not None else ""))
@@ -496,7 +498,7 @@ def parse_args(argv=None):
   ap.add_argument("--runner", default="auto", help="fused_moe's runner_backend")
   ap.add_argument("--layouts", default="auto",
                   help="weight-only layouts to time, each a row (auto, decode, decode_shared, "
-                       "prefill, dequantize: JMOE_WEIGHT_ONLY_LAYOUT)")
+                       "prefill, prefill_fp8, dequantize: JMOE_WEIGHT_ONLY_LAYOUT)")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--rotate", type=int, default=3, help="random input sets timed in rotation")
   ap.add_argument("--check-tokens", type=int, default=4,
@@ -532,8 +534,9 @@ def parse_args(argv=None):
   args.peers = [] if args.peers in ("", "none") else args.peers.split(",")
   args.layouts = args.layouts.split(",")
   for lay in args.layouts:
-    if lay not in ("auto", "decode", "decode_shared", "prefill", "dequantize"):
-      ap.error(f"--layouts: {lay!r} is not auto, decode, decode_shared, prefill or dequantize")
+    if lay not in ("auto", "decode", "decode_shared", "prefill", "prefill_fp8", "dequantize"):
+      ap.error(f"--layouts: {lay!r} is not auto, decode, decode_shared, prefill, prefill_fp8 "
+               "or dequantize")
   for s in args.peers:
     try:
       parse_peer(s)

@@ -112,8 +112,10 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
                     "rows; else the weights dequantized per call into the bf16 kernels)")
         elif runner == "pallas_mosaic" and is_packed(quant):
           chose += (" (4-bit codes with fp8 tokens: the decode_wq kernel's 8-bit MMAs at "
-                    "<= 128 slots where slots rarely share experts; elsewhere the tokens "
-                    "dequantized to bf16 into the weight-only kernels, the intermediate bf16)")
+                    "<= 128 slots where slots rarely share experts; elsewhere mxfp4 on the "
+                    "grouped_gemm_w4a8 fp8 GEMMs (K and N multiples of 128), the other "
+                    "formats with the tokens dequantized to bf16 into the weight-only "
+                    "kernels, the intermediate bf16)")
       return runner, "; ".join(skipped + [chose])
     skipped.append(f"{runner} skipped: {why}")
   what = f"{quant}" if quant is not None and quant.is_quantized else "this call"

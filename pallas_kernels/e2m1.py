@@ -205,3 +205,114 @@ def e4m3_tile(codes: jax.Array, *, e2m1: bool, interpret: bool = False) -> jax.A
     return mgpu.FragmentedArray(_registers=new, _layout=arr.layout, _is_signed=None)
 
   return convert(codes)
+
+
+# ---------------------------------------------------------------- e2m1 x 2^shift -> e4m3
+# The fp8-token prefill GEMM (jmoe.kernels.grouped_gemm_w4a8) folds mxfp4's e8m0 group scales
+# into the conversion: per weight row, ref = its largest scale exponent; a group with exponent
+# e converts to value * 2^(e - ref + SHIFT_BIAS) in e4m3 (exact while e >= ref - 11; at ref - 12
+# the +-0.5 codes, 2^-7, flush to 0; below, the group is 0: its largest value is 2^-12 of the
+# row's), and 2^(ref - SHIFT_BIAS) multiplies the row's accumulator. e4m3's exponent field is
+# bits 3..6, so the shift is one add per byte on tables whose nonzero magnitudes are biased
+# down by 6 exponents (no byte leaves [0, 0x7c]: no carries between the packed bytes).
+SHIFT_BIAS = 6  # the largest group's 6.0 -> 384 (e4m3 max 448)
+MIN_SHIFT = -SHIFT_BIAS  # e - ref + SHIFT_BIAS below this: the group is flushed
+KEEP = 0x7777  # a word's low half: the selector mask (0: the group is flushed)
+
+
+def e4m3_shift_words(shift: jax.Array) -> jax.Array:
+  """Per (row, group) shifts e - ref + SHIFT_BIAS (int, <= SHIFT_BIAS) -> the conversion's
+  int32 words: KEEP in the low 16 bits (0 below MIN_SHIFT: the group flushes) and
+  8 * (shift - MIN_SHIFT) in the top byte (the exponent-field add)."""
+  s = shift.astype(jnp.int32)
+  keep = s >= MIN_SHIFT
+  add = jnp.where(keep, 8 * (s - MIN_SHIFT), 0)
+  return jnp.where(keep, KEEP, 0) | (add << 24)
+
+
+def e4m3_shifted_values(codes: jax.Array, shift: jax.Array) -> jax.Array:
+  """The conversion's values in float32, as jnp: e2m1 codes (int4 tile, any shape [..., K])
+  with per-element shifts (int, broadcast to codes) -> value * 2^shift, 0 where shift <
+  MIN_SHIFT and +-0.5 -> 0 at shift == MIN_SHIFT (2^-7 is below e4m3's normals: the table's
+  add cannot make it). Every result is an e4m3 number."""
+  v = _bits_form(codes, jnp.float32) * E2M1_UNIT
+  s = shift.astype(jnp.int32)
+  out = v * jnp.exp2(s.astype(jnp.float32))
+  out = jnp.where((s == MIN_SHIFT) & (jnp.abs(v) == 0.5), 0.0, out)
+  return jnp.where(s < MIN_SHIFT, 0.0, out)
+
+
+def _biased_words() -> tuple[tuple[int, int], tuple[int, int]]:
+  """The magnitude table (e4m3 byte of each e2m1 magnitude 1..7 less 6 exponents; 0 -> 0)
+  and the nonzero mask table, each 8 bytes as two 32-bit words."""
+  vals = np.asarray(E2M1_VALUES, np.float32)
+  b = vals.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.int64)
+  mag = np.where(vals > 0, b - 8 * SHIFT_BIAS, 0)
+  nz = np.where(vals > 0, 0xFF, 0)
+  return (_word(mag[:4]), _word(mag[4:])), (_word(nz[:4]), _word(nz[4:]))
+
+
+def _shifted_asm() -> str:
+  """$1: 4 codes (low 16 bits), $2: the group's word, $3: its add byte in all 4 bytes ->
+  $0: the 4 e4m3 bytes."""
+  (m0, m1), (z0, z1) = _biased_words()
+  return f"""
+  {{
+  .reg .b32 sel, mag, nz, sh, top, neg;
+  and.b32 sel, $1, $2;
+  prmt.b32 mag, {m0}, {m1}, sel;
+  prmt.b32 nz, {z0}, {z1}, sel;
+  and.b32 sh, $3, nz;
+  add.u32 mag, mag, sh;
+  and.b32 top, $1, 0x8888;
+  shr.u32 top, top, 1;
+  or.b32 top, top, 0x3210;
+  or.b32 neg, mag, 0x80808080;
+  prmt.b32 $0, mag, neg, top;
+  }}
+  """
+
+
+def e4m3_shifted_tile(codes: jax.Array, words, *, group: int,
+                      interpret: bool = False) -> jax.Array:
+  """codes: an int4 register tile [R, C] of e2m1 codes (R rows of a weight, C along K);
+  words: an SMEM ref [C / group, R] int32 (`e4m3_shift_words` of each row's group shifts) ->
+  float8_e4m3fn [R, C], `e4m3_shifted_values` bit for bit. GPU: codes in the WGMMA_8BIT
+  layout, whose 4-code registers each lie in one row and one group (group >= 16)."""
+  if group % 16:
+    raise ValueError(f"group={group}: the shifted e4m3 conversion needs groups of 16k")
+  if interpret:
+    w = words[...]
+    add = lax.shift_right_logical(w, 24) // 8 + MIN_SHIFT
+    shift = jnp.where((w & KEEP) == KEEP, add, MIN_SHIFT - 1)  # [C / group, R]
+    shift = jnp.repeat(shift.T, group, axis=1)
+    return e4m3_shifted_values(codes, shift).astype(jnp.float8_e4m3fn)
+  layout = plgpu.Layout.WGMMA_8BIT
+
+  @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()), return_type=plgpu.ShapeDtypeStruct(
+      codes.shape, jnp.float8_e4m3fn, layout=layout))
+  def convert(_ctx, arr, wref):
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils
+
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    index = ir.IndexType.get()
+    asm = _shifted_asm()
+    regs = arr.registers
+    vec_len = ir.VectorType(regs.flat[0].type).shape[0]
+    if vec_len != 4:
+      raise NotImplementedError(f"shifted e4m3: vector length {vec_len}")
+    four_ty = ir.VectorType.get((4,), utils.dtype_to_ir_type(jnp.dtype(jnp.float8_e4m3fn)))
+    new = np.empty_like(regs)
+    for idx, (row, col) in zip(np.ndindex(regs.shape), arr.layout.thread_idxs(arr.shape)):
+      grp = arith.divui(col, arith.constant(index, group))
+      w = memref.load(wref, [grp, row])
+      add = arith.muli(arith.shrui(w, utils.c(24, i32)), utils.c(0x01010101, i32))
+      code = arith.extui(i32, utils.bitcast(regs[idx], i16))
+      out = llvm.inline_asm(i32, [code, w, add], asm, "=r,r,r,r")
+      new[idx] = utils.bitcast(out, four_ty)
+    return mgpu.FragmentedArray(_registers=new, _layout=arr.layout, _is_signed=None)
+
+  return convert(codes, words)

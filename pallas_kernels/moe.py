@@ -18,6 +18,7 @@ from jmoe.kernels import decode as _decode
 from jmoe.kernels import decode_q8 as _decode_q8
 from jmoe.kernels import decode_wq as _decode_wq
 from jmoe.kernels import decode_wq_shared as _decode_wq_shared
+from jmoe.kernels import grouped_gemm_w4a8 as _w4a8
 from jmoe.kernels import grouped_gemm_wq as _gg_wq
 from jmoe.kernels import permute as _perm
 from jmoe.kernels import route as _route
@@ -25,7 +26,7 @@ from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels.grouped_gemm import GroupedGemmConfig
 from jmoe.config import QuantConfig
-from jmoe.quant.activations import dequantize_activations
+from jmoe.quant.activations import ROW_SCALES, dequantize_activations
 
 
 log = logging.getLogger(__name__)
@@ -525,15 +526,23 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   tokens are dequantized to bf16 and the weight-only rule picks (`weight_only_view`: its
   kernels stream an expert once for all its slots; measured, H200 mixtral 16 tokens: mxfp4
   prefill GEMMs 885 us against 1,778 for decode_wq's 8-bit form)."""
-  if layout not in ("auto", "decode", "decode_shared", "prefill", "dequantize"):
-    raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared', 'prefill' or "
-                     "'dequantize'")
+  if layout not in ("auto", "decode", "decode_shared", "prefill", "prefill_fp8", "dequantize"):
+    raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared', 'prefill', "
+                     "'prefill_fp8' or 'dequantize'")
   why = _decode_wq.unsupported(t, k, h, n, act, w13, w2)
   e = w13.shape[0]
   sharing = t * k >= 2 * e  # slots share experts on average
   if w13.scheme.act_dtype is not None and layout != "decode":
+    why8 = _w4a8_unsupported(h, n, act, w13, w2)
+    if layout == "prefill_fp8":
+      if why8 is not None:
+        raise ValueError(f"layout='prefill_fp8': the fp8-token prefill GEMMs do not take this "
+                         f"call: {why8}")
+      return layout
     if layout == "auto" and why is None and not sharing:
       return "decode"
+    if layout == "auto" and why8 is None:
+      return "prefill_fp8"
     return weight_only_layout(t, k, h, n, act, weight_only_view(w13), weight_only_view(w2),
                               layout)
   why_shared = _decode_wq_shared.unsupported(t, k, h, n, act, w13, w2)
@@ -556,6 +565,46 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
       return "prefill"
     return "dequantize"
   return layout
+
+
+def _w4a8_unsupported(h: int, n: int, act: Activation, w13, w2) -> str | None:
+  """Why the fp8-token prefill GEMMs (jmoe.kernels.grouped_gemm_w4a8) cannot take the
+  experts (None: they can): mxfp4 codes with fp8 tokens per token or per tensor, a gated
+  activation, GEMM1's and GEMM2's sizes."""
+  q = w13.scheme
+  if q.act_dtype != "float8_e4m3fn" or q.act_scale not in ROW_SCALES:
+    return f"{q.name}: fp8 tokens with one scale per token or per tensor"
+  if w2.scheme != q:
+    return "w13 and w2 must share one scheme"
+  if not act.is_gated:
+    return f"{act.name}: a gated activation"
+  return _w4a8.unsupported(h, n, w13) or _w4a8.unsupported(n, h, w2)
+
+
+def _w4a8_prefill(x_q, x_scale, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,
+                  out_dtype, interpret):
+  """The sorted layout on the fp8-token GEMMs over mxfp4 codes: moe_align, the fp8 token rows
+  and their scales gathered, GEMM1 (gated, bf16 out), its output re-quantized per the scheme
+  (fused_experts_quantized's per-token step), GEMM2, the router-weighted gather-sum."""
+  from jmoe.kernels.grouped_gemm_q8 import row_scale_vector  # noqa: PLC0415
+  t, k = topk_ids.shape
+  e = w13.shape[0]
+  m = t * k
+  bm = _w4a8.W4A8Config().block_m
+  m_alloc = gg.row_alloc(m, bm)
+  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
+  order = jnp.pad(sort_order, (0, m_alloc - m)) if m_alloc != m else sort_order
+  tok = order // k
+  num_rows = jnp.sum(group_sizes)
+  xs = _sorted_rows_8bit(x_q, tok, inv, num_rows, m_alloc, interpret)
+  xs_scale = _gather_act_scale(x_scale, tok, t)[:, 0]
+  meta = gg.tile_metadata(group_sizes, m_alloc, bm)
+  h = _w4a8.w4a8_run(xs, w13, xs_scale, meta=meta, act=act, gated=True, bias=w13_bias,
+                     out_dtype=jnp.bfloat16, interpret=interpret)
+  hq, hs = _requant_rows(h, jnp.arange(m_alloc) < num_rows, w13.scheme)
+  y = _w4a8.w4a8_run(hq, w2, row_scale_vector(hs, m_alloc), meta=meta, act=None, gated=False,
+                     bias=w2_bias, out_dtype=out_dtype, interpret=interpret)
+  return _perm.gather_sum(y, inv, topk_weights, out_dtype=out_dtype)
 
 
 def weight_only_view(w):
@@ -598,8 +647,9 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
   """fused_experts for weight-only quantized experts (w4a16, w8a16, mxfp4, nvfp4 with bf16
   tokens): x [T, H] bf16 / f16, w13 / w2 jmoe.quant.QuantizedWeights (logical [E, H, 2N] /
   [E, N, H]), topk_weights / topk_ids [T, k]; layout: weight_only_layout's. 4-bit codes with
-  fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): x float8_e4m3fn and x_scale [T, 1] / [1, 1],
-  the decode layout only. Returns [T, H] out_dtype."""
+  fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): x float8_e4m3fn and x_scale [T, 1] / [1, 1]
+  (decode: decode_wq's 8-bit MMAs; prefill_fp8, mxfp4: grouped_gemm_w4a8's; elsewhere the
+  tokens dequantized into the bf16-token kernels). Returns [T, H] out_dtype."""
   act = as_activation(activation)
   t, k = topk_ids.shape
   _, h, n13 = w13.shape
@@ -609,6 +659,9 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
     if (x_scale is None) or jnp.dtype(x.dtype) != jnp.dtype(jnp.float8_e4m3fn):
       raise ValueError(f"x / x_scale: {w13.scheme.name} takes prepare's float8_e4m3fn tokens "
                        f"and their scales, got {x.dtype} and x_scale={x_scale is not None}")
+    if chosen == "prefill_fp8":
+      return _w4a8_prefill(x, x_scale, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,
+                           out_dtype, interpret)
     if chosen != "decode":  # the bf16-token kernels on the tokens' values (the barrier keeps
       # XLA from folding prepare's f32 -> fp8 -> bf16 round trip into no rounding at all,
       # which it did on the H200: the tokens came out unquantized)

@@ -194,10 +194,12 @@ def test_decode_wq_fp8_tokens_say_what_they_need(rng):
   assert "bf16 tokens, not float8_e4m3fn" in decode_wq_shared.unsupported(
       1, 2, 512, 256, silu, q13, q2)
   assert pmoe.weight_only_layout(1, 2, 512, 256, silu, q13, q2) == "decode"
-  # where slots share experts, or past 128 slots: the bf16-token kernels' rule on the
-  # tokens' values (the prefill GEMMs here); an explicit decode layout stays
-  assert pmoe.weight_only_layout(8, 2, 512, 256, silu, q13, q2) == "prefill"
-  assert pmoe.weight_only_layout(80, 2, 512, 256, silu, q13, q2) == "prefill"
+  # where slots share experts, or past 128 slots: mxfp4's fp8-token prefill GEMMs
+  # (test_pallas_w4a8.py; the other formats the bf16-token kernels' rule on the tokens'
+  # values); an explicit decode layout stays
+  assert pmoe.weight_only_layout(8, 2, 512, 256, silu, q13, q2) == "prefill_fp8"
+  assert pmoe.weight_only_layout(80, 2, 512, 256, silu, q13, q2) == "prefill_fp8"
+  assert pmoe.weight_only_layout(80, 2, 512, 256, silu, q13, q2, layout="prefill") == "prefill"
   assert pmoe.weight_only_layout(8, 2, 512, 256, silu, q13, q2, layout="decode") == "decode"
   with pytest.raises(ValueError, match="float8_e4m3fn tokens"):
     pmoe.fused_experts_weight_only(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids))

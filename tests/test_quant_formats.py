@@ -301,7 +301,7 @@ def test_few_slots_on_many_experts_xla(rng):
 
 
 @pytest.mark.parametrize("fid,h,n,activation", [
-    ("nvfp4", 128, 128, "silu"),
+    pytest.param("nvfp4", 128, 128, "silu", marks=pytest.mark.slow),  # (lean: the 2880-kind)
     ("mxfp4", 192, 64, "swigluoai")])  # gpt-oss' kind: H / N multiples of 64, not 128; biases
 def test_few_slots_on_many_experts_pallas(fid, h, n, activation, rng, monkeypatch):
   """The same on the Pallas experts (the touched experts' weights dequantized into the bf16

@@ -38,8 +38,8 @@ def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   weight-only format (jmoe.kernels.moe.fused_experts_weight_only: the decode kernels or the
   grouped GEMMs on the codes where they apply, else the weights dequantized per call into the
   bf16 kernels), and 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8: decode_wq's
-  8-bit form where it takes the call, else the tokens dequantized into the weight-only
-  kernels)."""
+  8-bit form where it takes the call; mxfp4 past it on grouped_gemm_w4a8's fp8 GEMMs; else
+  the tokens dequantized into the weight-only kernels)."""
   if quant is None or not quant.is_quantized:
     return None
   name = quant.name

@@ -1,0 +1,362 @@
+"""The fp8-token grouped GEMM over mxfp4 codes for prefill (mxfp4_fp8): e2m1 codes converted
+to e4m3 in the kernel, 8-bit wgmma (twice bf16's rate), no dequantized copy of the experts.
+
+    out[r] = act(acc[r] * a_scale[r] * w_scale[e, :] + bias[e]) * row_scale[r]
+    acc[r] = sum_k x_q[r, k] * c[e, :, k]      (e: row r's expert; f32 accumulation)
+
+x_q: prepare's fp8 token rows (one scale a_scale per row), sorted by expert as in
+grouped_gemm; c: the codes' values with their e8m0 group scales folded in exactly
+(`jmoe.kernels.e2m1.e4m3_shifted_tile`): per weight row (output column n) ref = its largest
+scale exponent, a group of exponent e converts to value * 2^(e - ref + 6), and w_scale[e, n] =
+2^(ref - 127 - 6) multiplies the accumulator column. Every e2m1 value times a power of two
+within the row's 12 exponents is an e4m3 number, so only groups 2^12 below their row's
+largest lose bits (their +-0.5 codes flush at 2^-12, the whole group below): the GEMM is the
+mxfp4 x fp8 product, without the per-K-step promotion (second accumulator) DeepGEMM's
+block scales need.
+
+Warp specialized: a memory warpgroup brings each 128-deep K step's token tile, code tiles
+and per-(row, group) shift words by TMA; each of two compute warpgroups owns half of the
+tile's weight columns (all 128 token rows), converts its codes from shared memory into an
+e4m3 tile of its own in shared memory (`e4m3_shifted_tile`: one table permute chain per 4
+codes, the group's exponent added to the bytes), and runs the wgmma on it; the other
+warpgroup's MMA runs while one converts. The conversion is the price of 4-bit weights:
+per token tile of 128 rows each weight element is converted once.
+
+GEMM1 (gated, every activation, biases) and GEMM2 (router weight as row_scale, or applied by
+the caller's gather-sum) are the same kernel. Sizes: K a multiple of 128 and of the group (32),
+the output columns a multiple of the tile's (64 per warpgroup).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jmoe.kernels import _compat
+from jmoe.kernels import grouped_gemm as gg
+from jmoe.kernels.activations import Activation
+from jmoe.kernels.e2m1 import SHIFT_BIAS, e4m3_shift_words, e4m3_shifted_tile
+
+BK = 128  # the K step: one 128-byte swizzle row of fp8 tokens
+GROUP = 32  # mxfp4's scale group along K
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_E8M0_BIAS = 127
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A8Config:
+  """block_m: token rows per tile (128: both compute warpgroups' wgmma M); block_n: weight
+  columns per tile (gated: output columns, each with its gate and up), half per compute
+  warpgroup; num_stages: the TMA ring's slots; overlap: a warpgroup converts the next K step's
+  codes (into a second e4m3 tile) while its own wgmma of this step runs (the ring's slots
+  released a step later), else it waits for its wgmma each step and only the other
+  warpgroup's MMA fills the conversion."""
+  block_m: int = 128
+  block_n: int = 128
+  num_stages: int = 4
+  overlap: bool = True
+
+  def __post_init__(self):
+    if self.block_m != 128:
+      raise ValueError(f"block_m={self.block_m} must be 128")
+    if self.block_n not in (128, 256):
+      raise ValueError(f"block_n={self.block_n} must be 128 or 256")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages={self.num_stages} must be >= 2")
+
+
+OVERLAP = True  # default_config's overlap (benchmarks flip it, with a fresh jit)
+
+
+def default_config(n_out: int, gated: bool) -> W4A8Config:
+  """128 columns gated (two [128, 64] accumulators a warpgroup), 256 ungated where they
+  divide N (one [128, 128]); the deepest ring shared memory holds."""
+  bn = 256 if not gated and n_out % 256 == 0 else 128
+  return fit_stages(W4A8Config(block_n=bn, overlap=OVERLAP), 2 if gated else 1)
+
+
+def _stage_bytes(cfg: W4A8Config, n_rhs: int) -> int:
+  return cfg.block_m * BK + n_rhs * (cfg.block_n * BK // 2 + (BK // GROUP) * cfg.block_n * 4)
+
+
+def _fixed_bytes(cfg: W4A8Config, n_rhs: int) -> int:
+  tn = cfg.block_n // 2
+  ebuf = 2 * (2 if cfg.overlap else 1) * n_rhs * tn * BK  # each warpgroup's converted tiles
+  epi = 2 * cfg.block_m * tn * 2
+  return ebuf + epi + 2 * 6 * 128 * 4 + 4096
+
+
+def fit_stages(cfg: W4A8Config, n_rhs: int) -> W4A8Config:
+  """cfg with the ring lowered until shared memory holds it (at least 2 slots)."""
+  budget = gg._SMEM_BYTES - _fixed_bytes(cfg, n_rhs)
+  st = max(2, min(cfg.num_stages, budget // _stage_bytes(cfg, n_rhs)))
+  return dataclasses.replace(cfg, num_stages=st)
+
+
+def mx_shift_words(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """mxfp4 scales float8_e8m0fnu [E, N, K/32] -> (the kernel's shift words int32 [E, K/32, N],
+  a step's words one TMA box; w_scale float32 [E, N] = 2^(ref - 127 - SHIFT_BIAS), ref each
+  row's largest exponent)."""
+  e = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+  ref = jnp.max(e, axis=2)
+  words = e4m3_shift_words(e - ref[:, :, None] + SHIFT_BIAS)
+  w_scale = jnp.exp2((ref - _E8M0_BIAS - SHIFT_BIAS).astype(jnp.float32))
+  return jnp.swapaxes(words, 1, 2), w_scale
+
+
+def fp8_codes(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The kernel's operands in jnp (the reference): packed e2m1 codes uint8 [E, N, K/2] and
+  their e8m0 scales [E, N, K/32] -> (the e4m3 values the kernel multiplies [E, N, K] float32,
+  w_scale [E, N]); values * w_scale[..., None] is mxfp4's dequantization up to the flushed
+  groups."""
+  from jmoe.kernels.e2m1 import e4m3_shifted_values  # noqa: PLC0415
+  e, n, half = values.shape
+  codes = lax.bitcast_convert_type(values, jnp.int4).reshape(e, n, 2 * half)
+  ex = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+  ref = jnp.max(ex, axis=2)
+  shift = jnp.repeat(ex - ref[:, :, None] + SHIFT_BIAS, GROUP, axis=2)
+  w_scale = jnp.exp2((ref - _E8M0_BIAS - SHIFT_BIAS).astype(jnp.float32))
+  return e4m3_shifted_values(codes, shift), w_scale
+
+
+def _build(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg: W4A8Config, gated: bool,
+           act: Activation | None, has_bias: bool, has_scale: bool, num_sms: int, interpret):
+  bm, bn = cfg.block_m, cfg.block_n
+  tn = bn // 2  # columns per compute warpgroup
+  k_iters = k // BK
+  n_tiles = n_out // bn
+  n_rhs = 2 if gated else 1
+  ng = BK // GROUP
+  emulate = interpret is not None  # the interpreter: no transposed SMEM views, no inline PTX
+  _cast = _compat.layout_cast(interpret)
+  tf_x = _compat.smem_transforms(BK, 1)
+  swz = plgpu.find_swizzle(BK * 4)
+  tf_c = (plgpu.TilingTransform((8, swz * 2)), plgpu.SwizzleTransform(swz))
+  tf_e = _compat.smem_transforms(tn if emulate else BK, 1)
+  ladder = []
+  r = bm
+  while r > 0:
+    ladder.append(r)
+    r //= 2
+  shape = (bm, tn)
+  nbar = 6  # per warpgroup: bias gate / up, row scale, a_scale, w_scale gate / up
+
+  nbuf = 2 if cfg.overlap else 1  # e4m3 tiles per warpgroup and operand
+  lag = 1 if cfg.overlap else 0  # steps a ring slot stays held after its own
+
+  def in_specs():
+    return ([plgpu.BlockSpec((bm, BK), lambda kk: (0, kk), transforms=tf_x,
+                             delay_release=lag)]
+            + [plgpu.BlockSpec((bn, BK), lambda kk: (0, kk), transforms=tf_c,
+                               delay_release=lag)] * n_rhs
+            + [plgpu.BlockSpec((ng, bn), lambda kk: (kk, 0), delay_release=lag)] * n_rhs)
+
+  def body(meta_ref, ntask_ref, lhs_ref, codes_ref, words_ref, as_ref, ws_ref, *rest):
+    rest = list(rest)
+    scale_ref = rest.pop(0) if has_scale else None
+    bias_ref = rest.pop(0) if has_bias else None
+    out_ref = rest.pop(0)
+    epi_smem, vec_smem, ebuf, bars, pipeline_allocs = rest
+    num_items = ntask_ref[0] * n_tiles
+
+    def bar(wg, j):
+      return bars.at[wg * nbar + j]
+
+    def epilogue(accs, wg, e, row, lo, hi, ni):
+      """accs: this warpgroup's f32 [bm, tn] (gate, up) of columns ni * bn + wg * tn."""
+      c0 = ni * bn + wg * tn
+      vec, epi = vec_smem.at[wg], epi_smem.at[wg]
+      plgpu.copy_gmem_to_smem(as_ref.at[pl.ds(row, bm)], vec.at[3, :bm], bar(wg, 3))
+      for j in range(n_rhs):
+        plgpu.copy_gmem_to_smem(ws_ref.at[e, pl.ds(j * n_out + c0, tn)], vec.at[4 + j, :tn],
+                                bar(wg, 4 + j))
+        if has_bias:
+          plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(j * n_out + c0, tn)], vec.at[j, :tn],
+                                  bar(wg, j))
+      if has_scale:
+        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row, bm)], vec.at[2, :bm], bar(wg, 2))
+      plgpu.barrier_wait(bar(wg, 3))
+      sa = _cast(vec.at[3, :bm][...], plgpu.Layout.WGMMA.reduce(1))
+      sa = lax.broadcast_in_dim(sa, shape, [0])
+      vals = []
+      for j, a in enumerate(accs):
+        plgpu.barrier_wait(bar(wg, 4 + j))
+        sw = _cast(vec.at[4 + j, :tn][...], plgpu.Layout.WGMMA.reduce(0))
+        a = a * sa * lax.broadcast_in_dim(sw, shape, [1])
+        if has_bias:
+          plgpu.barrier_wait(bar(wg, j))
+          b = _cast(vec.at[j, :tn][...], plgpu.Layout.WGMMA.reduce(0))
+          a = a + lax.broadcast_in_dim(b, shape, [1])
+        vals.append(a)
+      y = gg.kernel_activation(act, *vals) if act is not None else vals[0]
+      if has_scale:
+        plgpu.barrier_wait(bar(wg, 2))
+        s_ = _cast(vec.at[2, :bm][...], plgpu.Layout.WGMMA.reduce(1))
+        y = y * lax.broadcast_in_dim(s_, shape, [0])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read SMEM
+      epi[...] = y.astype(out_dtype)
+      plgpu.commit_smem()
+      start = jnp.maximum(lo - row, 0)
+      size = jnp.maximum(jnp.minimum(hi, row + bm) - jnp.maximum(lo, row), 0)
+      for rows in ladder:
+        @pl.when((size & rows) != 0)
+        def _store():
+          plgpu.copy_smem_to_gmem(epi.at[pl.ds(start, rows)],
+                                  out_ref.at[pl.ds(row + start, rows), pl.ds(c0, tn)])
+        start = start + (size & rows)
+
+    def step(idx, x_smem, *refs):
+      """One K step: this warpgroup's code columns -> e4m3 tiles (SMEM), then their wgmma.
+      overlap: the tiles alternate two buffers and the step leaves its own wgmma running
+      (the previous step's, which read the other buffer, has finished: the wait below)."""
+      code_smems, word_smems, accs = refs[:n_rhs], refs[n_rhs:2 * n_rhs], refs[2 * n_rhs]
+      wg = lax.axis_index("wg")
+      buf = lax.rem(idx[0], nbuf) if cfg.overlap else 0
+      cols = pl.ds(wg * tn, tn)
+      for j in range(n_rhs):
+        tile = e4m3_shifted_tile(code_smems[j].at[cols][...], word_smems[j].at[:, cols],
+                                 group=GROUP, interpret=emulate)
+        ebuf.at[wg, buf, j][...] = tile.T if emulate else tile
+      plgpu.commit_smem()  # the converted tiles are visible to the async proxy (wgmma)
+      for j, acc in enumerate(accs):
+        b = ebuf.at[wg, buf, j]
+        plgpu.wgmma(acc, x_smem, b if emulate else plgpu.transpose_ref(b, (1, 0)))
+      # without overlap the e4m3 tiles are read before the next step overwrites them; with
+      # it, the previous step's wgmma is done (its buffer and ring slot are free)
+      plgpu.wgmma_wait(n_rhs if cfg.overlap else 0)
+      return accs
+
+    def compute_item(e, row, lo, hi, ni):
+      cols = [j * n_out + ni * bn for j in range(n_rhs)]
+      gmem = (lhs_ref.at[pl.ds(row, bm), :],
+              *[codes_ref.at[e, pl.ds(c, bn), :] for c in cols],
+              *[words_ref.at[e, :, pl.ds(c, bn)] for c in cols])
+
+      def compute_context(eval_pipeline):
+        def scope(*acc_refs):
+          wg = lax.axis_index("wg")
+          accs = eval_pipeline(tuple(acc_refs))
+          plgpu.wgmma_wait(0)  # (overlap: the last step's wgmma)
+          epilogue([a[...] for a in accs], wg, e, row, lo, hi, ni)
+        pl.run_scoped(scope, *[plgpu.ACC(shape, jnp.float32) for _ in range(n_rhs)])
+
+      plgpu.emit_pipeline_warp_specialized(
+          step, grid=(k_iters,), memory_registers=40, in_specs=in_specs(), wg_axis="wg",
+          num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
+          compute_context=compute_context)(*gmem, allocations=pipeline_allocs)
+
+    @plgpu.nd_loop((num_items,), collective_axes="sm")
+    def _loop(info):
+      (lin,) = info.index
+      task, ni = lax.div(lin, jnp.int32(n_tiles)), lax.rem(lin, jnp.int32(n_tiles))
+      e = meta_ref[0, task]
+      row = pl.multiple_of(jnp.minimum(meta_ref[1, task], m_pad - bm), 8)
+      compute_item(e, row, meta_ref[2, task], meta_ref[3, task], ni)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  pipe = plgpu.emit_pipeline_warp_specialized(
+      lambda *_: None, grid=(k_iters,), memory_registers=40, in_specs=in_specs(),
+      wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
+      compute_context=lambda *_: None)
+  allocs = pipe.get_allocations(
+      jax.ShapeDtypeStruct((bm, k), FP8),
+      *[jax.ShapeDtypeStruct((bn, k), jnp.int4)] * n_rhs,
+      *[jax.ShapeDtypeStruct((k // GROUP, bn), jnp.int32)] * n_rhs)
+  ebuf_shape = (2, nbuf, n_rhs) + ((BK, tn) if emulate else (tn, BK))
+  scratch = [plgpu.SMEM((2, bm, tn), out_dtype), plgpu.SMEM((2, 6, 128), jnp.float32),
+             plgpu.SMEM(ebuf_shape, FP8, transforms=tf_e),
+             plgpu.Barrier(num_arrivals=1, num_barriers=nbar * 2), allocs]
+  return _compat.kernel(
+      body, out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype), scratch_types=scratch,
+      grid=(num_sms,), grid_names=("sm",),
+      compiler_params=_compat.compiler_params(approx_math=True), interpret=interpret,
+      name="jmoe_gg_w4a8" + ("_gated" if gated else ""), num_threads=3, thread_name="wg")
+
+
+def unsupported(k: int, n_out: int, w) -> str | None:
+  """Why the kernel cannot take weights w (QuantizedWeights, logical [E, K, N_total]) with
+  n_out output columns (None: it can): mxfp4 codes (e8m0 scales per 32), K-major, K a
+  multiple of 128 and N_out of 128."""
+  q = w.scheme
+  if q is None or q.weight_dtype != "float4_e2m1fn" or q.scale_dtype != "float8_e8m0fnu":
+    return f"{q}: the fp8-token prefill GEMM takes mxfp4 codes (e8m0 scales)"
+  if q.group_size != GROUP or not w.k_major or w.perm is not None:
+    return f"{q.name}: groups of {GROUP} along K, K-major values, no act-order"
+  if k % BK or n_out % 128:
+    return f"K={k} must be a multiple of {BK} and N={n_out} of 128"
+  return None
+
+
+def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | None,
+             gated: bool, bias: jax.Array | None = None, row_scale: jax.Array | None = None,
+             out_dtype=jnp.bfloat16, config: W4A8Config | None = None,
+             interpret: Any = False) -> jax.Array:
+  """The kernel on sorted rows: lhs [m_pad, K] fp8 (the rows `meta` = tile_metadata(.., 128)
+  was built for), w mxfp4 QuantizedWeights (values [E, N_total, K/2]), a_scale [m_pad] f32
+  (the rows' token scales), bias [E, N_total] f32, row_scale [m_pad]. -> [m_pad, N_out]
+  out_dtype (rows outside the tasks unwritten)."""
+  m_pad, k = lhs.shape
+  e, n_total, _ = w.values.shape
+  n_out = n_total // 2 if gated else n_total
+  why = unsupported(k, n_out, w)
+  if why is not None:
+    raise ValueError(f"w4a8_run: {why}")
+  cfg = fit_stages(config or default_config(n_out, gated), 2 if gated else 1)
+  if n_out % cfg.block_n:
+    raise ValueError(f"N={n_out} is not a multiple of config.block_n={cfg.block_n}")
+  interp, nsm = _compat.launch_params(interpret)
+  kern = _build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, num_groups=e,
+                out_dtype=jnp.dtype(out_dtype), cfg=cfg, gated=gated, act=act,
+                has_bias=bias is not None, has_scale=row_scale is not None, num_sms=nsm,
+                interpret=interp)
+  codes = lax.bitcast_convert_type(w.values, jnp.int4).reshape(e, n_total, k)
+  words, w_scale = mx_shift_words(w.scale)
+  meta_arr, ntasks = meta
+  args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, codes, words,
+          a_scale.astype(jnp.float32), w_scale]
+  if row_scale is not None:
+    args.append(row_scale.astype(jnp.float32))
+  if bias is not None:
+    args.append(bias.astype(jnp.float32))
+  return kern(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))
+def grouped_gemm_w4a8(lhs: jax.Array, w, group_sizes: jax.Array, a_scale: jax.Array, *,
+                      activation: Activation | str | None = None,
+                      bias: jax.Array | None = None, row_scale: jax.Array | None = None,
+                      out_dtype=jnp.bfloat16, config: W4A8Config | None = None,
+                      interpret: Any = False) -> jax.Array:
+  """fp8 tokens x mxfp4 experts, grouped: out[r] = act((x_q[r] @ dq(w[g(r)])) * a_scale[r] +
+  bias[g(r)]) * row_scale[r]. lhs [M, K] float8_e4m3fn sorted by group, w mxfp4
+  QuantizedWeights (logical [E, K, N_total], K-major), group_sizes [E], a_scale [M, 1] / [M]
+  / [1, 1] f32, bias [E, N_total], row_scale [M]. -> [M, N_out] out_dtype (N_out = N_total / 2
+  with a gated activation). Rows past sum(group_sizes) are unwritten."""
+  from jmoe.kernels.grouped_gemm_q8 import _check_epilogue, _gate, row_scale_vector  # noqa: PLC0415
+  if lhs.ndim != 2 or jnp.dtype(lhs.dtype) != FP8:
+    raise ValueError(f"lhs must be float8_e4m3fn [M, K], got {lhs.dtype} {lhs.shape}")
+  m, k = lhs.shape
+  e, n_total, half = w.values.shape
+  if 2 * half != k:
+    raise ValueError(f"w: K={2 * half} (values {w.values.shape}) does not match lhs K={k}")
+  if group_sizes.shape != (e,):
+    raise ValueError(f"group_sizes must have shape ({e},), got {group_sizes.shape}")
+  act, gated, n_out = _gate(activation, n_total, argname="w")
+  _check_epilogue(m, e, n_total, n_out, bias, row_scale)
+  bm = W4A8Config().block_m
+  m_pad = gg.row_alloc(m, bm)
+  pad = lambda x: x if m_pad == m else jnp.pad(x, ((0, m_pad - m),) + ((0, 0),) * (x.ndim - 1))
+  meta = gg.tile_metadata(group_sizes, m, bm)
+  rs = None if row_scale is None else pad(row_scale.astype(jnp.float32))
+  out = w4a8_run(pad(lhs), w, pad(row_scale_vector(a_scale, m)), meta=meta, act=act,
+                 gated=gated, bias=bias, row_scale=rs, out_dtype=out_dtype, config=config,
+                 interpret=interpret)
+  return out[:m]

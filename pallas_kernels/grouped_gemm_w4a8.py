@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -42,7 +41,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jmoe.kernels import _compat
 from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels.activations import Activation
-from jmoe.kernels.e2m1 import SHIFT_BIAS, e4m3_shift_words, e4m3_shifted_tile
+from jmoe.kernels.decode_wq import _codes
+from jmoe.kernels.e2m1 import (SHIFT_BIAS, e4m3_shift_words, e4m3_shifted_tile,
+                               e4m3_shifted_values)
+from jmoe.kernels.grouped_gemm_q8 import _check_epilogue, _gate, row_scale_vector
 
 BK = 128  # the K step: one 128-byte swizzle row of fp8 tokens
 GROUP = 32  # mxfp4's scale group along K
@@ -100,15 +102,21 @@ def fit_stages(cfg: W4A8Config, n_rhs: int) -> W4A8Config:
   return dataclasses.replace(cfg, num_stages=st)
 
 
-def mx_shift_words(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """mxfp4 scales float8_e8m0fnu [E, N, K/32] -> (the kernel's shift words int32 [E, K/32, N],
-  a step's words one TMA box; w_scale float32 [E, N] = 2^(ref - 127 - SHIFT_BIAS), ref each
-  row's largest exponent)."""
-  e = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
-  ref = jnp.max(e, axis=2)
-  words = e4m3_shift_words(e - ref[:, :, None] + SHIFT_BIAS)
+def _mx_shifts(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """mxfp4 scales float8_e8m0fnu [E, N, K/32] -> (each group's shift e - ref + SHIFT_BIAS
+  int32 [E, N, K/32], w_scale float32 [E, N] = 2^(ref - 127 - SHIFT_BIAS)), ref each row's
+  largest exponent."""
+  ex = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+  ref = jnp.max(ex, axis=2)
   w_scale = jnp.exp2((ref - _E8M0_BIAS - SHIFT_BIAS).astype(jnp.float32))
-  return jnp.swapaxes(words, 1, 2), w_scale
+  return ex - ref[:, :, None] + SHIFT_BIAS, w_scale
+
+
+def mx_shift_words(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """mxfp4 scales [E, N, K/32] -> (the kernel's shift words int32 [E, K/32, N], a step's words
+  one TMA box; w_scale float32 [E, N]): `_mx_shifts` through `e4m3_shift_words`."""
+  shift, w_scale = _mx_shifts(scale)
+  return jnp.swapaxes(e4m3_shift_words(shift), 1, 2), w_scale
 
 
 def fp8_codes(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -116,17 +124,13 @@ def fp8_codes(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array
   their e8m0 scales [E, N, K/32] -> (the e4m3 values the kernel multiplies [E, N, K] float32,
   w_scale [E, N]); values * w_scale[..., None] is mxfp4's dequantization up to the flushed
   groups."""
-  from jmoe.kernels.e2m1 import e4m3_shifted_values  # noqa: PLC0415
   e, n, half = values.shape
   codes = lax.bitcast_convert_type(values, jnp.int4).reshape(e, n, 2 * half)
-  ex = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
-  ref = jnp.max(ex, axis=2)
-  shift = jnp.repeat(ex - ref[:, :, None] + SHIFT_BIAS, GROUP, axis=2)
-  w_scale = jnp.exp2((ref - _E8M0_BIAS - SHIFT_BIAS).astype(jnp.float32))
-  return e4m3_shifted_values(codes, shift), w_scale
+  shift, w_scale = _mx_shifts(scale)
+  return e4m3_shifted_values(codes, jnp.repeat(shift, GROUP, axis=2)), w_scale
 
 
-def _build(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg: W4A8Config, gated: bool,
+def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
            act: Activation | None, has_bias: bool, has_scale: bool, num_sms: int, interpret):
   bm, bn = cfg.block_m, cfg.block_n
   tn = bn // 2  # columns per compute warpgroup
@@ -313,11 +317,11 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
   if n_out % cfg.block_n:
     raise ValueError(f"N={n_out} is not a multiple of config.block_n={cfg.block_n}")
   interp, nsm = _compat.launch_params(interpret)
-  kern = _build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, num_groups=e,
+  kern = _build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total,
                 out_dtype=jnp.dtype(out_dtype), cfg=cfg, gated=gated, act=act,
                 has_bias=bias is not None, has_scale=row_scale is not None, num_sms=nsm,
                 interpret=interp)
-  codes = lax.bitcast_convert_type(w.values, jnp.int4).reshape(e, n_total, k)
+  codes = _codes(w, jnp.dtype(jnp.int4))
   words, w_scale = mx_shift_words(w.scale)
   meta_arr, ntasks = meta
   args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, codes, words,
@@ -340,7 +344,6 @@ def grouped_gemm_w4a8(lhs: jax.Array, w, group_sizes: jax.Array, a_scale: jax.Ar
   QuantizedWeights (logical [E, K, N_total], K-major), group_sizes [E], a_scale [M, 1] / [M]
   / [1, 1] f32, bias [E, N_total], row_scale [M]. -> [M, N_out] out_dtype (N_out = N_total / 2
   with a gated activation). Rows past sum(group_sizes) are unwritten."""
-  from jmoe.kernels.grouped_gemm_q8 import _check_epilogue, _gate, row_scale_vector  # noqa: PLC0415
   if lhs.ndim != 2 or jnp.dtype(lhs.dtype) != FP8:
     raise ValueError(f"lhs must be float8_e4m3fn [M, K], got {lhs.dtype} {lhs.shape}")
   m, k = lhs.shape

@@ -392,6 +392,18 @@ def _sorted_rows_8bit(a_q, tok, inv, num_rows, m_alloc, interpret):
 Q8_SCATTER_MIN_SLOTS = None
 
 
+def _sorted_8bit_rows(a_q, a_scale, topk_ids, e: int, m_alloc: int, interpret):
+  """The 8-bit GEMMs' operands in sorted-slot order: (rows [m_alloc, H], their activation
+  scales [m_alloc, G] f32, group_sizes [E], inv [T, k] from moe_align)."""
+  t, k = topk_ids.shape
+  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
+  m = t * k
+  order = jnp.pad(sort_order, (0, m_alloc - m)) if m_alloc != m else sort_order
+  tok = order // k
+  xs = _sorted_rows_8bit(a_q, tok, inv, jnp.sum(group_sizes), m_alloc, interpret)
+  return xs, _gather_act_scale(a_scale, tok, t), group_sizes, inv
+
+
 def _requant_rows(h: jax.Array, live: jax.Array, quant):
   """GEMM1's bf16 output quantized per the scheme's (per-token / per-tensor) activation
   format, in XLA: a row's scale spans all N column tiles, which no one epilogue tile sees.
@@ -468,11 +480,8 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
     cfg2 = config2 or q8.q8_config(m, hdim, n, e, gated=False, dtype=dt)
   bms = sorted({cfg1.block_m, cfg2.block_m})
   m_alloc = gg.row_alloc(m, *bms)
-  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
-  order = jnp.pad(sort_order, (0, m_alloc - m)) if m_alloc != m else sort_order
-  tok = order // k
-  xs = _sorted_rows_8bit(a_q, tok, inv, jnp.sum(group_sizes), m_alloc, interpret)
-  xs_scale = _gather_act_scale(a_scale, tok, t)  # [m_alloc, G]
+  xs, xs_scale, group_sizes, inv = _sorted_8bit_rows(a_q, a_scale, topk_ids, e, m_alloc,
+                                                     interpret)
   metas = {bm: gg.tile_metadata(group_sizes, m_alloc, bm) for bm in bms}
   if block:
     meta = metas[cfg1.block_m]
@@ -589,17 +598,13 @@ def _w4a8_prefill(x_q, x_scale, w13, w2, topk_weights, topk_ids, act, w13_bias, 
   from jmoe.kernels.grouped_gemm_q8 import row_scale_vector  # noqa: PLC0415
   t, k = topk_ids.shape
   e = w13.shape[0]
-  m = t * k
   bm = _w4a8.W4A8Config().block_m
-  m_alloc = gg.row_alloc(m, bm)
-  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
-  order = jnp.pad(sort_order, (0, m_alloc - m)) if m_alloc != m else sort_order
-  tok = order // k
+  m_alloc = gg.row_alloc(t * k, bm)
+  xs, xs_scale, group_sizes, inv = _sorted_8bit_rows(x_q, x_scale, topk_ids, e, m_alloc,
+                                                     interpret)
   num_rows = jnp.sum(group_sizes)
-  xs = _sorted_rows_8bit(x_q, tok, inv, num_rows, m_alloc, interpret)
-  xs_scale = _gather_act_scale(x_scale, tok, t)[:, 0]
   meta = gg.tile_metadata(group_sizes, m_alloc, bm)
-  h = _w4a8.w4a8_run(xs, w13, xs_scale, meta=meta, act=act, gated=True, bias=w13_bias,
+  h = _w4a8.w4a8_run(xs, w13, xs_scale[:, 0], meta=meta, act=act, gated=True, bias=w13_bias,
                      out_dtype=jnp.bfloat16, interpret=interpret)
   hq, hs = _requant_rows(h, jnp.arange(m_alloc) < num_rows, w13.scheme)
   y = _w4a8.w4a8_run(hq, w2, row_scale_vector(hs, m_alloc), meta=meta, act=None, gated=False,

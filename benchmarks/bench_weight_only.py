@@ -437,13 +437,16 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
     r["compile_s"] = time.time() - t0
     # fp8-token schemes: the reference sees the tokens' fp8 values and, where the decode
     # kernel runs them (its 8-bit form), the intermediate per 128 columns as it quantizes it
-    # (the bf16-token kernels keep it bf16; the XLA experts and the fp8-token prefill GEMMs
-    # quantize it per token)
+    # (the bf16-token kernels keep it bf16; the XLA experts quantize it per token, the
+    # fp8-token prefill GEMMs per token after GEMM1's bf16 output)
     xr = fake_quantize(x[:nchk], quant) if quant.act_dtype else x[:nchk]
     requant = None
     layout8 = weight_only_layout_of(p, t, q13, q2) if quant.act_dtype else None
-    if quant.act_dtype and (backend != "PallasExperts" or layout8 == "prefill_fp8"):
+    if quant.act_dtype and backend != "PallasExperts":
       requant = functools.partial(fake_quantize, quant=quant)  # XLA's: per token (eager)
+    elif layout8 == "prefill_fp8":  # per token, from GEMM1's bf16 output
+      requant = lambda a: fake_quantize(  # noqa: E731
+          a.astype(jnp.bfloat16).astype(jnp.float32), quant)
     elif layout8 == "decode":
       requant = lambda a: jnp.asarray(fp8_per_block(np.asarray(a)))  # noqa: E731
     r["reference"] = ("bf16 tokens" if not quant.act_dtype else "fp8 tokens" + (

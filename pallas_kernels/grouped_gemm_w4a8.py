@@ -16,15 +16,18 @@ block scales need.
 
 Warp specialized: a memory warpgroup brings each 128-deep K step's token tile, code tiles
 and per-(row, group) shift words by TMA; each of two compute warpgroups owns half of the
-tile's weight columns (all 128 token rows), converts its codes from shared memory into an
-e4m3 tile of its own in shared memory (`e4m3_shifted_tile`: one table permute chain per 4
-codes, the group's exponent added to the bytes), and runs the wgmma on it; the other
-warpgroup's MMA runs while one converts. The conversion is the price of 4-bit weights:
-per token tile of 128 rows each weight element is converted once.
+tile's weight columns, loads its codes from shared memory into registers and converts them
+there (`e4m3_shifted_tile`: one table permute chain per 4 codes, the group's exponent added
+to the bytes), and that register tile is the 8-bit wgmma's A operand, the token tile (K-major)
+its B: out^T = c @ x_q^T per tile, so the converted weights never touch shared memory (a
+first form stored them there as B and re-read them: mixtral GEMM2 455 TFLOP/s against this
+form's 770-800 on the H200). The accumulator [weight columns, tokens] goes out transposed
+(a register transpose, then untiled stores into the output tile). The other warpgroup's MMA
+runs while one converts. Each weight element is converted once per token tile of 128 rows.
 
 GEMM1 (gated, every activation, biases) and GEMM2 (router weight as row_scale, or applied by
 the caller's gather-sum) are the same kernel. Sizes: K a multiple of 128 and of the group (32),
-the output columns a multiple of the tile's (64 per warpgroup).
+the output columns a multiple of the tile's (128 gated, 128 or 256 ungated).
 """
 from __future__ import annotations
 
@@ -54,16 +57,16 @@ _E8M0_BIAS = 127
 
 @dataclasses.dataclass(frozen=True)
 class W4A8Config:
-  """block_m: token rows per tile (128: both compute warpgroups' wgmma M); block_n: weight
+  """block_m: token rows per tile (wgmma's N: the tokens are the B operand); block_n: weight
   columns per tile (gated: output columns, each with its gate and up), half per compute
-  warpgroup; num_stages: the TMA ring's slots; overlap: a warpgroup converts the next K step's
-  codes (into a second e4m3 tile) while its own wgmma of this step runs (the ring's slots
-  released a step later), else it waits for its wgmma each step and only the other
-  warpgroup's MMA fills the conversion."""
+  warpgroup (its wgmma's M, 64 or 128: the converted codes are the register A operand);
+  num_stages: the TMA ring's slots. A warpgroup waits for its step's wgmma before the next
+  step's conversion overwrites the A registers (leaving it running read garbage on the H200:
+  nothing orders the asynchronous register reads), so the other warpgroup's MMAs are what
+  run during a conversion."""
   block_m: int = 128
   block_n: int = 128
   num_stages: int = 4
-  overlap: bool = True
 
   def __post_init__(self):
     if self.block_m != 128:
@@ -74,14 +77,11 @@ class W4A8Config:
       raise ValueError(f"num_stages={self.num_stages} must be >= 2")
 
 
-OVERLAP = True  # default_config's overlap (benchmarks flip it, with a fresh jit)
-
-
 def default_config(n_out: int, gated: bool) -> W4A8Config:
-  """128 columns gated (two [128, 64] accumulators a warpgroup), 256 ungated where they
+  """128 columns gated (two [64, 128] accumulators a warpgroup), 256 ungated where they
   divide N (one [128, 128]); the deepest ring shared memory holds."""
   bn = 256 if not gated and n_out % 256 == 0 else 128
-  return fit_stages(W4A8Config(block_n=bn, overlap=OVERLAP), 2 if gated else 1)
+  return fit_stages(W4A8Config(block_n=bn), 2 if gated else 1)
 
 
 def _stage_bytes(cfg: W4A8Config, n_rhs: int) -> int:
@@ -89,10 +89,8 @@ def _stage_bytes(cfg: W4A8Config, n_rhs: int) -> int:
 
 
 def _fixed_bytes(cfg: W4A8Config, n_rhs: int) -> int:
-  tn = cfg.block_n // 2
-  ebuf = 2 * (2 if cfg.overlap else 1) * n_rhs * tn * BK  # each warpgroup's converted tiles
-  epi = 2 * cfg.block_m * tn * 2
-  return ebuf + epi + 2 * 6 * 128 * 4 + 4096
+  epi = 2 * cfg.block_m * (cfg.block_n // 2) * 4  # each warpgroup's output tile (<= f32)
+  return epi + 2 * 6 * 128 * 4 + 4096
 
 
 def fit_stages(cfg: W4A8Config, n_rhs: int) -> W4A8Config:
@@ -130,51 +128,62 @@ def fp8_codes(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array
   return e4m3_shifted_values(codes, jnp.repeat(shift, GROUP, axis=2)), w_scale
 
 
+def store_transposed(y: jax.Array, ref) -> None:
+  """ref[...] = y.T: y a [R, C] register array in the WGMMA layout (16 or 32 bits), ref a
+  plain (untransformed) SMEM [C, R]. The registers change to the transposed layout (lane
+  shuffles), then go out as untiled stores through the transposed view (Pallas' own store
+  infers no layout for a transposed untiled ref)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store(_ctx, arr, smem):
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils
+    arr.to_layout(mgpu.WGMMA_TRANSPOSED_LAYOUT).store_untiled(
+        utils.memref_transpose(smem, (1, 0)), optimized=False)
+
+  store(y, ref)
+
+
 def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
            act: Activation | None, has_bias: bool, has_scale: bool, num_sms: int, interpret):
   bm, bn = cfg.block_m, cfg.block_n
-  tn = bn // 2  # columns per compute warpgroup
+  tn = bn // 2  # weight columns per compute warpgroup: its wgmma's M
   k_iters = k // BK
   n_tiles = n_out // bn
   n_rhs = 2 if gated else 1
   ng = BK // GROUP
-  emulate = interpret is not None  # the interpreter: no transposed SMEM views, no inline PTX
+  emulate = interpret is not None  # the interpreter: no transposed views, no inline PTX
   _cast = _compat.layout_cast(interpret)
   tf_x = _compat.smem_transforms(BK, 1)
   swz = plgpu.find_swizzle(BK * 4)
   tf_c = (plgpu.TilingTransform((8, swz * 2)), plgpu.SwizzleTransform(swz))
-  tf_e = _compat.smem_transforms(tn if emulate else BK, 1)
   ladder = []
   r = bm
   while r > 0:
     ladder.append(r)
     r //= 2
-  shape = (bm, tn)
+  shape = (tn, bm)  # an accumulator: weight columns x token rows
   nbar = 6  # per warpgroup: bias gate / up, row scale, a_scale, w_scale gate / up
 
-  nbuf = 2 if cfg.overlap else 1  # e4m3 tiles per warpgroup and operand
-  lag = 1 if cfg.overlap else 0  # steps a ring slot stays held after its own
-
   def in_specs():
-    return ([plgpu.BlockSpec((bm, BK), lambda kk: (0, kk), transforms=tf_x,
-                             delay_release=lag)]
-            + [plgpu.BlockSpec((bn, BK), lambda kk: (0, kk), transforms=tf_c,
-                               delay_release=lag)] * n_rhs
-            + [plgpu.BlockSpec((ng, bn), lambda kk: (kk, 0), delay_release=lag)] * n_rhs)
+    return ([plgpu.BlockSpec((bm, BK), lambda kk: (0, kk), transforms=tf_x)]
+            + [plgpu.BlockSpec((bn, BK), lambda kk: (0, kk), transforms=tf_c)] * n_rhs
+            + [plgpu.BlockSpec((ng, bn), lambda kk: (kk, 0))] * n_rhs)
 
   def body(meta_ref, ntask_ref, lhs_ref, codes_ref, words_ref, as_ref, ws_ref, *rest):
     rest = list(rest)
     scale_ref = rest.pop(0) if has_scale else None
     bias_ref = rest.pop(0) if has_bias else None
     out_ref = rest.pop(0)
-    epi_smem, vec_smem, ebuf, bars, pipeline_allocs = rest
+    epi_smem, vec_smem, bars, pipeline_allocs = rest[:4]
+    t_a, t_b = rest[4:6] if emulate else (None, None)
     num_items = ntask_ref[0] * n_tiles
 
     def bar(wg, j):
       return bars.at[wg * nbar + j]
 
     def epilogue(accs, wg, e, row, lo, hi, ni):
-      """accs: this warpgroup's f32 [bm, tn] (gate, up) of columns ni * bn + wg * tn."""
+      """accs: this warpgroup's f32 [tn, bm] (gate, up) of weight columns ni * bn + wg * tn
+      by the tile's token rows; stored transposed (tokens x columns) through SMEM."""
       c0 = ni * bn + wg * tn
       vec, epi = vec_smem.at[wg], epi_smem.at[wg]
       plgpu.copy_gmem_to_smem(as_ref.at[pl.ds(row, bm)], vec.at[3, :bm], bar(wg, 3))
@@ -186,26 +195,35 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
                                   bar(wg, j))
       if has_scale:
         plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row, bm)], vec.at[2, :bm], bar(wg, 2))
+
+      def per_token(i):
+        v = _cast(vec.at[i, :bm][...], plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(v, shape, [1])
+
+      def per_column(i):
+        v = _cast(vec.at[i, :tn][...], plgpu.Layout.WGMMA.reduce(1))
+        return lax.broadcast_in_dim(v, shape, [0])
+
       plgpu.barrier_wait(bar(wg, 3))
-      sa = _cast(vec.at[3, :bm][...], plgpu.Layout.WGMMA.reduce(1))
-      sa = lax.broadcast_in_dim(sa, shape, [0])
+      sa = per_token(3)
       vals = []
       for j, a in enumerate(accs):
         plgpu.barrier_wait(bar(wg, 4 + j))
-        sw = _cast(vec.at[4 + j, :tn][...], plgpu.Layout.WGMMA.reduce(0))
-        a = a * sa * lax.broadcast_in_dim(sw, shape, [1])
+        a = a * sa * per_column(4 + j)
         if has_bias:
           plgpu.barrier_wait(bar(wg, j))
-          b = _cast(vec.at[j, :tn][...], plgpu.Layout.WGMMA.reduce(0))
-          a = a + lax.broadcast_in_dim(b, shape, [1])
+          a = a + per_column(j)
         vals.append(a)
       y = gg.kernel_activation(act, *vals) if act is not None else vals[0]
       if has_scale:
         plgpu.barrier_wait(bar(wg, 2))
-        s_ = _cast(vec.at[2, :bm][...], plgpu.Layout.WGMMA.reduce(1))
-        y = y * lax.broadcast_in_dim(s_, shape, [0])
+        y = y * per_token(2)
+      y = y.astype(out_dtype)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read SMEM
-      epi[...] = y.astype(out_dtype)
+      if emulate:
+        epi[...] = y.T
+      else:  # a register transpose (lane shuffles), then a transposed store
+        store_transposed(y, epi)
       plgpu.commit_smem()
       start = jnp.maximum(lo - row, 0)
       size = jnp.maximum(jnp.minimum(hi, row + bm) - jnp.maximum(lo, row), 0)
@@ -217,24 +235,26 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
         start = start + (size & rows)
 
     def step(idx, x_smem, *refs):
-      """One K step: this warpgroup's code columns -> e4m3 tiles (SMEM), then their wgmma.
-      overlap: the tiles alternate two buffers and the step leaves its own wgmma running
-      (the previous step's, which read the other buffer, has finished: the wait below)."""
+      """One K step: this warpgroup's code rows -> e4m3 registers (wgmma's A), against the
+      token tile (B: [BK, bm], K-major as 8-bit wgmma needs). The first operand's MMA runs
+      while the second converts; the other warpgroup's MMAs run while this one converts."""
+      del idx
       code_smems, word_smems, accs = refs[:n_rhs], refs[n_rhs:2 * n_rhs], refs[2 * n_rhs]
       wg = lax.axis_index("wg")
-      buf = lax.rem(idx[0], nbuf) if cfg.overlap else 0
       cols = pl.ds(wg * tn, tn)
-      for j in range(n_rhs):
-        tile = e4m3_shifted_tile(code_smems[j].at[cols][...], word_smems[j].at[:, cols],
-                                 group=GROUP, interpret=emulate)
-        ebuf.at[wg, buf, j][...] = tile.T if emulate else tile
-      plgpu.commit_smem()  # the converted tiles are visible to the async proxy (wgmma)
+      if emulate:
+        t_b.at[wg][...] = x_smem[...].T
+        b = t_b.at[wg]
+      else:
+        b = plgpu.transpose_ref(x_smem, (1, 0))
       for j, acc in enumerate(accs):
-        b = ebuf.at[wg, buf, j]
-        plgpu.wgmma(acc, x_smem, b if emulate else plgpu.transpose_ref(b, (1, 0)))
-      # without overlap the e4m3 tiles are read before the next step overwrites them; with
-      # it, the previous step's wgmma is done (its buffer and ring slot are free)
-      plgpu.wgmma_wait(n_rhs if cfg.overlap else 0)
+        a = e4m3_shifted_tile(code_smems[j].at[cols][...], word_smems[j].at[:, cols],
+                              group=GROUP, interpret=emulate)
+        if emulate:
+          t_a.at[wg, j][...] = a
+          a = t_a.at[wg, j]
+        plgpu.wgmma(acc, a, b)
+      plgpu.wgmma_wait(0)  # the A registers and the ring slot are read
       return accs
 
     def compute_item(e, row, lo, hi, ni):
@@ -247,7 +267,6 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
         def scope(*acc_refs):
           wg = lax.axis_index("wg")
           accs = eval_pipeline(tuple(acc_refs))
-          plgpu.wgmma_wait(0)  # (overlap: the last step's wgmma)
           epilogue([a[...] for a in accs], wg, e, row, lo, hi, ni)
         pl.run_scoped(scope, *[plgpu.ACC(shape, jnp.float32) for _ in range(n_rhs)])
 
@@ -274,10 +293,10 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
       jax.ShapeDtypeStruct((bm, k), FP8),
       *[jax.ShapeDtypeStruct((bn, k), jnp.int4)] * n_rhs,
       *[jax.ShapeDtypeStruct((k // GROUP, bn), jnp.int32)] * n_rhs)
-  ebuf_shape = (2, nbuf, n_rhs) + ((BK, tn) if emulate else (tn, BK))
   scratch = [plgpu.SMEM((2, bm, tn), out_dtype), plgpu.SMEM((2, 6, 128), jnp.float32),
-             plgpu.SMEM(ebuf_shape, FP8, transforms=tf_e),
              plgpu.Barrier(num_arrivals=1, num_barriers=nbar * 2), allocs]
+  if emulate:  # the interpreter's wgmma operands: A as a ref, B untransposed
+    scratch += [plgpu.SMEM((2, n_rhs, tn, BK), FP8), plgpu.SMEM((2, BK, bm), FP8)]
   return _compat.kernel(
       body, out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype), scratch_types=scratch,
       grid=(num_sms,), grid_names=("sm",),
@@ -316,6 +335,8 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
   cfg = fit_stages(config or default_config(n_out, gated), 2 if gated else 1)
   if n_out % cfg.block_n:
     raise ValueError(f"N={n_out} is not a multiple of config.block_n={cfg.block_n}")
+  if gated and cfg.block_n != 128:  # two [128, 128] f32 accumulators: 256 registers a thread
+    raise ValueError(f"config.block_n={cfg.block_n}: a gated GEMM takes 128-column tiles")
   interp, nsm = _compat.launch_params(interpret)
   kern = _build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total,
                 out_dtype=jnp.dtype(out_dtype), cfg=cfg, gated=gated, act=act,

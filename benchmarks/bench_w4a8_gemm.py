@@ -10,7 +10,8 @@ Run on the H200 (device tool):
       --out $OUT/w4a8_gemm
 
 Per preset x GEMM: the routed rows (tokens x top-k, a random routing's group sizes), each
-config in --configs ("block_n" or "block_n/num_stages"; "default" = the kernel's own choice), the
+config in --configs ("block_n[xblock_m][/num_stages]", "split" = 256-token tiles with gate and
+up on the two warpgroups; "default" = the kernel's own choice for the rows per expert), the
 error vs a float32 (HIGHEST) jax.lax.ragged_dot on the kernel's own operands (the tokens' fp8
 values and the folded e4m3 codes x w_scale; must be <= 1e-2 relative), µs (jmoe.timing.
 device_time: CUPTI kernel sum, median over --iters passes of 2 rotating input sets) and
@@ -42,9 +43,12 @@ EXTRA_VARIANTS: dict = {}
 def _config(spec: str, n_out: int, gated: bool):
   if spec == "default":
     return None
-  bn, _, stages = spec.partition("/")
-  return w4a8.fit_stages(w4a8.W4A8Config(block_n=int(bn), num_stages=int(stages or 8)),
-                         2 if gated else 1)
+  if spec == "split":  # 256-token tiles, gate and up on the two warpgroups
+    return w4a8.fit_stages(w4a8.W4A8Config(block_m=256, block_n=64, split_gate_up=True), 2)
+  tile, _, stages = spec.partition("/")
+  bn, _, bm = tile.partition("x")
+  return w4a8.fit_stages(w4a8.W4A8Config(block_m=int(bm or 128), block_n=int(bn),
+                                         num_stages=int(stages or 8)), 2 if gated else 1)
 
 
 def _operands(key, e: int, m: int, k: int, n_total: int, sizes: np.ndarray):
@@ -76,8 +80,8 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--presets", default="mixtral-8x7b,qwen3-30b-a3b")
   ap.add_argument("--tokens", type=int, default=4096)
-  ap.add_argument("--configs", default="default,128,256",
-                  help="comma list of block_n[/num_stages] or 'default'")
+  ap.add_argument("--configs", default="default,128,256,128x256,split",
+                  help="comma list of block_n[xblock_m][/num_stages] or 'default'")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--peers", default="q8", help="q8: the fp8-channel kernel; none")
   ap.add_argument("--out", default=None)
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
       variants = {}
       for spec in args.configs.split(","):
         cfg = _config(spec, n_out, gated)
-        if cfg is not None and (n_out % cfg.block_n or gated and cfg.block_n != 128):
+        if cfg is not None and (n_out % cfg.block_n or w4a8.acc_registers(cfg, gated) > 128
+                                or cfg.split_gate_up and not gated):
           continue
         variants[f"w4a8 {spec}"] = jax.jit(
             lambda xq, xs, qw, b, gs, cfg=cfg: w4a8.grouped_gemm_w4a8(

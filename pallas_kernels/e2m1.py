@@ -253,16 +253,17 @@ def _biased_words() -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def _shifted_asm() -> str:
-  """$1: 4 codes (low 16 bits), $2: the group's word, $3: its add byte in all 4 bytes ->
-  $0: the 4 e4m3 bytes."""
+  """$1: 4 codes (low 16 bits), $2: the group's word (its add byte, the top one, replicated
+  into all 4 bytes by the first prmt) -> $0: the 4 e4m3 bytes."""
   (m0, m1), (z0, z1) = _biased_words()
   return f"""
   {{
   .reg .b32 sel, mag, nz, sh, top, neg;
+  prmt.b32 sh, $2, 0, 0x3333;
   and.b32 sel, $1, $2;
   prmt.b32 mag, {m0}, {m1}, sel;
   prmt.b32 nz, {z0}, {z1}, sel;
-  and.b32 sh, $3, nz;
+  and.b32 sh, sh, nz;
   add.u32 mag, mag, sh;
   and.b32 top, $1, 0x8888;
   shr.u32 top, top, 1;
@@ -309,9 +310,8 @@ def e4m3_shifted_tile(codes: jax.Array, words, *, group: int,
     for idx, (row, col) in zip(np.ndindex(regs.shape), arr.layout.thread_idxs(arr.shape)):
       grp = arith.divui(col, arith.constant(index, group))
       w = memref.load(wref, [grp, row])
-      add = arith.muli(arith.shrui(w, utils.c(24, i32)), utils.c(0x01010101, i32))
       code = arith.extui(i32, utils.bitcast(regs[idx], i16))
-      out = llvm.inline_asm(i32, [code, w, add], asm, "=r,r,r,r")
+      out = llvm.inline_asm(i32, [code, w], asm, "=r,r,r")
       new[idx] = utils.bitcast(out, four_ty)
     return mgpu.FragmentedArray(_registers=new, _layout=arr.layout, _is_signed=None)
 

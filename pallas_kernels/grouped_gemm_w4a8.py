@@ -23,7 +23,9 @@ its B: out^T = c @ x_q^T per tile, so the converted weights never touch shared m
 first form stored them there as B and re-read them: mixtral GEMM2 455 TFLOP/s against this
 form's 770-800 on the H200). The accumulator [weight columns, tokens] goes out transposed
 (a register transpose, then untiled stores into the output tile). The other warpgroup's MMA
-runs while one converts. Each weight element is converted once per token tile of 128 rows.
+runs while one converts. Each weight element is converted once per token tile, so experts
+with the rows take 256-token tiles (GEMM1 then splits gate and up over the two warpgroups,
+the up half crossing through shared memory for the activation: `W4A8Config.split_gate_up`).
 
 GEMM1 (gated, every activation, biases) and GEMM2 (router weight as row_scale, or applied by
 the caller's gather-sum) are the same kernel. Sizes: K a multiple of 128 and of the group (32),
@@ -57,45 +59,77 @@ _E8M0_BIAS = 127
 
 @dataclasses.dataclass(frozen=True)
 class W4A8Config:
-  """block_m: token rows per tile (wgmma's N: the tokens are the B operand); block_n: weight
-  columns per tile (gated: output columns, each with its gate and up), half per compute
-  warpgroup (its wgmma's M, 64 or 128: the converted codes are the register A operand);
-  num_stages: the TMA ring's slots. A warpgroup waits for its step's wgmma before the next
-  step's conversion overwrites the A registers (leaving it running read garbage on the H200:
-  nothing orders the asynchronous register reads), so the other warpgroup's MMAs are what
-  run during a conversion."""
+  """block_m: token rows per tile (wgmma's N: the tokens are the B operand; 256 halves the
+  conversions per FLOP where experts have the rows); block_n: weight columns per tile (gated:
+  output columns, each with its gate and up); num_stages: the TMA ring's slots;
+  split_gate_up (gated only, block_n 64): one compute warpgroup computes the tile's gate
+  columns, the other its up columns, and the up half crosses to the first through shared
+  memory for the activation -- so each warpgroup holds one [64, block_m] accumulator, which
+  lets block_m be 256. Otherwise each compute warpgroup owns half the tile's columns (gate
+  and up) and holds one accumulator per operand. A warpgroup waits for its step's wgmma
+  before the next step's conversion overwrites the A registers (leaving it running read
+  garbage on the H200: nothing orders the asynchronous register reads), so the other
+  warpgroup's MMAs are what run during a conversion."""
   block_m: int = 128
   block_n: int = 128
   num_stages: int = 4
+  split_gate_up: bool = False
 
   def __post_init__(self):
-    if self.block_m != 128:
-      raise ValueError(f"block_m={self.block_m} must be 128")
-    if self.block_n not in (128, 256):
-      raise ValueError(f"block_n={self.block_n} must be 128 or 256")
+    if self.block_m not in (128, 256):
+      raise ValueError(f"block_m={self.block_m} must be 128 or 256")
+    if self.split_gate_up and self.block_n != 64:
+      raise ValueError(f"split_gate_up takes block_n=64 (one wgmma M), got {self.block_n}")
+    if not self.split_gate_up and self.block_n not in (128, 256):
+      raise ValueError(f"block_n={self.block_n} must be 128 or 256 (64 with split_gate_up)")
     if self.num_stages < 2:
       raise ValueError(f"num_stages={self.num_stages} must be >= 2")
 
+  @property
+  def wg_rows(self) -> int:
+    """Weight rows of one operand a compute warpgroup converts per step (its wgmma's M)."""
+    return self.block_n if self.split_gate_up else self.block_n // 2
 
-def default_config(n_out: int, gated: bool) -> W4A8Config:
-  """128 columns gated (two [64, 128] accumulators a warpgroup), 256 ungated where they
-  divide N (one [128, 128]); the deepest ring shared memory holds."""
-  bn = 256 if not gated and n_out % 256 == 0 else 128
-  return fit_stages(W4A8Config(block_n=bn), 2 if gated else 1)
+
+SPLIT_ROWS = 512  # rows per expert from which default_config takes 256-token tiles
+
+
+def default_config(n_out: int, gated: bool, rows_per_expert: float = 0) -> W4A8Config:
+  """Experts with >= SPLIT_ROWS rows on average: 256-token tiles (gated: gate and up split
+  over the warpgroups); else 128 columns gated (two [64, 128] accumulators a warpgroup), 256
+  ungated where they divide N (one [128, 128]). The deepest ring shared memory holds."""
+  if rows_per_expert >= SPLIT_ROWS:
+    cfg = (W4A8Config(block_m=256, block_n=64, split_gate_up=True) if gated else
+           W4A8Config(block_m=256, block_n=128))
+  else:
+    cfg = W4A8Config(block_n=256 if not gated and n_out % 256 == 0 else 128)
+  return fit_stages(cfg, 2 if gated else 1)
 
 
 def _stage_bytes(cfg: W4A8Config, n_rhs: int) -> int:
   return cfg.block_m * BK + n_rhs * (cfg.block_n * BK // 2 + (BK // GROUP) * cfg.block_n * 4)
 
 
-def _fixed_bytes(cfg: W4A8Config, n_rhs: int) -> int:
-  epi = 2 * cfg.block_m * (cfg.block_n // 2) * 4  # each warpgroup's output tile (<= f32)
-  return epi + 2 * 6 * 128 * 4 + 4096
+def _vec_len(cfg: W4A8Config) -> int:
+  return max(cfg.block_m, cfg.wg_rows)
 
 
-def fit_stages(cfg: W4A8Config, n_rhs: int) -> W4A8Config:
+def _fixed_bytes(cfg: W4A8Config, out_bytes: int) -> int:
+  tile = cfg.block_m * cfg.wg_rows * out_bytes
+  epi = tile if cfg.split_gate_up else 2 * tile  # the output tiles (split: one warpgroup's)
+  swap = tile if cfg.split_gate_up else 0  # the up half crossing warpgroups
+  return epi + swap + 2 * 6 * _vec_len(cfg) * 4 + 4096
+
+
+def acc_registers(cfg: W4A8Config, gated: bool) -> int:
+  """f32 accumulator registers a compute thread holds ([wg_rows, block_m] per operand)."""
+  n_acc = 2 if gated and not cfg.split_gate_up else 1
+  return n_acc * cfg.wg_rows * cfg.block_m // 128
+
+
+def fit_stages(cfg: W4A8Config, n_rhs: int, out_bytes: int = 2) -> W4A8Config:
   """cfg with the ring lowered until shared memory holds it (at least 2 slots)."""
-  budget = gg._SMEM_BYTES - _fixed_bytes(cfg, n_rhs)
+  budget = gg._SMEM_BYTES - _fixed_bytes(cfg, out_bytes)
   st = max(2, min(cfg.num_stages, budget // _stage_bytes(cfg, n_rhs)))
   return dataclasses.replace(cfg, num_stages=st)
 
@@ -146,10 +180,12 @@ def store_transposed(y: jax.Array, ref) -> None:
 def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
            act: Activation | None, has_bias: bool, has_scale: bool, num_sms: int, interpret):
   bm, bn = cfg.block_m, cfg.block_n
-  tn = bn // 2  # weight columns per compute warpgroup: its wgmma's M
+  split = cfg.split_gate_up
+  tn = cfg.wg_rows  # weight rows per compute warpgroup and operand: its wgmma's M
   k_iters = k // BK
   n_tiles = n_out // bn
   n_rhs = 2 if gated else 1
+  n_acc = 1 if split else n_rhs  # accumulators per compute warpgroup
   ng = BK // GROUP
   emulate = interpret is not None  # the interpreter: no transposed views, no inline PTX
   _cast = _compat.layout_cast(interpret)
@@ -175,24 +211,44 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
     bias_ref = rest.pop(0) if has_bias else None
     out_ref = rest.pop(0)
     epi_smem, vec_smem, bars, pipeline_allocs = rest[:4]
-    t_a, t_b = rest[4:6] if emulate else (None, None)
+    del rest[:4]
+    swap, swap_bars = (rest.pop(0), rest.pop(0)) if split else (None, None)
+    t_a, t_b = rest[:2] if emulate else (None, None)
     num_items = ntask_ref[0] * n_tiles
-
     def bar(wg, j):
       return bars.at[wg * nbar + j]
 
+    def store_tile(y, epi, row, lo, hi, c0):
+      """y f32 [tn, bm] (columns c0.. x the tile's rows) -> out, the task's rows only."""
+      y = y.astype(out_dtype)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read SMEM
+      if emulate:
+        epi[...] = y.T
+      else:  # a register transpose (lane shuffles), then a transposed store
+        store_transposed(y, epi)
+      plgpu.commit_smem()
+      start = jnp.maximum(lo - row, 0)
+      size = jnp.maximum(jnp.minimum(hi, row + bm) - jnp.maximum(lo, row), 0)
+      for rows in ladder:
+        @pl.when((size & rows) != 0)
+        def _store():
+          plgpu.copy_smem_to_gmem(epi.at[pl.ds(start, rows)],
+                                  out_ref.at[pl.ds(row + start, rows), pl.ds(c0, tn)])
+        start = start + (size & rows)
+
     def epilogue(accs, wg, e, row, lo, hi, ni):
-      """accs: this warpgroup's f32 [tn, bm] (gate, up) of weight columns ni * bn + wg * tn
-      by the tile's token rows; stored transposed (tokens x columns) through SMEM."""
-      c0 = ni * bn + wg * tn
-      vec, epi = vec_smem.at[wg], epi_smem.at[wg]
+      """accs: this warpgroup's f32 [tn, bm] accumulators (weight columns x the tile's token
+      rows): split, the gate (warpgroup 0) or up (1) of columns ni * bn; else gate and up of
+      columns ni * bn + wg * tn. Stored transposed (tokens x columns) through SMEM."""
+      c0 = ni * bn + (0 if split else wg * tn)
+      # the weight-column offsets of the accumulators (gate: j * n_out + c0)
+      offs = [wg * n_out + c0] if split else [j * n_out + c0 for j in range(n_rhs)]
+      vec = vec_smem.at[wg]
       plgpu.copy_gmem_to_smem(as_ref.at[pl.ds(row, bm)], vec.at[3, :bm], bar(wg, 3))
-      for j in range(n_rhs):
-        plgpu.copy_gmem_to_smem(ws_ref.at[e, pl.ds(j * n_out + c0, tn)], vec.at[4 + j, :tn],
-                                bar(wg, 4 + j))
+      for j, off in enumerate(offs):
+        plgpu.copy_gmem_to_smem(ws_ref.at[e, pl.ds(off, tn)], vec.at[4 + j, :tn], bar(wg, 4 + j))
         if has_bias:
-          plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(j * n_out + c0, tn)], vec.at[j, :tn],
-                                  bar(wg, j))
+          plgpu.copy_gmem_to_smem(bias_ref.at[e, pl.ds(off, tn)], vec.at[j, :tn], bar(wg, j))
       if has_scale:
         plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row, bm)], vec.at[2, :bm], bar(wg, 2))
 
@@ -214,25 +270,32 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
           plgpu.barrier_wait(bar(wg, j))
           a = a + per_column(j)
         vals.append(a)
-      y = gg.kernel_activation(act, *vals) if act is not None else vals[0]
-      if has_scale:
-        plgpu.barrier_wait(bar(wg, 2))
-        y = y * per_token(2)
-      y = y.astype(out_dtype)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read SMEM
-      if emulate:
-        epi[...] = y.T
-      else:  # a register transpose (lane shuffles), then a transposed store
-        store_transposed(y, epi)
-      plgpu.commit_smem()
-      start = jnp.maximum(lo - row, 0)
-      size = jnp.maximum(jnp.minimum(hi, row + bm) - jnp.maximum(lo, row), 0)
-      for rows in ladder:
-        @pl.when((size & rows) != 0)
-        def _store():
-          plgpu.copy_smem_to_gmem(epi.at[pl.ds(start, rows)],
-                                  out_ref.at[pl.ds(row + start, rows), pl.ds(c0, tn)])
-        start = start + (size & rows)
+
+      def finish(vals, epi):
+        y = gg.kernel_activation(act, *vals) if act is not None else vals[0]
+        if has_scale:
+          plgpu.barrier_wait(bar(wg, 2))
+          y = y * per_token(2)
+        store_tile(y, epi, row, lo, hi, c0)
+
+      if not split:
+        finish(vals, epi_smem.at[wg])
+        return
+
+      @pl.when(wg == 1)
+      def _give_up_half():  # (swap_bars: 0 = the up half is in the buffer, 1 = it was read)
+        swap[...] = vals[0].astype(swap.dtype)
+        plgpu.barrier_arrive(swap_bars.at[0])
+        # the buffer is free once read (waiting here, not before the next item's store, keeps
+        # every phase observed: the interpreter checks it)
+        plgpu.barrier_wait(swap_bars.at[1])
+
+      @pl.when(wg == 0)
+      def _activation():
+        plgpu.barrier_wait(swap_bars.at[0])
+        up = _cast(swap[...], plgpu.Layout.WGMMA).astype(jnp.float32)
+        plgpu.barrier_arrive(swap_bars.at[1])
+        finish([vals[0], up], epi_smem.at[0])
 
     def step(idx, x_smem, *refs):
       """One K step: this warpgroup's code rows -> e4m3 registers (wgmma's A), against the
@@ -241,34 +304,42 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
       del idx
       code_smems, word_smems, accs = refs[:n_rhs], refs[n_rhs:2 * n_rhs], refs[2 * n_rhs]
       wg = lax.axis_index("wg")
-      cols = pl.ds(wg * tn, tn)
       if emulate:
         t_b.at[wg][...] = x_smem[...].T
         b = t_b.at[wg]
       else:
         b = plgpu.transpose_ref(x_smem, (1, 0))
-      for j, acc in enumerate(accs):
-        a = e4m3_shifted_tile(code_smems[j].at[cols][...], word_smems[j].at[:, cols],
-                              group=GROUP, interpret=emulate)
+      def mma(acc, codes, words, j):
+        a = e4m3_shifted_tile(codes[...], words, group=GROUP, interpret=emulate)
         if emulate:
           t_a.at[wg, j][...] = a
           a = t_a.at[wg, j]
         plgpu.wgmma(acc, a, b)
+
+      if split:  # warpgroup j: operand j's rows
+        for j in range(n_rhs):
+          @pl.when(wg == j)
+          def _operand():
+            mma(accs[0], code_smems[j], word_smems[j], 0)
+      else:  # operand j's rows of this warpgroup's half
+        cols = pl.ds(wg * tn, tn)
+        for j, acc in enumerate(accs):
+          mma(acc, code_smems[j].at[cols], word_smems[j].at[:, cols], j)
       plgpu.wgmma_wait(0)  # the A registers and the ring slot are read
       return accs
 
     def compute_item(e, row, lo, hi, ni):
-      cols = [j * n_out + ni * bn for j in range(n_rhs)]
+      c = ni * bn
       gmem = (lhs_ref.at[pl.ds(row, bm), :],
-              *[codes_ref.at[e, pl.ds(c, bn), :] for c in cols],
-              *[words_ref.at[e, :, pl.ds(c, bn)] for c in cols])
+              *[codes_ref.at[e, pl.ds(j * n_out + c, bn), :] for j in range(n_rhs)],
+              *[words_ref.at[e, :, pl.ds(j * n_out + c, bn)] for j in range(n_rhs)])
 
       def compute_context(eval_pipeline):
         def scope(*acc_refs):
           wg = lax.axis_index("wg")
           accs = eval_pipeline(tuple(acc_refs))
           epilogue([a[...] for a in accs], wg, e, row, lo, hi, ni)
-        pl.run_scoped(scope, *[plgpu.ACC(shape, jnp.float32) for _ in range(n_rhs)])
+        pl.run_scoped(scope, *[plgpu.ACC(shape, jnp.float32) for _ in range(n_acc)])
 
       plgpu.emit_pipeline_warp_specialized(
           step, grid=(k_iters,), memory_registers=40, in_specs=in_specs(), wg_axis="wg",
@@ -293,10 +364,13 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
       jax.ShapeDtypeStruct((bm, k), FP8),
       *[jax.ShapeDtypeStruct((bn, k), jnp.int4)] * n_rhs,
       *[jax.ShapeDtypeStruct((k // GROUP, bn), jnp.int32)] * n_rhs)
-  scratch = [plgpu.SMEM((2, bm, tn), out_dtype), plgpu.SMEM((2, 6, 128), jnp.float32),
+  scratch = [plgpu.SMEM((1 if split else 2, bm, tn), out_dtype),
+             plgpu.SMEM((2, 6, _vec_len(cfg)), jnp.float32),
              plgpu.Barrier(num_arrivals=1, num_barriers=nbar * 2), allocs]
+  if split:  # the up half [tn, bm] and its two barriers (in the buffer / read)
+    scratch += [plgpu.SMEM(shape, out_dtype), plgpu.Barrier(num_arrivals=1, num_barriers=2)]
   if emulate:  # the interpreter's wgmma operands: A as a ref, B untransposed
-    scratch += [plgpu.SMEM((2, n_rhs, tn, BK), FP8), plgpu.SMEM((2, BK, bm), FP8)]
+    scratch += [plgpu.SMEM((2, n_acc, tn, BK), FP8), plgpu.SMEM((2, BK, bm), FP8)]
   return _compat.kernel(
       body, out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype), scratch_types=scratch,
       grid=(num_sms,), grid_names=("sm",),
@@ -322,8 +396,8 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
              gated: bool, bias: jax.Array | None = None, row_scale: jax.Array | None = None,
              out_dtype=jnp.bfloat16, config: W4A8Config | None = None,
              interpret: Any = False) -> jax.Array:
-  """The kernel on sorted rows: lhs [m_pad, K] fp8 (the rows `meta` = tile_metadata(.., 128)
-  was built for), w mxfp4 QuantizedWeights (values [E, N_total, K/2]), a_scale [m_pad] f32
+  """The kernel on sorted rows: lhs [m_pad, K] fp8 (the rows `meta` = tile_metadata(..,
+  config.block_m) was built for; m_pad >= block_m), w mxfp4 QuantizedWeights (values [E, N_total, K/2]), a_scale [m_pad] f32
   (the rows' token scales), bias [E, N_total] f32, row_scale [m_pad]. -> [m_pad, N_out]
   out_dtype (rows outside the tasks unwritten)."""
   m_pad, k = lhs.shape
@@ -332,11 +406,17 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
   why = unsupported(k, n_out, w)
   if why is not None:
     raise ValueError(f"w4a8_run: {why}")
-  cfg = fit_stages(config or default_config(n_out, gated), 2 if gated else 1)
+  cfg = fit_stages(config or default_config(n_out, gated), 2 if gated else 1,
+                   jnp.dtype(out_dtype).itemsize)
   if n_out % cfg.block_n:
     raise ValueError(f"N={n_out} is not a multiple of config.block_n={cfg.block_n}")
-  if gated and cfg.block_n != 128:  # two [128, 128] f32 accumulators: 256 registers a thread
-    raise ValueError(f"config.block_n={cfg.block_n}: a gated GEMM takes 128-column tiles")
+  if cfg.split_gate_up and not gated:
+    raise ValueError("config.split_gate_up needs a gated activation")
+  if acc_registers(cfg, gated) > 128:  # more spills (gated 256 columns ran 2.5 x slower)
+    raise ValueError(f"config {cfg}: the accumulators would take "
+                     f"{acc_registers(cfg, gated)} registers a thread (at most 128)")
+  if m_pad < cfg.block_m:
+    raise ValueError(f"lhs has {m_pad} rows, fewer than config.block_m={cfg.block_m}")
   interp, nsm = _compat.launch_params(interpret)
   kern = _build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total,
                 out_dtype=jnp.dtype(out_dtype), cfg=cfg, gated=gated, act=act,
@@ -375,12 +455,13 @@ def grouped_gemm_w4a8(lhs: jax.Array, w, group_sizes: jax.Array, a_scale: jax.Ar
     raise ValueError(f"group_sizes must have shape ({e},), got {group_sizes.shape}")
   act, gated, n_out = _gate(activation, n_total, argname="w")
   _check_epilogue(m, e, n_total, n_out, bias, row_scale)
-  bm = W4A8Config().block_m
+  cfg = config or default_config(n_out, gated, m / e)
+  bm = cfg.block_m
   m_pad = gg.row_alloc(m, bm)
   pad = lambda x: x if m_pad == m else jnp.pad(x, ((0, m_pad - m),) + ((0, 0),) * (x.ndim - 1))
   meta = gg.tile_metadata(group_sizes, m, bm)
   rs = None if row_scale is None else pad(row_scale.astype(jnp.float32))
   out = w4a8_run(pad(lhs), w, pad(row_scale_vector(a_scale, m)), meta=meta, act=act,
-                 gated=gated, bias=bias, row_scale=rs, out_dtype=out_dtype, config=config,
+                 gated=gated, bias=bias, row_scale=rs, out_dtype=out_dtype, config=cfg,
                  interpret=interpret)
   return out[:m]

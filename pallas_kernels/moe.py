@@ -598,17 +598,21 @@ def _w4a8_prefill(x_q, x_scale, w13, w2, topk_weights, topk_ids, act, w13_bias, 
   from jmoe.kernels.grouped_gemm_q8 import row_scale_vector  # noqa: PLC0415
   t, k = topk_ids.shape
   e = w13.shape[0]
-  bm = _w4a8.W4A8Config().block_m
-  m_alloc = gg.row_alloc(t * k, bm)
+  h_dim, n = w2.shape[2], w2.shape[1]
+  cfg1 = _w4a8.default_config(n, True, t * k / e)
+  cfg2 = _w4a8.default_config(h_dim, False, t * k / e)
+  m_alloc = gg.row_alloc(t * k, cfg1.block_m, cfg2.block_m)
   xs, xs_scale, group_sizes, inv = _sorted_8bit_rows(x_q, x_scale, topk_ids, e, m_alloc,
                                                      interpret)
   num_rows = jnp.sum(group_sizes)
-  meta = gg.tile_metadata(group_sizes, m_alloc, bm)
-  h = _w4a8.w4a8_run(xs, w13, xs_scale[:, 0], meta=meta, act=act, gated=True, bias=w13_bias,
-                     out_dtype=jnp.bfloat16, interpret=interpret)
+  meta1 = gg.tile_metadata(group_sizes, m_alloc, cfg1.block_m)
+  meta2 = meta1 if cfg2.block_m == cfg1.block_m else gg.tile_metadata(
+      group_sizes, m_alloc, cfg2.block_m)
+  h = _w4a8.w4a8_run(xs, w13, xs_scale[:, 0], meta=meta1, act=act, gated=True, bias=w13_bias,
+                     out_dtype=jnp.bfloat16, config=cfg1, interpret=interpret)
   hq, hs = _requant_rows(h, jnp.arange(m_alloc) < num_rows, w13.scheme)
-  y = _w4a8.w4a8_run(hq, w2, row_scale_vector(hs, m_alloc), meta=meta, act=None, gated=False,
-                     bias=w2_bias, out_dtype=out_dtype, interpret=interpret)
+  y = _w4a8.w4a8_run(hq, w2, row_scale_vector(hs, m_alloc), meta=meta2, act=None, gated=False,
+                     bias=w2_bias, out_dtype=out_dtype, config=cfg2, interpret=interpret)
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=out_dtype)
 
 

@@ -4,6 +4,7 @@ wgmma with the weights as A) in Mosaic GPU interpret mode with race detection, a
 NumPy unpacking of the stored bytes; the PTX conversion program run instruction by instruction
 on every code and shift; the layout rule and its refusals; the GPU lowering at gpt-oss-like
 and mixtral sizes."""
+import dataclasses
 import re
 
 import jax
@@ -16,6 +17,7 @@ import jmoe
 import oracle_np as onp
 from jmoe.kernels import _compat
 from jmoe.kernels import e2m1
+from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels import grouped_gemm_w4a8 as w4a8
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
@@ -75,10 +77,9 @@ def test_shifted_conversion_program_gives_the_shifted_values():
   words = [rng.integers(0, 16, 4) for _ in range(64)] + [np.arange(4) + 4 * i for i in range(4)]
   for shift in range(e2m1.MIN_SHIFT - 3, e2m1.SHIFT_BIAS + 1):
     w = int(np.asarray(e2m1.e4m3_shift_words(jnp.int32(shift))).astype(np.uint32))
-    add = ((w >> 24) & 0xFF) * 0x01010101
     for codes in words:
       c4 = int(sum(int(c) << 4 * i for i, c in enumerate(codes)))
-      out = _run_ptx(asm, {"$1": c4, "$2": w, "$3": add})
+      out = _run_ptx(asm, {"$1": c4, "$2": w})
       got = np.array([(out >> 8 * i) & 0xFF for i in range(4)], np.uint8)
       got = got.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
       signed = jnp.asarray(np.where(codes >= 8, codes - 16, codes), jnp.int4)
@@ -119,26 +120,35 @@ def _fp8_tokens(rng, m, k):
   return quantize_activations(x, jmoe.QuantConfig("mxfp4_fp8"))
 
 
+SPLIT = w4a8.W4A8Config(block_m=256, block_n=64, split_gate_up=True)
+TALL = w4a8.W4A8Config(block_m=256, block_n=128)
+
+
 @needs_interpreter
-@pytest.mark.slow
-@pytest.mark.parametrize("gated", [True, False])
-def test_w4a8_gemm_matches_oracle(gated, rng):
-  """grouped_gemm_w4a8 alone: 3 experts with 70 / 0 / 61 rows (tiles starting inside another
-  expert's rows, an empty expert, 131 rows: the last tile shifted back), K = 256 (2 steps);
-  gated silu with biases, or ungated with a row scale; against the float64 oracle on the
-  tokens' fp8 values and the NumPy unpacking of the codes."""
-  e, k, n = 3, 256, 256
+@pytest.mark.parametrize("gated,config,sizes", [
+    pytest.param(True, None, (70, 0, 61), marks=pytest.mark.slow),
+    pytest.param(False, None, (70, 0, 61), marks=pytest.mark.slow),
+    (True, SPLIT, (170, 0, 300)),
+    pytest.param(False, TALL, (170, 0, 300), marks=pytest.mark.slow)])
+def test_w4a8_gemm_matches_oracle(gated, config, sizes, rng):
+  """grouped_gemm_w4a8 alone: 3 experts, one empty, tiles starting inside another expert's
+  rows and the last tile shifted back (131 rows on 128-row tiles, 470 on 256-row ones), K =
+  256 (2 steps); gated silu with biases, or ungated with a row scale; the default tiles, and
+  256-token tiles (gated: gate and up on the two warpgroups, the up half crossing through
+  shared memory, 2 column tiles an item each); against the float64 oracle on the tokens' fp8
+  values and the NumPy unpacking of the codes."""
+  e, k, n = 3, 256, 256 if config is None else 128
   n_total = 2 * n if gated else n
   q = quantize_weights(jnp.asarray(rng.standard_normal((e, k, n_total)) / 16, jnp.float32),
                        jmoe.QuantConfig("mxfp4_fp8"))
-  sizes = np.array([70, 0, 61])
+  sizes = np.array(sizes)
   xq, xs = _fp8_tokens(rng, int(sizes.sum()), k)
   bias = jnp.asarray(0.1 * rng.standard_normal((e, n_total)), jnp.float32) if gated else None
   rs = None if gated else jnp.asarray(rng.uniform(0.5, 1.5, int(sizes.sum())), jnp.float32)
   out = np.asarray(run_interpreted(
       lambda *a, interpret: w4a8.grouped_gemm_w4a8(
           *a, activation="silu" if gated else None, bias=bias, row_scale=rs,
-          out_dtype=jnp.float32, interpret=interpret),
+          out_dtype=jnp.float32, config=config, interpret=interpret),
       xq, q, jnp.asarray(sizes, jnp.int32), xs))
   x = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(xs, np.float64)
   w = np_dequant(q)
@@ -152,8 +162,36 @@ def test_w4a8_gemm_matches_oracle(gated, rng):
       y = y * np.asarray(rs, np.float64)[row:row + size, None]
     want.append(y)
     row += size
-  assert out.shape == (131, n) and np.isfinite(out).all()
+  assert out.shape == (int(sizes.sum()), n) and np.isfinite(out).all()
   onp.assert_rel_close(out, np.concatenate(want), 1e-5, f"w4a8 gated={gated} vs oracle")
+
+
+def test_w4a8_configs_rule_and_refusals():
+  """default_config takes 256-token tiles from SPLIT_ROWS rows per expert (gated: gate and up
+  split over the warpgroups); configs whose accumulators would spill, a split without a
+  gate, or a split tile other than 64 columns are refused naming the field."""
+  big = w4a8.SPLIT_ROWS
+  assert w4a8.default_config(14336, True, big) == dataclasses.replace(
+      SPLIT, num_stages=w4a8.default_config(14336, True, big).num_stages)
+  assert w4a8.default_config(4096, False, big).block_m == 256
+  assert w4a8.default_config(768, True, big - 1).block_m == 128
+  assert w4a8.default_config(2048, False, 1).block_n == 256
+  for cfg, gated in ((SPLIT, True), (TALL, False), (w4a8.W4A8Config(), True)):
+    assert w4a8.acc_registers(cfg, gated) <= 128
+  with pytest.raises(ValueError, match="split_gate_up takes block_n=64"):
+    w4a8.W4A8Config(block_n=128, split_gate_up=True)
+  with pytest.raises(ValueError, match="block_n=64 must be 128 or 256"):
+    w4a8.W4A8Config(block_n=64)
+  q = jax.eval_shape(lambda: quantize_weights(jnp.zeros((2, 256, 512), jnp.float32),
+                                              jmoe.QuantConfig("mxfp4_fp8")))
+  x, xs = S((256, 256), jnp.float8_e4m3fn), S((256,), jnp.float32)
+  meta = gg.tile_metadata(jnp.array([256, 0]), 256, 128)
+  for cfg, gated, match in ((w4a8.W4A8Config(block_n=256), True, "256 registers"),
+                            (SPLIT, False, "split_gate_up needs a gated activation")):
+    with pytest.raises(ValueError, match=match):
+      jax.eval_shape(lambda a, b, c=cfg, g=gated: w4a8.w4a8_run(
+          a, q, b, meta=meta, act=as_activation("silu") if g else None, gated=g,
+          config=c), x, xs)
 
 
 @needs_interpreter

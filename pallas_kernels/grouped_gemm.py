@@ -336,6 +336,32 @@ def kernel_config(kernel_name: str, m: int, n_out: int, k: int, num_groups: int,
 # ============================================================================ metadata
 
 
+def row_ladder(tile_m: int, m_pad: int) -> list[int]:
+  """The power-of-two row counts a tile's store is cut into (the largest <= min(tile_m,
+  m_pad), then halves down to 1): a task's rows [lo, hi) go out as at most one TMA store of
+  each, so no row of another task's is written."""
+  ladder, r = [], min(tile_m, m_pad)
+  while r > 0:
+    ladder.append(1 << int(math.log2(r)))
+    r //= 2
+  return ladder
+
+
+def store_task_rows(src, dst, *, tile_row, lo, hi, tile_m: int, ladder: list[int],
+                    cols) -> None:
+  """TMA-stores the rows of the SMEM tile src [tile_m, C] (tile rows tile_row..) that lie in
+  the task's [lo, hi) to dst[rows, cols] (cols: a pl.ds of C columns), one store per ladder
+  step present in the row count."""
+  start = jnp.maximum(lo - tile_row, 0)
+  size = jnp.maximum(jnp.minimum(hi, tile_row + tile_m) - jnp.maximum(lo, tile_row), 0)
+  for rows in ladder:
+    @pl.when((size & rows) != 0)
+    def _store():
+      plgpu.copy_smem_to_gmem(src.at[pl.ds(start, rows)],
+                              dst.at[pl.ds(tile_row + start, rows), cols])
+    start = start + (size & rows)
+
+
 def tile_metadata(group_sizes: jax.Array, m: int, block_m: int):
   """Work list of (group, row tile) tasks computed on device.
 
@@ -542,11 +568,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
   # a [bk, bn] B tile's swizzle spans bn: 8-bit types meet that layout only in interpret mode
   # (rhs_t is swapped there), where 128 elements of swizzle would not tile bn = 64
   b_transforms = transforms if itemsize > 1 else _compat.smem_transforms(min(bk, bn), itemsize)
-  ladder = []
-  r = min(tile_m, m_pad)
-  while r > 0:
-    ladder.append(1 << int(math.log2(r)))
-    r //= 2
+  ladder = row_ladder(tile_m, m_pad)
   n_rhs = 2 if gated else 1
   n_h = 0 if act_grad is None else (2 if act_grad.is_gated else 1)
   n_epi = epilogue_tiles(act_grad, store_preact)
@@ -689,16 +711,9 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
       for j, (v, _, _) in enumerate(outs):
         epi_smem.at[wg, j][...] = v.astype(out_dtype)
       plgpu.commit_smem()
-      start0 = jnp.maximum(lo - r0, 0)
-      size = jnp.maximum(jnp.minimum(hi, r0 + tile_m) - jnp.maximum(lo, r0), 0)
       for j, (_, dst, col) in enumerate(outs):
-        start = start0
-        for rows in ladder:
-          @pl.when((size & rows) != 0)
-          def _store():
-            plgpu.copy_smem_to_gmem(epi_smem.at[wg, j, pl.ds(start, rows)],
-                                    dst.at[pl.ds(r0 + start, rows), pl.ds(col, tile_n)])
-          start = start + (size & rows)
+        store_task_rows(epi_smem.at[wg, j], dst, tile_row=r0, lo=lo, hi=hi, tile_m=tile_m,
+                        ladder=ladder, cols=pl.ds(col, tile_n))
 
     def when_valid(e):
       """Runs the item only for an expert in [0, E) for slot tasks (else always)."""

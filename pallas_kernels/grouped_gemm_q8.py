@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -307,11 +306,7 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
   n_rhs = 2 if gated else 1
   transforms = _compat.smem_transforms(bk, 1)
   _cast = _compat.layout_cast(interpret)
-  ladder = []
-  r = min(tm, m_pad)
-  while r > 0:
-    ladder.append(1 << int(math.log2(r)))
-    r //= 2
+  ladder = gg.row_ladder(tm, m_pad)
   epi_dtype = jnp.float8_e4m3fn if quant_out else out_dtype
   shape = (tm, bn)
   nbar = 5  # per warpgroup: bias gate / up, row scale, weight-scale rows gate / up
@@ -372,14 +367,8 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       plgpu.commit_smem()
       if quant_out:  # the task owns its [bm] slot: stored whole, rows outside [lo, hi) unused
         plgpu.copy_smem_to_gmem(vec.at[3, :tm], qs_ref.at[task, ni, pl.ds(wg * tm, tm)])
-      start = jnp.maximum(lo - r0, 0)
-      size = jnp.maximum(jnp.minimum(hi, r0 + tm) - jnp.maximum(lo, r0), 0)
-      for rows in ladder:
-        @pl.when((size & rows) != 0)
-        def _store():
-          plgpu.copy_smem_to_gmem(epi.at[pl.ds(start, rows)],
-                                  out_ref.at[pl.ds(r0 + start, rows), pl.ds(c0, bn)])
-        start = start + (size & rows)
+      gg.store_task_rows(epi, out_ref, tile_row=r0, lo=lo, hi=hi, tile_m=tm, ladder=ladder,
+                         cols=pl.ds(c0, bn))
 
     def load_weight_scales(wg, e, wblk):
       """The item's weight scales, one per K step, into SMEM once (a global load per step

@@ -192,11 +192,7 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
   tf_x = _compat.smem_transforms(BK, 1)
   swz = plgpu.find_swizzle(BK * 4)
   tf_c = (plgpu.TilingTransform((8, swz * 2)), plgpu.SwizzleTransform(swz))
-  ladder = []
-  r = bm
-  while r > 0:
-    ladder.append(r)
-    r //= 2
+  ladder = gg.row_ladder(bm, m_pad)
   shape = (tn, bm)  # an accumulator: weight columns x token rows
   nbar = 6  # per warpgroup: bias gate / up, row scale, a_scale, w_scale gate / up
 
@@ -227,14 +223,8 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
       else:  # a register transpose (lane shuffles), then a transposed store
         store_transposed(y, epi)
       plgpu.commit_smem()
-      start = jnp.maximum(lo - row, 0)
-      size = jnp.maximum(jnp.minimum(hi, row + bm) - jnp.maximum(lo, row), 0)
-      for rows in ladder:
-        @pl.when((size & rows) != 0)
-        def _store():
-          plgpu.copy_smem_to_gmem(epi.at[pl.ds(start, rows)],
-                                  out_ref.at[pl.ds(row + start, rows), pl.ds(c0, tn)])
-        start = start + (size & rows)
+      gg.store_task_rows(epi, out_ref, tile_row=row, lo=lo, hi=hi, tile_m=bm, ladder=ladder,
+                         cols=pl.ds(c0, tn))
 
     def epilogue(accs, wg, e, row, lo, hi, ni):
       """accs: this warpgroup's f32 [tn, bm] accumulators (weight columns x the tile's token

@@ -211,6 +211,7 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
     swap, swap_bars = (rest.pop(0), rest.pop(0)) if split else (None, None)
     t_a, t_b = rest[:2] if emulate else (None, None)
     num_items = ntask_ref[0] * n_tiles
+
     def bar(wg, j):
       return bars.at[wg * nbar + j]
 
@@ -299,6 +300,7 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
         b = t_b.at[wg]
       else:
         b = plgpu.transpose_ref(x_smem, (1, 0))
+
       def mma(acc, codes, words, j):
         a = e4m3_shifted_tile(codes[...], words, group=GROUP, interpret=emulate)
         if emulate:
@@ -387,9 +389,9 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
              out_dtype=jnp.bfloat16, config: W4A8Config | None = None,
              interpret: Any = False) -> jax.Array:
   """The kernel on sorted rows: lhs [m_pad, K] fp8 (the rows `meta` = tile_metadata(..,
-  config.block_m) was built for; m_pad >= block_m), w mxfp4 QuantizedWeights (values [E, N_total, K/2]), a_scale [m_pad] f32
-  (the rows' token scales), bias [E, N_total] f32, row_scale [m_pad]. -> [m_pad, N_out]
-  out_dtype (rows outside the tasks unwritten)."""
+  config.block_m) was built for; m_pad >= block_m), w mxfp4 QuantizedWeights (values
+  [E, N_total, K/2]), a_scale [m_pad] f32 (the rows' token scales), bias [E, N_total] f32,
+  row_scale [m_pad]. -> [m_pad, N_out] out_dtype (rows outside the tasks unwritten)."""
   m_pad, k = lhs.shape
   e, n_total, _ = w.values.shape
   n_out = n_total // 2 if gated else n_total

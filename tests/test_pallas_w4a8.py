@@ -1,9 +1,9 @@
 """The fp8-token prefill GEMMs over mxfp4 codes (jmoe.kernels.grouped_gemm_w4a8: e2m1 codes
 converted to e4m3 in registers with the e8m0 group scales folded into the bytes, 8-bit
-wgmma with the weights as A) in Mosaic GPU interpret mode with race detection, against the float64 oracle on the
-NumPy unpacking of the stored bytes; the PTX conversion program run instruction by instruction
-on every code and shift; the layout rule and its refusals; the GPU lowering at gpt-oss-like
-and mixtral sizes."""
+wgmma with the weights as A) in Mosaic GPU interpret mode with race detection, against the
+float64 oracle on the NumPy unpacking of the stored bytes; the PTX conversion program run
+instruction by instruction on every code and shift; the layout and tile rules and their
+refusals; the GPU lowering at qwen3- and mixtral-sized experts."""
 import dataclasses
 import re
 

@@ -59,6 +59,8 @@ from jmoe.kernels.activations import Activation  # noqa: E402
 from jmoe.quant import dequantize, weight_bytes  # noqa: E402
 from jmoe.quant.activations import fake_quantize  # noqa: E402
 from jmoe.quant.weights import PACKED_4BIT  # noqa: E402
+from jmoe.experts.pallas import runs_weight_only  # noqa: E402
+from jmoe.kernels.moe import fp8_token_kernels  # noqa: E402
 from bench_quant import (BW, log, make_inputs, make_weights, quantize_chunked,  # noqa: E402
                          rel_err, time_fn)
 from check_common import top_kernels  # noqa: E402  (benchmarks/, the script's directory)
@@ -105,10 +107,10 @@ def parse_scheme(spec: str, h: int, n: int) -> tuple[str, QuantConfig]:
     else:
       raise ValueError(f"scheme {spec!r}: modifier {m!r} is not gNNN or zp")
   q = QuantConfig(base, **kw)
-  if not q.weight_only and q.weight_dtype not in CODES4:
+  if not runs_weight_only(q):
     raise ValueError(f"scheme {spec!r} quantizes activations too; this benchmark is for the "
-                     f"weight-only ones ({', '.join(WEIGHT_ONLY)}) and 4-bit codes with fp8 "
-                     f"tokens ({', '.join(CODES4_FP8)}); use bench_quant.py")
+                     f"weight-only ones ({', '.join(WEIGHT_ONLY)}), 4-bit codes with fp8 "
+                     f"tokens ({', '.join(CODES4_FP8)}) and mxfp8; use bench_quant.py")
   label = spec
   if q.weight_scale == "group" and (h % q.group_size or n % q.group_size):
     fit = [g for g in GROUPS if h % g == 0 and n % g == 0 and g < q.group_size]
@@ -441,7 +443,7 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
     # fp8-token prefill GEMMs per token after GEMM1's bf16 output)
     xr = fake_quantize(x[:nchk], quant) if quant.act_dtype else x[:nchk]
     requant = None
-    layout8 = weight_only_layout_of(p, t, q13, q2) if quant.act_dtype else None
+    layout8 = (weight_only_layout_of(p, t, q13, q2) if fp8_token_kernels(quant) else None)
     if quant.act_dtype and backend != "PallasExperts":
       requant = functools.partial(fake_quantize, quant=quant)  # XLA's: per token (eager)
     elif layout8 == "prefill_fp8":  # per token, from GEMM1's bf16 output

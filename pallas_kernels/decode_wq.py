@@ -53,7 +53,7 @@ from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_columns,
                                  ring_step, store_part_row, token_operand)
-from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile, e4m3_tile
+from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile, e4m3_tile, fp8_codes_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import FP8_MAX
 from jmoe.kernels.permute import touched_experts
@@ -70,10 +70,11 @@ GROUPS = (16, 32, 128)  # the group sizes the kernel takes (a window is 8 groups
 ROWS_A = 64  # GEMM2's B tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
 _SMEM_BYTES = 232448 - 14 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 8
-# the codes' dtype in the kernel per weight_dtype (e2m1 codes are read as signed int4)
-_CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8),
-                "float4_e2m1fn": jnp.dtype(jnp.int4)}
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
+# the codes' dtype in the kernel per weight_dtype (e2m1 codes are read as signed int4; e4m3
+# codes, mxfp8's weights, as themselves)
+_CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8),
+                "float4_e2m1fn": jnp.dtype(jnp.int4), "float8_e4m3fn": FP8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,7 @@ class DecodeWQConfig:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """What one build of the kernel reads: static facts of the weights."""
-  code: Any  # jnp.int4 / jnp.int8 (the codes' dtype in the kernel)
+  code: Any  # jnp.int4 / jnp.int8 / float8_e4m3fn (the codes' dtype in the kernel)
   grouped: bool  # w13 scales per `group` along K (else per channel)
   zero13: bool
   zero2: bool
@@ -103,6 +104,11 @@ class _Plan:
   @property
   def int4(self) -> bool:
     return self.code == jnp.dtype(jnp.int4)
+
+  @property
+  def fp8(self) -> bool:
+    """e4m3 codes (mxfp8 weights): converted to bf16 in registers like int8 ones."""
+    return self.code == FP8
 
   @property
   def small_groups(self) -> bool:
@@ -307,10 +313,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       codes' values in e4m3 with fp8 tokens)."""
       if plan.act8:
         a = e4m3_tile(tile[...], e2m1=plan.e2m1, interpret=emulate)
-      elif plan.e2m1:
-        a = e2m1_tile(tile[...], xdt, interpret=emulate)
       else:
-        a = tile[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
+        a = code_values(tile[...], plan, xdt, interpret=emulate)
       if emulate:
         t_a.at[which][...] = a
         return t_a.at[which]
@@ -559,17 +563,18 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
 def unsupported_format(w13, w2, act: Activation | str, *, groups: tuple,
                        kernel: str = "the decode kernel", act8: bool = False) -> str | None:
   """The weight-only kernels' rules on the format (None: `kernel` takes it): int4 / int8 /
-  e2m1 codes with bf16 tokens (act8: also 4-bit codes with fp8 tokens, per-token or
-  per-tensor scales), one scheme for w13 and w2, float32 scales (e2m1: its own) per channel
-  or per one of `groups` along K, zero points with groups of 128, no act-order permutation,
-  a global scale only for e2m1 (nvfp4), K-major values, a gated activation."""
+  e2m1 / e4m3 codes with bf16 tokens (act8: also 4-bit codes with fp8 tokens, per-token or
+  per-tensor scales), one scheme for w13 and w2, float32 scales (e2m1: its own; e4m3: also
+  e8m0) per channel or per one of `groups` along K, zero points with integer codes and groups
+  of 128, no act-order permutation, a global scale only for e2m1 (nvfp4), K-major values, a
+  gated activation."""
   q = w13.scheme
   if q is None or q.weight_dtype not in _CODE_DTYPES:
-    return f"{q}: {kernel} takes int4 / int8 / e2m1 weights"
+    return f"{q}: {kernel} takes int4 / int8 / e2m1 / e4m3 weights"
   if q.act_dtype is not None:
     if not act8:
       return f"{q.name}: {kernel} takes bf16 tokens, not {q.act_dtype} activations"
-    if q.act_dtype != "float8_e4m3fn" or q.weight_dtype == "int8":
+    if q.act_dtype != "float8_e4m3fn" or q.weight_dtype not in ("int4", "float4_e2m1fn"):
       return (f"{q.name}: {q.act_dtype} activations with {q.weight_dtype} weights ({kernel} "
               "takes fp8 tokens with 4-bit codes, whose values e4m3 holds)")
     if q.act_scale not in ROW_SCALES:
@@ -578,14 +583,15 @@ def unsupported_format(w13, w2, act: Activation | str, *, groups: tuple,
   if w2.scheme != q:
     return "w13 and w2 must share one scheme"
   fp4 = q.weight_dtype == "float4_e2m1fn"
-  if q.scale_dtype != "float32" and not fp4:
+  e8m0 = q.weight_dtype == "float8_e4m3fn" and q.scale_dtype == "float8_e8m0fnu"
+  if q.scale_dtype != "float32" and not (fp4 or e8m0):
     return f"{q.name}: {q.scale_dtype} scales ({kernel} takes float32)"
   grouped = q.weight_scale == "group"
   if not (q.weight_scale == "channel" and not fp4 or (grouped and q.group_size in groups)):
     return (f"{q.name}: scales per {q.weight_scale} {q.group_size or ''} ({kernel} takes "
             f"per-channel, or groups of {', '.join(map(str, groups))})")
-  if q.zero_point and not (grouped and q.group_size == GROUP):
-    return f"{q.name}: zero points need scales per {GROUP}"
+  if q.zero_point and not (grouped and q.group_size == GROUP and "int" in q.weight_dtype):
+    return f"{q.name}: zero points need scales per {GROUP} and integer codes"
   if w13.perm is not None or w2.perm is not None:
     return f"act-order (perm): {kernel} reads K in stored order"
   if (w13.global_scale is not None or w2.global_scale is not None) and not fp4:
@@ -619,6 +625,23 @@ def unsupported_codes(t: int, k: int, h: int, n: int, act: Activation | str, w13
   if grouped and q.group_size < BN and n < _N * q.group_size:
     return f"N={n}: groups of {q.group_size} need N >= {_N * q.group_size} (GEMM2's 8 scales)"
   return None
+
+
+def code_values(codes: jax.Array, plan: _Plan, xdt, *, interpret: bool = False) -> jax.Array:
+  """A register tile of codes -> the MMA dtype xdt: e2m1 values / E2M1_UNIT (the scales carry
+  the factor), e4m3 values exactly, int4 / int8 as the integers (int4: the stored signed
+  nibbles are u - 8)."""
+  if plan.e2m1:
+    return e2m1_tile(codes, xdt, interpret=interpret)
+  if plan.fp8:
+    return fp8_codes_tile(codes, xdt)
+  return codes.astype(xdt)
+
+
+def byte_scales(w) -> bool:
+  """The stored scales are 8-bit floats (e8m0 / e4m3: mxfp4, nvfp4, mxfp8), which the kernels
+  read as float32 copies made per call (of the touched experts where that is fewer)."""
+  return jnp.dtype(w.scale.dtype).itemsize == 1
 
 
 def _plan(w13, w2, has_bias: bool) -> _Plan:
@@ -766,8 +789,8 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   kern = _build(h=h, n=n, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
                 num_sms=nsm, interpret=interp)
   k1 = k1_steps(h, plan)
-  if plan.small_groups and (plan.e2m1 or h % BK or n % BN):  # float32 scales per call: the
-    touched, sid = touched_experts(ids, e)  # touched experts' (padded: windows past H get
+  if plan.small_groups and (byte_scales(w13) or h % BK or n % BN):  # float32 scales per
+    touched, sid = touched_experts(ids, e)  # call: the touched experts' (padded: windows past H get
     unit = E2M1_UNIT if plan.e2m1 and not plan.act8 else 1.0  # zero scales; w2's,
     # s2_columns; e4m3 tiles hold the e2m1 values themselves)
     s13 = _padded_last(float_scales(w13, touched) * unit, k1 * BK // plan.group)

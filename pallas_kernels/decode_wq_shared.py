@@ -32,8 +32,9 @@ from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import combine_parts, cta_items, token_operand
 from jmoe.kernels.decode_wq import (BH, BK, BN, GROUP, ROWS_A, DecodeWQConfig, _codes, _Plan,
-                                    _plan, _w2_scaled, checked_call, finish, geometry,
-                                    step_fetcher, store_b_tile, unsupported_codes)
+                                    _plan, _w2_scaled, byte_scales, checked_call, code_values,
+                                    finish, geometry, step_fetcher, store_b_tile,
+                                    unsupported_codes)
 from jmoe.kernels.grouped_gemm import kernel_activation
 
 _N = 8  # tokens per group = wgmma's N
@@ -68,9 +69,9 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
   why = unsupported_codes(t, k, h, n, act, w13, w2)
   if why is None:
     plan = _plan(w13, w2, False)
-    if plan.e2m1 or plan.group != GROUP:
-      why = (f"{w13.scheme.name}: the shared kernel takes int4 / int8 codes with scales per "
-             f"channel or per {GROUP}")
+    if plan.e2m1 or plan.group != GROUP or byte_scales(w13):
+      why = (f"{w13.scheme.name}: the shared kernel takes int4 / int8 / e4m3 codes with "
+             f"float32 scales per channel or per {GROUP}")
   if why is None and max_stages(_plan(w13, w2, False), h) < 2:
     why = f"H={h}: the item's scale blocks leave shared memory no 2-slot ring"
   return why
@@ -113,7 +114,7 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
     def dequantized13(tile, which, r, c):
       """A GEMM1 code tile [128, 128] -> its bf16 register A tile, with step r's group
       scale (and zero point) of each row: (code - zero) * scale."""
-      a = tile[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
+      a = code_values(tile[...], plan, xdt)
       if plan.grouped:
         s = _cast(sblk.at[c, r][...], row)
         a = a * lax.broadcast_in_dim(s.astype(xdt), (BN, BK), [0])
@@ -208,8 +209,8 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
 
         def mma(acc_a, acc_b):
           b = rhs(a_smem)
-          plgpu.wgmma(acc_a, stage_a(ring.at[slot, 0][...].astype(xdt), 0), b)
-          plgpu.wgmma(acc_b, stage_a(ring.at[slot, 1][...].astype(xdt), 1), b)
+          plgpu.wgmma(acc_a, stage_a(code_values(ring.at[slot, 0][...], plan, xdt), 0), b)
+          plgpu.wgmma(acc_b, stage_a(code_values(ring.at[slot, 1][...], plan, xdt), 1), b)
           plgpu.wgmma_wait(0)
           return acc_a[...], acc_b[...]
 

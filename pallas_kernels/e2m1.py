@@ -1,5 +1,6 @@
 """e2m1 codes (mxfp4 / nvfp4 values, read as int4 register tiles) -> 16-bit register tiles;
-e2m1 or int4 codes -> fp8 e4m3 register tiles (the fp8-token kernels: both hold exactly).
+e2m1 or int4 codes -> fp8 e4m3 register tiles (the fp8-token kernels: both hold exactly);
+e4m3 codes (mxfp8 weights) -> 16-bit register tiles (`fp8_codes_tile`).
 
 Hopper has no e2m1 conversion. Two forms, the same values bit for bit:
 - `lut` (the GPU kernels): per 4 codes, PTX byte permutes (`prmt`) pick each value's low and
@@ -132,6 +133,17 @@ def _lut_form(codes: jax.Array, xdt) -> jax.Array:
     return mgpu.FragmentedArray(_registers=new, _layout=arr.layout, _is_signed=None)
 
   return convert(codes)
+
+
+def fp8_codes_tile(codes: jax.Array, xdt) -> jax.Array:
+  """codes: a float8_e4m3fn register tile -> xdt (bf16 / f16), exactly (every e4m3 number is
+  a bf16 and an f16 one): Hopper converts e4m3 pairs to f16 in one instruction (cvt
+  .f16x2.e4m3x2) and f32 pairs to bf16 in one; f16 -> bf16 goes through f32. ~2 instructions
+  a value; the weight-only kernels apply the e8m0 group scales after it as for int8 codes."""
+  a = codes.astype(jnp.float16)
+  if jnp.dtype(xdt) == jnp.dtype(jnp.float16):
+    return a
+  return a.astype(jnp.float32).astype(xdt)
 
 
 def e4m3_words(e2m1: bool) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -45,8 +45,8 @@ from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import ring_step
 from jmoe.kernels.decode_wq import (_codes, _plan, _Plan, block_group, block_start,
-                                    unsupported_format)
-from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile
+                                    code_values, unsupported_format)
+from jmoe.kernels.e2m1 import E2M1_UNIT
 from jmoe.kernels.grouped_gemm import kernel_activation
 
 BM = 128  # token rows per task: wgmma's N
@@ -149,10 +149,8 @@ def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool
   groups, each [rows, g]: (code - zero) * scale with the step's scale rows s (SMEM
   [128 / g, rows]; and zero row z) per row; s None: per-channel (applied to the
   accumulator). skip: its first `skip` columns zeroed (a shifted last step)."""
-  if plan.e2m1:
-    a = e2m1_tile(codes[...], xdt, interpret=interpret)  # values / E2M1_UNIT: scales carry it
-  else:
-    a = codes[...].astype(xdt)  # int4: the stored signed nibbles are u - 8
+  a = code_values(codes[...], plan, xdt, interpret=interpret)  # (e2m1: the scales carry
+  # E2M1_UNIT)
   if skip is not None:  # a shifted last step: its first columns are the previous step's
     col = cast(lax.broadcasted_iota(jnp.int32, a.shape, 1), plgpu.Layout.WGMMA)
     a = jnp.where(col >= skip, a, jnp.zeros((), xdt))

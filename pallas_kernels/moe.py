@@ -522,22 +522,25 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   (jmoe.kernels.grouped_gemm_wq: grouped GEMMs on the codes, dequantized in registers; no
   dequantized copy of the experts) or "dequantize" (the weights dequantized in the graph per
   call, then the bf16 kernels: prefill, and what the decode kernels refuse: groups of 64, H /
-  N off their multiples, more than 128 slots). auto: prefill for 4-bit codes where neither
-  decode kernel takes the call and the experts average at most PREFILL_MAX_ROWS_PER_EXPERT
-  rows; decode_shared where slots share
-  experts on average (T * k >= 2 E) or decode_wq refuses only what decode_wq_shared takes
-  (zero points at H / 128 not a multiple of 16); decode where it takes the problem, except
-  where slots share experts and decode_wq_shared refuses the format (e2m1, groups of 16 /
-  32): there prefill for 4-bit codes; else dequantize (H200: the rule picks the faster layout
-  in every measured case; docs/kernels.md, "Slots that share experts", "e2m1 and small
-  groups"). 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): "decode" (decode_wq's
+  N off their multiples, more than 128 slots). auto: prefill for 4-bit and e4m3 codes where
+  neither decode kernel takes the call and the experts average at most
+  PREFILL_MAX_ROWS_PER_EXPERT rows; decode_shared where slots share experts on average
+  (T * k >= 2 E) or decode_wq refuses only what decode_wq_shared takes (zero points at H / 128
+  not a multiple of 16); decode where it takes the problem, except where slots share experts
+  and decode_wq_shared refuses the format (e2m1, groups of 16 / 32): there prefill for 4-bit
+  and e4m3 codes; else dequantize (H200: the rule picks the faster layout in every measured
+  case; docs/kernels.md, "Slots that share experts", "e2m1 and small groups"). 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): "decode" (decode_wq's
   8-bit MMAs) where decode_wq takes the call and slots do not share experts; elsewhere the
   tokens are dequantized to bf16 and the weight-only rule picks (`weight_only_view`: its
   kernels stream an expert once for all its slots; measured, H200 mixtral 16 tokens: mxfp4
-  prefill GEMMs 885 us against 1,778 for decode_wq's 8-bit form)."""
+  prefill GEMMs 885 us against 1,778 for decode_wq's 8-bit form). mxfp8's tokens are
+  dequantized always (`fp8_token_kernels`)."""
   if layout not in ("auto", "decode", "decode_shared", "prefill", "prefill_fp8", "dequantize"):
     raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared', 'prefill', "
                      "'prefill_fp8' or 'dequantize'")
+  if w13.scheme.act_dtype is not None and not fp8_token_kernels(w13.scheme):
+    return weight_only_layout(t, k, h, n, act, weight_only_view(w13), weight_only_view(w2),
+                              layout)
   why = _decode_wq.unsupported(t, k, h, n, act, w13, w2)
   e = w13.shape[0]
   sharing = t * k >= 2 * e  # slots share experts on average
@@ -570,10 +573,24 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
     # format (e2m1, small groups: decode_wq streams an expert per slot), the prefill GEMMs
     # stream each expert once, for 4-bit codes (measured; H200, mixtral mxfp4 at 16 tokens:
     # 888 us against 2,414 decode_wq, 2,333 dequantized; docs/kernels.md)
-    if why_prefill is None and w13.packed and t * k <= PREFILL_MAX_ROWS_PER_EXPERT * e:
+    # (and for e4m3 codes: mxfp8's groups of 32, which the shared kernel refuses; H200 qwen3
+    # 4096 tokens: 1,170 us against 1,394 dequantized)
+    fp8_codes = w13.scheme.weight_dtype == "float8_e4m3fn"
+    if (why_prefill is None and (w13.packed or fp8_codes)
+        and t * k <= PREFILL_MAX_ROWS_PER_EXPERT * e):
       return "prefill"
     return "dequantize"
   return layout
+
+
+def fp8_token_kernels(q) -> bool:
+  """Whether the weight-only path takes scheme q's quantized tokens as they are: 4-bit codes
+  with fp8 tokens scaled per token or per tensor (decode_wq's 8-bit MMAs, grouped_gemm_w4a8).
+  Other quantized tokens over weight-only codes (mxfp8: e4m3 weights, tokens in groups of 32
+  with e8m0 scales, which Hopper's MMAs cannot apply per 32 along K) are dequantized into bf16
+  first -- exactly: every such value is a bf16 number -- and run the bf16-token kernels."""
+  return (q.act_dtype == "float8_e4m3fn" and q.act_scale in ROW_SCALES
+          and q.weight_dtype in ("int4", "float4_e2m1fn"))
 
 
 def _w4a8_unsupported(h: int, n: int, act: Activation, w13, w2) -> str | None:
@@ -658,7 +675,9 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
   [E, N, H]), topk_weights / topk_ids [T, k]; layout: weight_only_layout's. 4-bit codes with
   fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): x float8_e4m3fn and x_scale [T, 1] / [1, 1]
   (decode: decode_wq's 8-bit MMAs; prefill_fp8, mxfp4: grouped_gemm_w4a8's; elsewhere the
-  tokens dequantized into the bf16-token kernels). Returns [T, H] out_dtype."""
+  tokens dequantized into the bf16-token kernels). mxfp8 (e4m3 codes, e8m0 scales per 32;
+  tokens e4m3 with x_scale [T, H / 32]): the tokens dequantized into bf16 exactly, the codes
+  into bf16 in registers (`fp8_token_kernels`). Returns [T, H] out_dtype."""
   act = as_activation(activation)
   t, k = topk_ids.shape
   _, h, n13 = w13.shape
@@ -671,9 +690,10 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
     if chosen == "prefill_fp8":
       return _w4a8_prefill(x, x_scale, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,
                            out_dtype, interpret)
-    if chosen != "decode":  # the bf16-token kernels on the tokens' values (the barrier keeps
-      # XLA from folding prepare's f32 -> fp8 -> bf16 round trip into no rounding at all,
-      # which it did on the H200: the tokens came out unquantized)
+    if chosen != "decode" or not fp8_token_kernels(w13.scheme):
+      # the bf16-token kernels on the tokens' values (the barrier keeps XLA from folding
+      # prepare's f32 -> fp8 -> bf16 round trip into no rounding at all, which it did on the
+      # H200: the tokens came out unquantized)
       x = dequantize_activations(lax.optimization_barrier(x), x_scale, jnp.bfloat16)
       w13, w2, x_scale = weight_only_view(w13), weight_only_view(w2), None
   if chosen == "prefill":

@@ -37,6 +37,10 @@ SCHEMES = {
     "mxfp4": dict(format="mxfp4"),  # e2m1 codes, e8m0 scales per 32
     "nvfp4": dict(format="nvfp4"),  # e4m3 scales per 16 and a global scale
     "w4a16-g32": dict(format="w4a16", group_size=32),
+    # mxfp8's weights as the weight-only kernels see them (its tokens enter as bf16)
+    "mxfp8-codes": dict(format="custom", weight_dtype="float8_e4m3fn", weight_scale="group",
+                        group_size=32, scale_dtype="float8_e8m0fnu"),
+    "mxfp8": dict(format="mxfp8"),
     # 4-bit codes with fp8 tokens (the 8-bit MMA form)
     "mxfp4_fp8": dict(format="mxfp4_fp8"),
     "nvfp4_fp8": dict(format="nvfp4_fp8"),
@@ -85,6 +89,7 @@ def _run(x, q13, q2, tw, ids, **kw):
     pytest.param("mxfp4", 512, True, "swigluoai", marks=pytest.mark.slow),
     pytest.param("nvfp4", 256, False, "silu", marks=pytest.mark.slow),
     pytest.param("w4a16-g32", 512, False, "silu", marks=pytest.mark.slow),
+    ("mxfp8-codes", 512, True, "silu"),  # e4m3 codes -> bf16 in registers, e8m0 per 32
 ])
 def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
   """Two items per slot (N = 256), an empty slot (-1), an expert no slot uses, T = 3; two
@@ -175,6 +180,34 @@ def test_fp8_token_schemes_through_the_api(sid, t, rng, monkeypatch):
   want = onp.fused_moe(x_hat, np_dequant(q13), np_dequant(q2), tw, ids,
                        requant=_fp8_per_block if t * 2 <= 128 else bf16)
   onp.assert_rel_close(out, want, TOL, f"{sid} T={t}: pallas vs the oracle of its scheme")
+
+
+@pytest.mark.parametrize("t,want", [(1, "decode"), pytest.param(6, "prefill",
+                                                                 marks=pytest.mark.slow)])
+def test_mxfp8_through_the_api(t, want, rng, monkeypatch):
+  """mxfp8 with runner_backend='pallas_mosaic': prepare's e4m3 tokens (e8m0 scales per 32)
+  enter the weight-only kernels as bf16 -- exactly -- and the e4m3 codes convert to bf16 in
+  registers: one token on decode_wq, six on 4 experts (slots share experts; the shared kernel
+  refuses groups of 32) on the prefill GEMMs. Against the oracle of that path (the tokens'
+  mxfp8 values, a bf16 intermediate) and XLA's experts (which also quantize the intermediate
+  per 32: within two fp8 roundings)."""
+  monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
+  x, q13, q2, tw, ids, _, _ = _problem(rng, "mxfp8", t, 512, 256, 4, 2)
+  assert pmoe.weight_only_layout(t, 2, 512, 256, as_activation("silu"), q13, q2) == want
+  out = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                  runner_backend="pallas_mosaic"), np.float32)
+  assert not _compat.races_found()
+  assert out.shape == (t, 512) and np.isfinite(out).all()
+  xq, xs = quantize_activations(x, q13.scheme)
+  assert xq.dtype == jnp.float8_e4m3fn and xs.shape == (t, 512 // 32)
+  x_hat = np.asarray(xq.astype(jnp.float32), np.float64) * np.repeat(
+      np.asarray(xs.astype(jnp.float32), np.float64), 32, axis=1)
+  bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731
+  want_out = onp.fused_moe(x_hat, np_dequant(q13), np_dequant(q2), tw, ids, requant=bf16)
+  onp.assert_rel_close(out, want_out, TOL, f"mxfp8 T={t}: pallas vs the oracle of its path")
+  xla = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                  runner_backend="xla"), np.float32)
+  onp.assert_rel_close(out, xla, 2.5 * TOL, f"mxfp8 T={t}: pallas vs xla")
 
 
 def test_decode_wq_fp8_tokens_say_what_they_need(rng):
@@ -278,6 +311,25 @@ def test_decode_wq_says_what_it_does_not_take(rng):
     decode_wq.fused_experts_decode_wq(jnp.ones((1, 1024), jnp.bfloat16), q13, q2,
                                       jnp.ones((1, 2)), jnp.zeros((1, 2), jnp.int32),
                                       config=decode_wq.DecodeWQConfig(stages=9))
+
+
+@pytest.mark.parametrize("t,layout,kernels", [
+    (1, "auto", {"jmoe_moe_decode_wq"}),
+    (4096, "prefill", {"jmoe_gg_wq_gated", "jmoe_gg_wq"})])
+def test_mxfp8_lowers_for_gpu(t, layout, kernels, monkeypatch):
+  """mixtral-8x7b's block in mxfp8 (the e4m3 codes' conversion: Hopper's e4m3 -> f16 pairs)
+  at one token (decode_wq) and 4096 (the weight-only prefill GEMMs)."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  quant = jmoe.QuantConfig("mxfp8")
+  e, k, h, n = 8, 2, 4096, 14336
+  w13, w2 = (jax.eval_shape(lambda s=shape: quantize_weights(jnp.zeros(s, jnp.bfloat16), quant))
+             for shape in ((e, h, 2 * n), (e, n, h)))
+  text = jax.jit(lambda x, xs, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
+      x, w13, w2, tw, ti, x_scale=xs, layout=layout)).trace(
+          S((t, h), jnp.float8_e4m3fn), S((t, h // 32), jnp.float32), w13, w2,
+          S((t, k), jnp.float32), S((t, k), jnp.int32)).lower(
+              lowering_platforms=("cuda",)).as_text()
+  assert kernels <= set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
 
 
 def test_decode_wq_lowers_for_gpu(monkeypatch):

@@ -43,6 +43,7 @@ def _prefill(x, q13, q2, tw, ids, b13=None, b2=None, activation="silu"):
     pytest.param("w4a16-zp", True, "silu", marks=pytest.mark.slow),
     pytest.param("w8a16-g128-zp", False, "gelu", marks=pytest.mark.slow),
     pytest.param("nvfp4", False, "silu", marks=pytest.mark.slow),  # groups of 16, global scale
+    pytest.param("mxfp8-codes", True, "swigluoai", marks=pytest.mark.slow),  # e4m3, e8m0 / 32
 ])
 def test_prefill_wq_matches_oracle(sid, bias, activation, rng):
   """40 tokens, k = 2 on 4 experts (80 rows in one 128-row allocation: tiles that start inside
@@ -112,7 +113,8 @@ def test_prefill_wq_says_what_it_does_not_take():
   mx = w("mxfp4", 2, 256, 512)
   assert grouped_gemm_wq.unsupported(4096, 256, 256, silu, mx, mx) is None
   fp8 = w("fp8_tensor", 2, 256, 512)
-  assert "int4 / int8 / e2m1" in grouped_gemm_wq.unsupported(4096, 256, 256, silu, fp8, fp8)
+  assert "bf16 tokens, not float8_e4m3fn" in grouped_gemm_wq.unsupported(4096, 256, 256, silu,
+                                                                         fp8, fp8)
   g32zp = w("w4a16", 2, 256, 512, group_size=32, zero_point=True)
   assert "zero points need scales per 128" in grouped_gemm_wq.unsupported(
       4096, 256, 256, silu, g32zp, g32zp)

@@ -388,17 +388,21 @@ def test_int4_group_sizes(group, zero_point, rng):
 
 def test_oracle_runs_every_format_on_xla_and_says_what_pallas_takes(no_backend_env):
   """On the CPU every format runs on XLA; the Pallas experts take every weight-only format
-  (decode_wq or the dequantized bf16 kernels) and name what they miss for W8A8 mxfp8."""
+  (decode_wq or the dequantized bf16 kernels) and mxfp8 (its tokens dequantized into them),
+  and name what they miss for a W8A8 format they do not take."""
   from jmoe.experts.pallas import PallasExperts
   for fid in FORMATS:
     q = _quant(fid)
     _, experts, why = jmoe.select_backend(quant=q)
     assert experts.name == "xla" and "pallas_mosaic skipped" in why, why
     reason = PallasExperts().quant_support(q)
-    if q.act_dtype is None:
+    if q.act_dtype is None or q.name == "mxfp8":
       assert reason is None, (fid, reason)
     else:
       assert reason and q.name in reason, (fid, reason)
+  f32_groups = jmoe.QuantConfig("mxfp8", scale_dtype="float32")  # fp8 tokens per 32, not MX
+  reason = PallasExperts().quant_support(f32_groups)
+  assert reason and "group weight scales" in reason, reason
 
 
 def test_bad_input_names_the_argument(rng):

@@ -31,6 +31,15 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _Q8 = ("float8_e4m3fn", "int8")
 
 
+def runs_weight_only(quant: QuantConfig) -> bool:
+  """Whether `quant` runs on the weight-only kernels (fused_experts_weight_only): weight-only
+  formats, 4-bit codes with fp8 tokens, and mxfp8 (e4m3 codes with e8m0 scales per group;
+  its e4m3 tokens, scaled per 32, enter as bf16: exact)."""
+  mx8 = (quant.weight_dtype == "float8_e4m3fn" and quant.weight_scale == "group"
+         and quant.scale_dtype == "float8_e8m0fnu" and quant.act_dtype == "float8_e4m3fn")
+  return quant.act_dtype is None or is_packed(quant) or mx8
+
+
 def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   """Why the Pallas kernels cannot run `quant` (None: they can): W8A8 with scales that factor
   out of K (fp8_tensor / fp8_channel / int8, per-token or per-tensor dynamic activation
@@ -39,12 +48,13 @@ def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   grouped GEMMs on the codes where they apply, else the weights dequantized per call into the
   bf16 kernels), and 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8: decode_wq's
   8-bit form where it takes the call; mxfp4 past it on grouped_gemm_w4a8's fp8 GEMMs; else
-  the tokens dequantized into the weight-only kernels)."""
+  the tokens dequantized into the weight-only kernels), and mxfp8 (e4m3 codes converted to
+  bf16 in registers, the tokens' e4m3 values dequantized into bf16)."""
   if quant is None or not quant.is_quantized:
     return None
   name = quant.name
-  if quant.act_dtype is None:  # weight-only: fused_experts_weight_only takes every format
-    return None
+  if quant.act_dtype is None or (runs_weight_only(quant) and not is_packed(quant)):
+    return None  # weight-only and mxfp8: fused_experts_weight_only takes every such format
   if is_packed(quant):  # 4-bit codes with quantized tokens
     if quant.act_dtype != "float8_e4m3fn" or quant.act_scale not in ROW_SCALES:
       return (f"{name}: {quant.weight_dtype} weights with {quant.act_dtype} activations "
@@ -168,7 +178,7 @@ class PallasExperts(Experts):
     # the 8-bit GEMMs' K step is 128; weight-only formats the decode kernels refuse are
     # dequantized into the bf16 kernels (K step 64), so they take what bf16 takes, and so do
     # 4-bit codes with fp8 tokens (decode_wq takes multiples of 64; else the bf16 kernels)
-    w8a8 = quant is not None and quant.act_dtype is not None and not is_packed(quant)
+    w8a8 = quant is not None and quant.is_quantized and not runs_weight_only(quant)
     step = 128 if w8a8 else 64
     if hidden_size % step or intermediate_size % step:
       return (f"hidden {hidden_size} / intermediate {intermediate_size} not multiples of "
@@ -213,7 +223,7 @@ class PallasExperts(Experts):
     local = local_expert_ids(inp.topk_ids, weights.num_experts, expert_map)
     dt = jnp.dtype(out_dtype)
     kernel_out = dt if dt in _DTYPES else jnp.dtype(jnp.bfloat16)
-    if quant.act_dtype is None or is_packed(quant):  # (4-bit codes: fp8 tokens too)
+    if runs_weight_only(quant):  # (4-bit codes: fp8 tokens too; mxfp8)
       return self._apply_weight_only(inp, weights, activation, local, kernel_out).astype(dt)
     _check_quantized_problem(inp, weights, activation)
     from jmoe.kernels.moe import fused_experts_quantized  # noqa: PLC0415
@@ -225,7 +235,8 @@ class PallasExperts(Experts):
 
   def _apply_weight_only(self, inp, weights, activation, local, out_dtype):
     """w4a16 / w8a16 / mxfp4 / nvfp4 with bf16 tokens, and 4-bit codes with prepare's fp8
-    tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): fused_experts_weight_only's, in the layout env
+    tokens (mxfp4_fp8, nvfp4_fp8, w4afp8) or e4m3 codes with mxfp8's tokens (dequantized
+    into bf16 there): fused_experts_weight_only's, in the layout env
     JMOE_WEIGHT_ONLY_LAYOUT names (read at trace time; default "auto": see
     jmoe.kernels.moe.weight_only_layout) -- for benchmarks that compare the layouts."""
     check_weights_for_activation(weights, activation)

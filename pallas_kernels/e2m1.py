@@ -229,17 +229,15 @@ def e4m3_tile(codes: jax.Array, *, e2m1: bool, interpret: bool = False) -> jax.A
 # down by 6 exponents (no byte leaves [0, 0x7c]: no carries between the packed bytes).
 SHIFT_BIAS = 6  # the largest group's 6.0 -> 384 (e4m3 max 448)
 MIN_SHIFT = -SHIFT_BIAS  # e - ref + SHIFT_BIAS below this: the group is flushed
-KEEP = 0x7777  # a word's low half: the selector mask (0: the group is flushed)
+FLUSH = 0x80  # a shift byte's flag: the group converts to zeros
 
 
-def e4m3_shift_words(shift: jax.Array) -> jax.Array:
+def e4m3_shift_bytes(shift: jax.Array) -> jax.Array:
   """Per (row, group) shifts e - ref + SHIFT_BIAS (int, <= SHIFT_BIAS) -> the conversion's
-  int32 words: KEEP in the low 16 bits (0 below MIN_SHIFT: the group flushes) and
-  8 * (shift - MIN_SHIFT) in the top byte (the exponent-field add)."""
+  uint8 bytes: the exponent-field add 8 * (shift - MIN_SHIFT) (0..96), or FLUSH below
+  MIN_SHIFT. One byte a group (the kernel's per-call array is a quarter of 32-bit words')."""
   s = shift.astype(jnp.int32)
-  keep = s >= MIN_SHIFT
-  add = jnp.where(keep, 8 * (s - MIN_SHIFT), 0)
-  return jnp.where(keep, KEEP, 0) | (add << 24)
+  return jnp.where(s >= MIN_SHIFT, 8 * (s - MIN_SHIFT), FLUSH).astype(jnp.uint8)
 
 
 def e4m3_shifted_values(codes: jax.Array, shift: jax.Array) -> jax.Array:
@@ -265,21 +263,23 @@ def _biased_words() -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def _shifted_asm() -> str:
-  """$1: 4 codes (low 16 bits), $2: the group's word (its add byte, the top one, replicated
-  into all 4 bytes by the first prmt) -> $0: the 4 e4m3 bytes."""
+  """$1: 4 codes (low 16 bits), $2: the group's shift byte (zero-extended) -> $0: the 4 e4m3
+  bytes. The byte replicated is the add (FLUSH's bit is masked off by the zero codes' nz);
+  prmt's sign-replicate selectors (0x8) turn FLUSH into an all-ones mask that clears the
+  selectors (every code reads entry 0: zero); lop3 0x20 = a & ~b & c, 0xEA = (a & b) | c."""
   (m0, m1), (z0, z1) = _biased_words()
   return f"""
   {{
-  .reg .b32 sel, mag, nz, sh, top, neg;
-  prmt.b32 sh, $2, 0, 0x3333;
-  and.b32 sel, $1, $2;
+  .reg .b32 sel, mag, nz, sh, fl, top, neg;
+  prmt.b32 sh, $2, 0, 0x0000;
+  prmt.b32 fl, $2, 0, 0x8888;
+  lop3.b32 sel, $1, fl, 0x7777, 0x20;
   prmt.b32 mag, {m0}, {m1}, sel;
   prmt.b32 nz, {z0}, {z1}, sel;
   and.b32 sh, sh, nz;
   add.u32 mag, mag, sh;
-  and.b32 top, $1, 0x8888;
-  shr.u32 top, top, 1;
-  or.b32 top, top, 0x3210;
+  shr.u32 top, $1, 1;
+  lop3.b32 top, top, 0x4444, 0x3210, 0xEA;
   or.b32 neg, mag, 0x80808080;
   prmt.b32 $0, mag, neg, top;
   }}
@@ -289,15 +289,14 @@ def _shifted_asm() -> str:
 def e4m3_shifted_tile(codes: jax.Array, words, *, group: int,
                       interpret: bool = False) -> jax.Array:
   """codes: an int4 register tile [R, C] of e2m1 codes (R rows of a weight, C along K);
-  words: an SMEM ref [C / group, R] int32 (`e4m3_shift_words` of each row's group shifts) ->
+  words: an SMEM ref [C / group, R] uint8 (`e4m3_shift_bytes` of each row's group shifts) ->
   float8_e4m3fn [R, C], `e4m3_shifted_values` bit for bit. GPU: codes in the WGMMA_8BIT
   layout, whose 4-code registers each lie in one row and one group (group >= 16)."""
   if group % 16:
     raise ValueError(f"group={group}: the shifted e4m3 conversion needs groups of 16k")
   if interpret:
-    w = words[...]
-    add = lax.shift_right_logical(w, 24) // 8 + MIN_SHIFT
-    shift = jnp.where((w & KEEP) == KEEP, add, MIN_SHIFT - 1)  # [C / group, R]
+    w = words[...].astype(jnp.int32)
+    shift = jnp.where((w & FLUSH) != 0, MIN_SHIFT - 1, w // 8 + MIN_SHIFT)  # [C / group, R]
     shift = jnp.repeat(shift.T, group, axis=1)
     return e4m3_shifted_values(codes, shift).astype(jnp.float8_e4m3fn)
   layout = plgpu.Layout.WGMMA_8BIT
@@ -321,7 +320,7 @@ def e4m3_shifted_tile(codes: jax.Array, words, *, group: int,
     new = np.empty_like(regs)
     for idx, (row, col) in zip(np.ndindex(regs.shape), arr.layout.thread_idxs(arr.shape)):
       grp = arith.divui(col, arith.constant(index, group))
-      w = memref.load(wref, [grp, row])
+      w = arith.extui(i32, memref.load(wref, [grp, row]))  # the shift byte
       code = arith.extui(i32, utils.bitcast(regs[idx], i16))
       out = llvm.inline_asm(i32, [code, w], asm, "=r,r,r")
       new[idx] = utils.bitcast(out, four_ty)

@@ -15,7 +15,7 @@ mxfp4 x fp8 product, without the per-K-step promotion (second accumulator) DeepG
 block scales need.
 
 Warp specialized: a memory warpgroup brings each 128-deep K step's token tile, code tiles
-and per-(row, group) shift words by TMA; each of two compute warpgroups owns half of the
+and per-(row, group) shift bytes by TMA; each of two compute warpgroups owns half of the
 tile's weight columns, loads its codes from shared memory into registers and converts them
 there (`e4m3_shifted_tile`: one table permute chain per 4 codes, the group's exponent added
 to the bytes), and that register tile is the 8-bit wgmma's A operand, the token tile (K-major)
@@ -47,7 +47,7 @@ from jmoe.kernels import _compat
 from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels.activations import Activation
 from jmoe.kernels.decode_wq import _codes
-from jmoe.kernels.e2m1 import (SHIFT_BIAS, e4m3_shift_words, e4m3_shifted_tile,
+from jmoe.kernels.e2m1 import (SHIFT_BIAS, e4m3_shift_bytes, e4m3_shifted_tile,
                                e4m3_shifted_values)
 from jmoe.kernels.grouped_gemm_q8 import _check_epilogue, _gate, row_scale_vector
 
@@ -107,7 +107,7 @@ def default_config(n_out: int, gated: bool, rows_per_expert: float = 0) -> W4A8C
 
 
 def _stage_bytes(cfg: W4A8Config, n_rhs: int) -> int:
-  return cfg.block_m * BK + n_rhs * (cfg.block_n * BK // 2 + (BK // GROUP) * cfg.block_n * 4)
+  return cfg.block_m * BK + n_rhs * (cfg.block_n * BK // 2 + (BK // GROUP) * cfg.block_n)
 
 
 def _vec_len(cfg: W4A8Config) -> int:
@@ -144,11 +144,15 @@ def _mx_shifts(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   return ex - ref[:, :, None] + SHIFT_BIAS, w_scale
 
 
-def mx_shift_words(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """mxfp4 scales [E, N, K/32] -> (the kernel's shift words int32 [E, K/32, N], a step's words
-  one TMA box; w_scale float32 [E, N]): `_mx_shifts` through `e4m3_shift_words`."""
-  shift, w_scale = _mx_shifts(scale)
-  return jnp.swapaxes(e4m3_shift_words(shift), 1, 2), w_scale
+def mx_shift_bytes(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """mxfp4 scales [E, N, K/32] -> (the kernel's shift bytes uint8 [E, K/32, N], a step's
+  bytes one TMA box; w_scale float32 [E, N]): `_mx_shifts`' through `e4m3_shift_bytes`,
+  computed on the scale bytes transposed first (the byte transpose, then one elementwise
+  pass, rather than int32 shifts transposed)."""
+  ex = jnp.swapaxes(lax.bitcast_convert_type(scale, jnp.uint8), 1, 2).astype(jnp.int32)
+  ref = jnp.max(ex, axis=1)  # [E, N]
+  w_scale = jnp.exp2((ref - _E8M0_BIAS - SHIFT_BIAS).astype(jnp.float32))
+  return e4m3_shift_bytes(ex - ref[:, None, :] + SHIFT_BIAS), w_scale
 
 
 def fp8_codes(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -201,7 +205,7 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
             + [plgpu.BlockSpec((bn, BK), lambda kk: (0, kk), transforms=tf_c)] * n_rhs
             + [plgpu.BlockSpec((ng, bn), lambda kk: (kk, 0))] * n_rhs)
 
-  def body(meta_ref, ntask_ref, lhs_ref, codes_ref, words_ref, as_ref, ws_ref, *rest):
+  def body(meta_ref, ntask_ref, lhs_ref, codes_ref, shift_ref, as_ref, ws_ref, *rest):
     rest = list(rest)
     scale_ref = rest.pop(0) if has_scale else None
     bias_ref = rest.pop(0) if has_bias else None
@@ -293,7 +297,7 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
       token tile (B: [BK, bm], K-major as 8-bit wgmma needs). The first operand's MMA runs
       while the second converts; the other warpgroup's MMAs run while this one converts."""
       del idx
-      code_smems, word_smems, accs = refs[:n_rhs], refs[n_rhs:2 * n_rhs], refs[2 * n_rhs]
+      code_smems, shift_smems, accs = refs[:n_rhs], refs[n_rhs:2 * n_rhs], refs[2 * n_rhs]
       wg = lax.axis_index("wg")
       if emulate:
         t_b.at[wg][...] = x_smem[...].T
@@ -301,8 +305,8 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
       else:
         b = plgpu.transpose_ref(x_smem, (1, 0))
 
-      def mma(acc, codes, words, j):
-        a = e4m3_shifted_tile(codes[...], words, group=GROUP, interpret=emulate)
+      def mma(acc, codes, shifts, j):
+        a = e4m3_shifted_tile(codes[...], shifts, group=GROUP, interpret=emulate)
         if emulate:
           t_a.at[wg, j][...] = a
           a = t_a.at[wg, j]
@@ -312,11 +316,11 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
         for j in range(n_rhs):
           @pl.when(wg == j)
           def _operand():
-            mma(accs[0], code_smems[j], word_smems[j], 0)
+            mma(accs[0], code_smems[j], shift_smems[j], 0)
       else:  # operand j's rows of this warpgroup's half
         cols = pl.ds(wg * tn, tn)
         for j, acc in enumerate(accs):
-          mma(acc, code_smems[j].at[cols], word_smems[j].at[:, cols], j)
+          mma(acc, code_smems[j].at[cols], shift_smems[j].at[:, cols], j)
       plgpu.wgmma_wait(0)  # the A registers and the ring slot are read
       return accs
 
@@ -324,7 +328,7 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
       c = ni * bn
       gmem = (lhs_ref.at[pl.ds(row, bm), :],
               *[codes_ref.at[e, pl.ds(j * n_out + c, bn), :] for j in range(n_rhs)],
-              *[words_ref.at[e, :, pl.ds(j * n_out + c, bn)] for j in range(n_rhs)])
+              *[shift_ref.at[e, :, pl.ds(j * n_out + c, bn)] for j in range(n_rhs)])
 
       def compute_context(eval_pipeline):
         def scope(*acc_refs):
@@ -355,7 +359,7 @@ def _build(*, m_pad, k, n_out, n_total, out_dtype, cfg: W4A8Config, gated: bool,
   allocs = pipe.get_allocations(
       jax.ShapeDtypeStruct((bm, k), FP8),
       *[jax.ShapeDtypeStruct((bn, k), jnp.int4)] * n_rhs,
-      *[jax.ShapeDtypeStruct((k // GROUP, bn), jnp.int32)] * n_rhs)
+      *[jax.ShapeDtypeStruct((k // GROUP, bn), jnp.uint8)] * n_rhs)
   scratch = [plgpu.SMEM((1 if split else 2, bm, tn), out_dtype),
              plgpu.SMEM((2, 6, _vec_len(cfg)), jnp.float32),
              plgpu.Barrier(num_arrivals=1, num_barriers=nbar * 2), allocs]
@@ -415,9 +419,9 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
                 has_bias=bias is not None, has_scale=row_scale is not None, num_sms=nsm,
                 interpret=interp)
   codes = _codes(w, jnp.dtype(jnp.int4))
-  words, w_scale = mx_shift_words(w.scale)
+  shifts, w_scale = mx_shift_bytes(w.scale)
   meta_arr, ntasks = meta
-  args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, codes, words,
+  args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, codes, shifts,
           a_scale.astype(jnp.float32), w_scale]
   if row_scale is not None:
     args.append(row_scale.astype(jnp.float32))

@@ -45,18 +45,23 @@ def _fp8_per_row(a: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ the conversion program
 
 def _run_ptx(asm: str, regs: dict) -> int:
-  """The straight-line b32 PTX of e2m1's conversion (and / or / shr / add / prmt on
+  """The straight-line b32 PTX of e2m1's conversion (and / or / shr / add / prmt / lop3 on
   registers and immediates), executed on Python ints."""
   def val(tok):
     tok = tok.strip()
     return regs[tok] if tok in regs else int(tok, 0)
 
-  def prmt(a, b, sel):
+  def prmt(a, b, sel):  # a selector's top bit: the selected byte's sign, replicated
     pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
-    return sum(pool[(sel >> 4 * i) & 7] << 8 * i for i in range(4))  # (no sign-replicate bit)
+    byte = lambda s: (0xFF if pool[s & 7] & 0x80 else 0) if s & 8 else pool[s & 7]  # noqa: E731
+    return sum(byte((sel >> 4 * i) & 0xF) << 8 * i for i in range(4))
+
+  def lop3(a, b, c, lut):  # bit i of the result: lut's bit (a_i << 2 | b_i << 1 | c_i)
+    return sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i
+               for i in range(32))
 
   ops = {"and": lambda a, b: a & b, "or": lambda a, b: a | b, "shr": lambda a, b: a >> b,
-         "add": lambda a, b: (a + b) & 0xFFFFFFFF}
+         "add": lambda a, b: (a + b) & 0xFFFFFFFF, "prmt": prmt, "lop3": lop3}
   for line in asm.splitlines():
     line = line.strip().rstrip(";")
     m = re.match(r"(\w+)\.\S+\s+(.*)", line)
@@ -64,7 +69,7 @@ def _run_ptx(asm: str, regs: dict) -> int:
       continue
     op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
     dst, srcs = args[0], [val(a) for a in args[1:]]
-    regs[dst] = prmt(*srcs) if op == "prmt" else ops[op](*srcs)
+    regs[dst] = ops[op](*srcs)
   return regs["$0"]
 
 
@@ -76,7 +81,7 @@ def test_shifted_conversion_program_gives_the_shifted_values():
   rng = np.random.default_rng(0)
   words = [rng.integers(0, 16, 4) for _ in range(64)] + [np.arange(4) + 4 * i for i in range(4)]
   for shift in range(e2m1.MIN_SHIFT - 3, e2m1.SHIFT_BIAS + 1):
-    w = int(np.asarray(e2m1.e4m3_shift_words(jnp.int32(shift))).astype(np.uint32))
+    w = int(np.asarray(e2m1.e4m3_shift_bytes(jnp.int32(shift))))
     for codes in words:
       c4 = int(sum(int(c) << 4 * i for i, c in enumerate(codes)))
       out = _run_ptx(asm, {"$1": c4, "$2": w})

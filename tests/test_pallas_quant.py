@@ -228,9 +228,11 @@ def test_quant_support_names_what_is_missing():
   ok = [jmoe.QuantConfig(s) for s in ("fp8_tensor", "fp8_channel", "fp8_block", "int8")]
   assert all(pallas_quant_support(q) is None for q in ok)
   assert pallas_quant_support(None) is None
-  for name in ("w8a16", "w4a16", "mxfp4", "nvfp4"):  # weight-only: fused_experts_weight_only
+  for name in ("w8a16", "w4a16", "mxfp4", "nvfp4", "mxfp8"):  # fused_experts_weight_only
     assert pallas_quant_support(jmoe.QuantConfig(name)) is None, name
-  assert "float8_e8m0fnu scales" in pallas_quant_support(jmoe.QuantConfig("mxfp8"))
+  grouped_fp8_tokens = jmoe.QuantConfig("mxfp4", act_dtype="float8_e4m3fn",
+                                        act_scale="dynamic_group", act_group_size=128)
+  assert "one scale per token" in pallas_quant_support(grouped_fp8_tokens)
   assert "zero points" in pallas_quant_support(jmoe.QuantConfig("int8", zero_point=True))
   assert "128 x 128" in pallas_quant_support(jmoe.QuantConfig("fp8_block", block_shape=(128, 64)))
   from jmoe.experts.pallas import PallasBatchedExperts

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jmoe.kernels import _compat
+from jmoe.kernels import _compat, int4_mma
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_columns,
                                  ring_step, store_part_row, token_operand)
@@ -100,6 +100,7 @@ class _Plan:
   e2m1: bool = False  # the int4 codes are e2m1 (mxfp4 / nvfp4): converted in registers
   group: int = GROUP
   act8: bool = False  # fp8 tokens and intermediate: codes -> e4m3, 8-bit wgmma (xdt: fp8)
+  sync: bool = False  # int4 codes as int32 words on mma.sync (jmoe.kernels.int4_mma)
 
   @property
   def int4(self) -> bool:
@@ -203,6 +204,10 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
   w13_ref, w2_ref, x_ref = refs["w13"], refs["w2"], refs["x"]
   s2_ref, s2ring, sid_ref = refs.get("s2"), refs.get("s2ring"), refs.get("sid")
 
+  def kcols(start, size: int):
+    """Code columns [start, start + size) (sync: the int32 words that hold them)."""
+    return pl.ds(start // 8, size // 8) if plan.sync else pl.ds(start, size)
+
   def fetch(g, i, cur, nxt):
     @pl.when(g < total)
     def _fetch():
@@ -224,7 +229,7 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
 
       @pl.when(r < k1)
       def _w13():
-        cols, bar = pl.ds(block_start(r, h, BK), BK), refs["bars1"].at[slot]
+        cols, bar = kcols(block_start(r, h, BK), BK), refs["bars1"].at[slot]
         col0 = block_start(jb, n, BN)
         plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(col0, BN), cols], dst.at[0], bar)
         plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + col0, BN), cols], dst.at[1], bar)
@@ -236,7 +241,7 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
         c, bar = r - k1, refs["bars2"].at[slot]
         for half in range(2):
           rows = pl.ds(block_start(c, h, BH) + half * (BH // 2), BH // 2)
-          plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, pl.ds(block_start(jb, n, BN), BN)],
+          plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, kcols(block_start(jb, n, BN), BN)],
                                   dst.at[half], bar)
           if plan.small_groups:  # the rows' scales of block j's groups (and the next's)
             plgpu.copy_gmem_to_smem(
@@ -266,6 +271,8 @@ def geometry(h: int, n: int, plan: _Plan, stages: int):
   spi = k1 + k2
   if stages - 1 >= spi:
     raise ValueError(f"stages={stages} must be at most {spi} (steps per item)")
+  if plan.sync:  # words and fragment-ordered token tiles: plain rows, no swizzle
+    return nb, k1, k2, spi, k1 * BK // plan.group, (), ()
   bits = 4 if plan.int4 else 8
   # sizes 128 does not divide: 64-column tiles (TMA's source must be whole tiles; 64 divides)
   swz = plgpu.find_swizzle((BK if h % BK == 0 and n % BN == 0 else 64) * bits)
@@ -360,9 +367,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     for g in range(stages - 1):  # the first stages - 1 steps all belong to item 0
       fetch(jnp.int32(g), jnp.int32(0), info0, info0)
 
-    def window_partials(c, acc, w, vb, buf):
-      """Window w's accumulator [128, 8] (column j: group 8w + j) -> its scaled row sums."""
-      v = acc[...]
+    def window_partials(c, v, w, vb, buf):
+      """Window w's accumulator value [128, 8] (column j: group 8w + j) -> its scaled row
+      sums."""
       if not plan.grouped:  # one window: column 0 holds the whole dot product
         sc = _cast(vec.at[vb, c][...], plgpu.Layout.WGMMA.reduce(1))
         return jnp.sum(v, axis=1) * sc
@@ -420,12 +427,33 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
             plgpu.wgmma_wait(0)
             fetch(g + stages - 1, i, cur, nxt)
 
-          for c, acc in enumerate((acc_g, acc_u)):
-            p = window_partials(c, acc, w, vb, buf)
+          store_partials(acc_g[...], acc_u[...])
+
+        def store_partials(v_g, v_u):
+          for c, v in enumerate((v_g, v_u)):
+            p = window_partials(c, v, w, vb, buf)
             gvec.at[c][...] = gvec.at[c][...] + p if accumulate else p
           plgpu.commit_smem()
 
-        pl.run_scoped(mma, plgpu.ACC((BN, _N), jnp.float32), plgpu.ACC((BN, _N), jnp.float32))
+        def sync_mma():
+          def step(r8, accs):
+            g = base + w * window + r8
+            slot = lax.rem(g, jnp.int32(stages))
+            plgpu.barrier_wait(bars1.at[slot])
+            b = int4_mma.b_tile(xring.at[slot], xdt, interpret=emulate)
+            accs = tuple(int4_mma.mma(a, ring.at[slot, c], b, xdt, interpret=emulate)
+                         for c, a in enumerate(accs))
+            plgpu.commit_smem()  # every warp has read the slot (no wgmma syncs them): refill
+            fetch(g + stages - 1, i, cur, nxt)
+            return accs
+          zero = _cast(jnp.zeros((BN, _N), jnp.float32), plgpu.Layout.WGMMA)
+          store_partials(*lax.fori_loop(0, window, step, (zero, zero)))
+
+        if plan.sync:
+          sync_mma()
+        else:
+          pl.run_scoped(mma, plgpu.ACC((BN, _N), jnp.float32),
+                        plgpu.ACC((BN, _N), jnp.float32))
 
       run_window(jnp.int32(0), accumulate=False)  # stores, so gvec needs no zeroing
       if n_windows > 1:
@@ -468,12 +496,29 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         tile = jnp.where(grp // plan.group == row + off, tile, 0.0)
       store_b_tile(tile.astype(xdt), a_smem, asum_smem,
                    asum_ref.at[jb, slot_id] if plan.zero2 else None, row_scale=sa)
+      b2 = int4_mma.b_rows(a_smem, xdt, interpret=emulate) if plan.sync else None
+
+      def sync_pair(slot):
+        """GEMM2's two tiles on mma.sync -> their rows as pair_columns gives them."""
+        zero = _cast(jnp.zeros((BH // 2, _N), jnp.float32), plgpu.Layout.WGMMA)
+        ys = [int4_mma.mma(zero, ring.at[slot, j], b2, xdt, interpret=emulate)
+              for j in range(2)]
+        plgpu.commit_smem()  # every warp has read the slot: it may be refilled
+        if plan.small_groups:
+          return [jnp.sum(y * s2ring.at[slot, j][...], axis=1) for j, y in enumerate(ys)]
+        return [jnp.max(y, axis=1) for y in ys]  # B's 8 columns are equal
 
       @pl.loop(0, k2)
       def _gemm2(c):
         g = base + k1 + c
         slot = lax.rem(g, jnp.int32(stages))
         plgpu.barrier_wait(bars2.at[slot])
+        if plan.sync:
+          ys = sync_pair(slot)
+          fetch(g + stages - 1, i, cur, nxt)
+          store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1),
+                                                pl.ds(block_start(c, h, BH), BH)])
+          return
 
         # small groups: B's column t holds group t's activations, weighted by its scales
         ys = pair_columns(lambda: dequantized(ring.at[slot, 0], 0),
@@ -522,7 +567,9 @@ def finish(body, scratch: list, *, plan: _Plan, stages: int, tf: tuple, n_blk: i
   [NB, m, H] f32 (and the activation sums [NB, asum_rows, 8] with w2 zero points)."""
   tf_w, tf_x = tf
   n_vec = (0 if plan.grouped else 2) + (2 if plan.has_bias else 0)  # item vectors' copies
-  scratch = [plgpu.SMEM((stages, 2, BN, BK), plan.code, transforms=tf_w),  # the code ring
+  ring = (plgpu.SMEM((stages, 2, BN, BK // 8), jnp.int32) if plan.sync else
+          plgpu.SMEM((stages, 2, BN, BK), plan.code, transforms=tf_w))
+  scratch = [ring,  # the code ring
              plgpu.SMEM((stages, _N, BK), xdt, transforms=tf_x),  # GEMM1 steps' token tiles
              plgpu.SMEM((ROWS_A, BN), xdt, transforms=tf_x),  # the activations: GEMM2's B
              *scratch]
@@ -638,6 +685,16 @@ def code_values(codes: jax.Array, plan: _Plan, xdt, *, interpret: bool = False) 
   return codes.astype(xdt)
 
 
+SYNC_INT4 = True  # int4 codes with 16-bit tokens on mma.sync (benchmarks may switch it off)
+
+
+def sync_eligible(plan: _Plan, h: int, n: int) -> bool:
+  """decode_wq runs int4 codes with bf16 / f16 tokens on `int4_mma` (mma.sync, the codes as
+  words) where 128 divides H and N (no shifted tails)."""
+  return (SYNC_INT4 and plan.int4 and not plan.e2m1 and not plan.act8 and h % BK == 0
+          and n % BN == 0)
+
+
 def byte_scales(w) -> bool:
   """The stored scales are 8-bit floats (e8m0 / e4m3: mxfp4, nvfp4, mxfp8), which the kernels
   read as float32 copies made per call (of the touched experts where that is fewer)."""
@@ -744,6 +801,8 @@ def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, 
   for name, w in (("w13", w13), ("w2", w2)):
     check_quantized(w, argname=name)
   plan = _plan(w13, w2, w13_bias is not None)
+  if kernel == "fused_experts_decode_wq" and sync_eligible(plan, h, n):
+    plan = dataclasses.replace(plan, sync=True)
   cap = stage_cap(plan, h)
   stages = (config or DecodeWQConfig()).stages or min(cap, k1_steps(h, plan) + -(-h // BH))
   if stages > cap or stages < 2:
@@ -804,8 +863,12 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
     args = [ids]
   if plan.act8:
     args.append(jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (t,)))
-  args += [_token_tiles(x, plan.grouped, plan.group, k1), _codes(w13, plan.code),
-           _codes(w2, plan.code)]
+  if plan.sync:
+    args += [int4_mma.fragment_tiles(_token_tiles(x, plan.grouped, plan.group, k1)),
+             int4_mma.code_words(w13.values), int4_mma.code_words(w2.values)]
+  else:
+    args += [_token_tiles(x, plan.grouped, plan.group, k1), _codes(w13, plan.code),
+             _codes(w2, plan.code)]
   if plan.small_groups:
     args.append(s13)
   elif plan.grouped:

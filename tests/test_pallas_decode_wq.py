@@ -103,6 +103,21 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
                        f"{sid} decode_wq vs oracle")
 
 
+@pytest.mark.parametrize("sync", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_decode_wq_int4_forms_match_oracle(sync, rng, monkeypatch):
+  """int4 codes with bf16 tokens: the mma.sync form (words, logical K order, fragment-ordered
+  token tiles; the default) and the wgmma form it replaced (SYNC_INT4 off) on one problem
+  (N = 384: a size no other test traces, so the flag is read afresh)."""
+  monkeypatch.setattr(decode_wq, "SYNC_INT4", sync)
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, "w4a16", 2, 1024, 384, 4, 2, bias=True)
+  ids[0, 1] = -1
+  plan = decode_wq._plan(q13, q2, True)
+  assert decode_wq.sync_eligible(plan, 1024, 384) == sync
+  out = _run(x, q13, q2, tw, ids, w13_bias=b13, w2_bias=b2)
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, b13, b2), TOL,
+                       f"w4a16 decode_wq sync={sync} vs oracle")
+
+
 @pytest.mark.parametrize("sid,h,n", [
     ("mxfp4", 320, 320),  # gpt-oss-like: 2.5 GEMM1 steps (padded to a window), 2.5 items
     pytest.param("w8a16", 448, 192, marks=pytest.mark.slow),  # per channel: 3.5 steps

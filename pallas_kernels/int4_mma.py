@@ -1,0 +1,330 @@
+"""int4 code tiles x a 16-bit B operand on the warp-level MMA (PTX `mma.sync` m16n8k16), for
+the weight-only decode kernel (`decode_wq`'s int4 form with bf16 / f16 tokens).
+
+Why not Mosaic's wgmma with a register A tile: N = 8 register-A wgmma m64n8k16 cost ~10 ns a
+warpgroup on the H200 against ~6 ns for the same work as four mma.sync, and Mosaic's int4 ->
+bf16 upcast of an SMEM tile loaded in the WGMMA layout adds ~17 ns per 1024 codes (one-off
+probe, 2026-12-03: docs/kernels.md, "Weight-only decode"), so a step ran at a third of the
+packed-weight floor. Here each thread loads its codes as 32-bit words (one 16-byte load per
+row and step) and converts a word of 8 codes with 3 shifts, 4 `lop3` and 4 packed `fma`
+(the magic-number trick: code bits ORed into the mantissa of 128.0, then 136 subtracted; the
+XOR with 8 that reads the stored signed nibbles u - 8 is folded into the lop3).
+
+The words are not in the MMA's fragment order, so the contraction runs in a *logical* order
+of K inside every 128-column step: a thread's word j of a row is its part of logical columns
+32j..32j+31 (`PERM[logical] = physical`), a bijection within the step -- scale groups of 16 /
+32 / 128 stay whole when B carries them (decode_wq masks the token per group in B's columns).
+B is therefore given by physical K: `fragment_tiles` reorders the token tiles (XLA, before the
+kernel) so that each thread's 16 B registers are 64 contiguous bytes (four conflict-free
+16-byte loads, `b_tile`), and `b_rows` gathers GEMM2's activations from an SMEM row per
+column once per item.
+
+Layouts (GPU): the accumulator is Mosaic's WGMMA layout [128, 8] f32 (warp w, lane 4g + q:
+rows 64 mi + 16 w + g (+ 8), columns 2q, 2q + 1 -- mma.sync's C fragment); a code tile is an
+SMEM [128, 16] int32 tile with no swizzle (64-byte rows; a warp's 16-byte loads of two rows
+per quarter fill one 128-byte wavefront); B travels between the calls as a carrier array
+[64, 64] of the 16-bit dtype in the WGMMA layout whose 16 registers a thread are its B
+fragments, not those elements. Interpret mode (no inline PTX) computes the same products
+with jnp on B by physical K [128, 8] f32.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK = 128  # K of a code tile (a step)
+WORDS = BLOCK // 8  # int32 words of 8 codes in a tile row
+ROWS = 128  # rows of a code tile (the accumulator's)
+_N = 8  # B's columns
+_CARRIER = (64, 64)  # the B carrier's shape: 16 registers of 2 values a thread
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 " \
+       "{{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, {{$10,$11,$12,$13}};"
+# per 16-bit dtype: the magic word (128.0 or 1024.0 with the XOR-8 bit), one, -(magic + 8)
+_MAGIC = {"bf16": (0x43084308, 0x3F803F80, 0xC308C308),
+          "f16": (0x64086408, 0x3C003C00, 0xE408E408)}
+
+
+def _perm() -> np.ndarray:
+  """PERM[logical k] = physical k within a step: thread q's word j, nibble i (physical 32q +
+  8j + i) is logical 32j + 8 (i % 4) + 2q + i // 4 (the pairs (i, i + 4) of a lop3 make one
+  fragment register)."""
+  p = np.empty(BLOCK, np.int32)
+  for q in range(4):
+    for j in range(4):
+      for i in range(8):
+        p[32 * j + 8 * (i % 4) + 2 * q + i // 4] = 32 * q + 8 * j + i
+  return p
+
+
+PERM = _perm()
+
+
+def _fragment_source() -> np.ndarray:
+  """Flat position f of a fragment-ordered [8, 128] token block -> its source n * 128 +
+  physical k: f = 256 c + 8 lane + 2 w + e holds lane 4n + q's register r = 4c + w (k16 block
+  r // 2, half r % 2: logical k = 16 (r // 2) + 8 (r % 2) + 2q + e)."""
+  f = np.arange(_N * BLOCK)
+  c, lane, w, e = f // 256, (f // 8) % 32, (f // 2) % 4, f % 2
+  n, q = lane // 4, lane % 4
+  r = 4 * c + w
+  klog = 16 * (r // 2) + 8 * (r % 2) + 2 * q + e
+  return (n * BLOCK + PERM[klog]).astype(np.int32)
+
+
+FRAGMENT_SOURCE = _fragment_source()
+# In those terms the source is physical k = 32q + 8c + 4e + w: the fragment order is the
+# transpose of a block [n, q, c, e, w] to [c, n, q, w, e] (a permutation, no gather).
+_PHYS_AXES = (8, 4, 4, 2, 4)  # a physical [8, 128] block as [n, q, c, e, w]
+_TO_FRAGMENT = (2, 0, 1, 4, 3)  # -> [c, n, q, w, e]
+_FROM_FRAGMENT = (1, 2, 0, 4, 3)  # [c, n, q, w, e] -> [n, q, c, e, w]
+
+
+def fragment_tiles(tiles: jax.Array) -> jax.Array:
+  """Token rows [R, K] (8 rows = B's columns per token, K a multiple of 128) -> the same shape,
+  each [8, 128] block (a TMA box of one step) in the order `b_tile` reads."""
+  r, kk = tiles.shape
+  if r % _N or kk % BLOCK:
+    raise ValueError(f"tiles {tiles.shape}: rows a multiple of {_N}, columns of {BLOCK}")
+  t, s = r // _N, kk // BLOCK
+  blk = tiles.reshape(t, _N, s, BLOCK).transpose(0, 2, 1, 3).reshape(t, s, *_PHYS_AXES)
+  blk = blk.transpose(0, 1, *(2 + a for a in _TO_FRAGMENT))
+  return blk.reshape(t, s, _N, BLOCK).transpose(0, 2, 1, 3).reshape(r, kk)
+
+
+def code_words(values: jax.Array) -> jax.Array:
+  """Packed int4 values [..., K / 2] uint8 (low nibble first) -> [..., K / 8] int32 words
+  (code 8c + i at bits 4i of word c): a bitcast."""
+  *lead, half = values.shape
+  if half % 4:
+    raise ValueError(f"packed int4 values {values.shape}: K / 2 must be a multiple of 4")
+  return jax.lax.bitcast_convert_type(values.reshape(*lead, half // 4, 4), jnp.int32)
+
+
+def _dtype_key(xdt) -> str:
+  dt = jnp.dtype(xdt)
+  if dt == jnp.dtype(jnp.bfloat16):
+    return "bf16"
+  if dt == jnp.dtype(jnp.float16):
+    return "f16"
+  raise ValueError(f"int4 mma.sync takes bf16 / f16 operands, not {dt}")
+
+
+def _convert_asm(key: str) -> str:
+  """$4: a word of 8 codes (signed nibbles) -> $0..$3: 16-bit pairs of codes (0, 4), (1, 5),
+  (2, 6), (3, 7). lop3 0x6A = b ? a ^ c : c with b the nibble mask and c the magic word (its
+  bit 3 of each half flips the nibble's sign bit: u - 8 + 8 = u)."""
+  magic, one, sub = _MAGIC[key]
+  t = key + "x2"
+  lines = ["{", ".reg .b32 s1, s2, s3, one, sub;", f"mov.b32 one, {one};",
+           f"mov.b32 sub, {sub};", "shr.u32 s1, $4, 4;", "shr.u32 s2, $4, 8;",
+           "shr.u32 s3, $4, 12;"]
+  for out, src in zip(("$0", "$1", "$2", "$3"), ("$4", "s1", "s2", "s3")):
+    lines.append(f"lop3.b32 {out}, {src}, 0x000f000f, {magic}, 0x6a;")
+  for out in ("$0", "$1", "$2", "$3"):
+    lines.append(f"fma.rn.{t} {out}, {out}, one, sub;")
+  lines.append("}")
+  return "\n".join(lines)
+
+
+def convert_asm(xdt) -> str:
+  """The PTX that converts one word of 8 int4 codes (for tests' emulator)."""
+  return _convert_asm(_dtype_key(xdt))
+
+
+def _codes_np(words: np.ndarray) -> np.ndarray:
+  """[..., W] int32 words -> [..., 8 W] signed codes by physical k."""
+  w = words.astype(np.int64) & 0xFFFFFFFF
+  nib = (w[..., None] >> (4 * np.arange(8))) & 0xF
+  return np.where(nib >= 8, nib - 16, nib).reshape(*words.shape[:-1], -1)
+
+
+def _codes_jnp(words: jax.Array) -> jax.Array:
+  nib = [(words >> (4 * i)) & 0xF for i in range(8)]  # code 8c + i of word c
+  vals = jnp.stack([jnp.where(v >= 8, v - 16, v) for v in nib], axis=-1)
+  return vals.reshape(*words.shape[:-1], words.shape[-1] * 8).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- GPU helpers
+
+def _ir():
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils
+  return ir, arith, llvm, mgpu, utils
+
+
+def _lane_ids():
+  """(warp in the warpgroup, g = lane // 4, q = lane % 4) as i32 values."""
+  ir, arith, _, _, utils = _ir()
+  i32 = ir.IntegerType.get_signless(32)
+  tid = utils.thread_idx()
+  lane = arith.remui(tid, utils.c(32, i32))
+  warp = arith.remui(arith.divui(tid, utils.c(32, i32)), utils.c(4, i32))
+  return warp, arith.divui(lane, utils.c(4, i32)), arith.remui(lane, utils.c(4, i32)), lane
+
+
+def _load_v4(ptr, byte_offset):
+  """Four i32 at ptr + byte_offset (16-byte aligned, shared memory)."""
+  ir, arith, llvm, _, utils = _ir()
+  i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+  addr = utils.getelementptr(ptr, [byte_offset], i8)
+  v = llvm.load(ir.VectorType.get((4,), i32), addr, alignment=16)
+  return [llvm.extractelement(v, arith.constant(i32, j)) for j in range(4)]
+
+
+def _carrier(regs32: list, xdt):
+  """16 i32 registers a thread -> the B carrier (a WGMMA-layout [64, 64] xdt array)."""
+  ir, _, _, mgpu, utils = _ir()
+  layout = plgpu.Layout.WGMMA.to_mgpu()
+  shape = layout.registers_shape(_CARRIER)
+  if int(np.prod(shape)) != len(regs32):
+    raise NotImplementedError(f"B carrier: {np.prod(shape)} registers, want {len(regs32)}")
+  pair = ir.VectorType.get((2,), utils.dtype_to_ir_type(jnp.dtype(xdt)))
+  new = np.empty(shape, dtype=object)
+  for idx, r in zip(np.ndindex(shape), regs32):
+    new[idx] = utils.bitcast(r, pair)
+  return mgpu.FragmentedArray(_registers=new, _layout=layout, _is_signed=None)
+
+
+def _carrier_regs(arr) -> list:
+  ir, _, _, _, utils = _ir()
+  i32 = ir.IntegerType.get_signless(32)
+  return [utils.bitcast(r, i32) for r in arr.registers.flat]
+
+
+def _carrier_type(xdt):
+  return plgpu.ShapeDtypeStruct(_CARRIER, jnp.dtype(xdt), layout=plgpu.Layout.WGMMA)
+
+
+# ------------------------------------------------------------------------------- operands
+
+def b_tile(ref, xdt, *, interpret: bool = False):
+  """ref: an SMEM [8, 128] xdt token block in `fragment_tiles` order (no swizzle) -> GEMM1's B
+  operand for `mma` (interpret: B [128 physical k, 8] f32)."""
+  if interpret:
+    frag = ref[...].astype(jnp.float32).reshape(4, _N, 4, 4, 2)  # [c, n, q, w, e]
+    return frag.transpose(_FROM_FRAGMENT).reshape(_N, BLOCK).T
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=_carrier_type(xdt))
+  def load(_ctx, tile):
+    ir, arith, _, _, utils = _ir()
+    i32 = ir.IntegerType.get_signless(32)
+    _, _, _, lane = _lane_ids()
+    ptr = utils.memref_ptr(tile)
+    base = arith.muli(lane, utils.c(16, i32))
+    regs = []
+    for c in range(4):
+      regs += _load_v4(ptr, arith.addi(base, utils.c(512 * c, i32)))
+    return _carrier(regs, xdt)
+
+  return load(ref)
+
+
+def b_rows(ref, xdt, *, interpret: bool = False):
+  """ref: an SMEM [R >= 8, 128] xdt tile whose row n is B's column n by physical k (no
+  swizzle; rows past 8 unread) -> B for `mma` (GEMM2's activations: built once per item)."""
+  if interpret:
+    return ref[...][:_N].astype(jnp.float32).T
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=_carrier_type(xdt))
+  def load(_ctx, tile):
+    ir, arith, llvm, _, utils = _ir()
+    from jax._src.lib.mlir.dialects import memref
+    index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
+    el = utils.dtype_to_ir_type(jnp.dtype(xdt))
+    _, g, q, _ = _lane_ids()
+    row = arith.index_cast(index, g)
+    col0 = arith.muli(q, utils.c(32, i32))
+    pair = ir.VectorType.get((2,), el)
+    regs = []
+    for r in range(16):
+      b, hh = r // 2, r % 2
+      v = llvm.mlir_undef(pair)
+      for e in range(2):  # logical 16b + 8hh + 2q + e = physical 32q + 8(b // 2) + 4e + ...
+        off = 8 * (b // 2) + 4 * e + 2 * (b % 2) + hh
+        col = arith.index_cast(index, arith.addi(col0, utils.c(off, i32)))
+        v = llvm.insertelement(v, memref.load(tile, [row, col]), arith.constant(i32, e))
+      regs.append(utils.bitcast(v, i32))
+    return _carrier(regs, xdt)
+
+  return load(ref)
+
+
+def mma(acc, codes_ref, b, xdt, *, interpret: bool = False):
+  """acc [128, 8] f32 (WGMMA layout) + codes @ B: codes_ref an SMEM [128, 16] int32 tile
+  (8 signed int4 codes a word, physical k), b from `b_tile` / `b_rows` -> the new acc."""
+  if interpret:
+    a = _codes_jnp(codes_ref[...])
+    return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+  key = _dtype_key(xdt)
+  layout = plgpu.Layout.WGMMA
+  conv, mma_asm = _convert_asm(key), _MMA.format(t=key)
+
+  @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), layout),
+                     return_type=plgpu.ShapeDtypeStruct((ROWS, _N), jnp.float32,
+                                                        layout=layout))
+  def run(_ctx, accf, tile, bf):
+    ir, arith, llvm, mgpu, utils = _ir()
+    f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+    cr = accf.registers
+    if cr.shape != (2, 1, 1, 1, 2, 1, 1, 1, 1):
+      raise NotImplementedError(f"int4 mma: accumulator registers {cr.shape}")
+    breg = _carrier_regs(bf)
+    warp, g, q, _ = _lane_ids()
+    ptr = utils.memref_ptr(tile)
+    idx = lambda j: arith.constant(i32, j)  # noqa: E731
+    st4 = llvm.StructType.get_literal([f32] * 4)
+    st4i = llvm.StructType.get_literal([i32] * 4)
+
+    def convert(word):
+      res = llvm.inline_asm(st4i, [word], conv, "=r,=r,=r,=r,r")
+      return [llvm.extractvalue(i32, res, [j]) for j in range(4)]
+
+    def step(c, a_regs, b_regs):
+      res = llvm.inline_asm(st4, a_regs + b_regs + c, mma_asm,
+                            "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3")
+      return [llvm.extractvalue(f32, res, [j]) for j in range(4)]
+
+    new = np.empty_like(cr)
+    v2 = ir.VectorType.get((2,), f32)
+    for mi in range(2):
+      c_even = []
+      for half in range(2):
+        v = cr[mi, 0, 0, 0, half, 0, 0, 0, 0]
+        c_even += [llvm.extractelement(v, idx(0)), llvm.extractelement(v, idx(1))]
+      zero = arith.constant(f32, 0.0)
+      c_odd = [zero] * 4
+      words = []
+      for hh in range(2):  # rows g and g + 8 of the warp's 16 in block mi
+        row = arith.addi(arith.addi(arith.muli(warp, utils.c(16, i32)), g),
+                         utils.c(64 * mi + 8 * hh, i32))
+        off = arith.addi(arith.muli(row, utils.c(4 * WORDS, i32)),
+                         arith.muli(q, utils.c(16, i32)))
+        words.append(_load_v4(ptr, off))
+      for j in range(4):
+        lo, hi = convert(words[0][j]), convert(words[1][j])
+        blk = 2 * j  # two accumulators (even / odd logical k32 blocks) halve the chains
+        c = c_even if j % 2 == 0 else c_odd
+        c = step(c, [lo[0], hi[0], lo[1], hi[1]], breg[2 * blk:2 * blk + 2])
+        c = step(c, [lo[2], hi[2], lo[3], hi[3]], breg[2 * blk + 2:2 * blk + 4])
+        if j % 2 == 0:
+          c_even = c
+        else:
+          c_odd = c
+      c = [arith.addf(x, y) for x, y in zip(c_even, c_odd)]
+      for half in range(2):
+        v = llvm.mlir_undef(v2)
+        v = llvm.insertelement(v, c[2 * half], idx(0))
+        v = llvm.insertelement(v, c[2 * half + 1], idx(1))
+        new[mi, 0, 0, 0, half, 0, 0, 0, 0] = v
+    return mgpu.FragmentedArray(_registers=new, _layout=accf.layout, _is_signed=None)
+
+  return run(acc, codes_ref, b)
+
+
+def reference_products(words: np.ndarray, b_phys: np.ndarray) -> np.ndarray:
+  """float64 NumPy: words [R, 16] int32 (a code tile) @ b_phys [128, N] -> [R, N]."""
+  return _codes_np(words).astype(np.float64) @ np.asarray(b_phys, np.float64)

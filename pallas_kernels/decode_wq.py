@@ -34,6 +34,15 @@ half the instructions of bf16's m64n8k16, which is what bounds a step. The token
 multiplies the item's dot products; the intermediate is quantized per item (128 columns of a
 slot, like decode_q8) and its scale multiplies the item's GEMM2 partial rows.
 
+4-bit codes with bf16 / f16 tokens (int4: w4a16, e2m1: mxfp4 / nvfp4) run the same items on
+mma.sync instead of wgmma (`jmoe.kernels.int4_mma`, `sync_eligible`): each warp reads its
+share of the code tile as int32 words (8 codes a word), converts them with a few shifts, lop3s
+and packed fmas straight into m16n8k16 A fragments, and the token tile comes fragment-ordered
+from the wrapper. wgmma's register-A form needed a converted 64-row tile per instruction and
+its issue bounded the step; mma.sync's fragments are what the conversion yields (H200: 485
+against ~860 ns per 128-column step). The contraction runs in a permuted K order inside each
+step, which the token tile mirrors, so the groups' masks and scales are the wgmma form's.
+
 Launches: the token-tile fusion, this kernel and the reduction.
 """
 from __future__ import annotations
@@ -100,7 +109,7 @@ class _Plan:
   e2m1: bool = False  # the int4 codes are e2m1 (mxfp4 / nvfp4): converted in registers
   group: int = GROUP
   act8: bool = False  # fp8 tokens and intermediate: codes -> e4m3, 8-bit wgmma (xdt: fp8)
-  sync: bool = False  # int4 codes as int32 words on mma.sync (jmoe.kernels.int4_mma)
+  sync: bool = False  # 4-bit codes as int32 words on mma.sync (jmoe.kernels.int4_mma)
 
   @property
   def int4(self) -> bool:
@@ -441,8 +450,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
             slot = lax.rem(g, jnp.int32(stages))
             plgpu.barrier_wait(bars1.at[slot])
             b = int4_mma.b_tile(xring.at[slot], xdt, interpret=emulate)
-            accs = tuple(int4_mma.mma(a, ring.at[slot, c], b, xdt, interpret=emulate)
-                         for c, a in enumerate(accs))
+            accs = tuple(int4_mma.mma(a, ring.at[slot, c], b, xdt, e2m1=plan.e2m1,
+                                      interpret=emulate) for c, a in enumerate(accs))
             plgpu.commit_smem()  # every warp has read the slot (no wgmma syncs them): refill
             fetch(g + stages - 1, i, cur, nxt)
             return accs
@@ -501,7 +510,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       def sync_pair(slot):
         """GEMM2's two tiles on mma.sync -> their rows as pair_columns gives them."""
         zero = _cast(jnp.zeros((BH // 2, _N), jnp.float32), plgpu.Layout.WGMMA)
-        ys = [int4_mma.mma(zero, ring.at[slot, j], b2, xdt, interpret=emulate)
+        ys = [int4_mma.mma(zero, ring.at[slot, j], b2, xdt, e2m1=plan.e2m1, interpret=emulate)
               for j in range(2)]
         plgpu.commit_smem()  # every warp has read the slot: it may be refilled
         if plan.small_groups:
@@ -685,14 +694,13 @@ def code_values(codes: jax.Array, plan: _Plan, xdt, *, interpret: bool = False) 
   return codes.astype(xdt)
 
 
-SYNC_INT4 = True  # int4 codes with 16-bit tokens on mma.sync (benchmarks may switch it off)
+SYNC_4BIT = True  # 4-bit codes with 16-bit tokens on mma.sync (benchmarks may switch it off)
 
 
-def sync_eligible(plan: _Plan, h: int, n: int) -> bool:
-  """decode_wq runs int4 codes with bf16 / f16 tokens on `int4_mma` (mma.sync, the codes as
-  words) where 128 divides H and N (no shifted tails)."""
-  return (SYNC_INT4 and plan.int4 and not plan.e2m1 and not plan.act8 and h % BK == 0
-          and n % BN == 0)
+def sync_eligible(plan: _Plan) -> bool:
+  """decode_wq runs 4-bit codes (int4, e2m1) with bf16 / f16 tokens on `int4_mma` (mma.sync,
+  the codes as int32 words; shifted tails as the wgmma form's, by whole words)."""
+  return SYNC_4BIT and plan.int4 and not plan.act8
 
 
 def byte_scales(w) -> bool:
@@ -801,7 +809,7 @@ def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, 
   for name, w in (("w13", w13), ("w2", w2)):
     check_quantized(w, argname=name)
   plan = _plan(w13, w2, w13_bias is not None)
-  if kernel == "fused_experts_decode_wq" and sync_eligible(plan, h, n):
+  if kernel == "fused_experts_decode_wq" and sync_eligible(plan):
     plan = dataclasses.replace(plan, sync=True)
   cap = stage_cap(plan, h)
   stages = (config or DecodeWQConfig()).stages or min(cap, k1_steps(h, plan) + -(-h // BH))
@@ -850,8 +858,8 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   k1 = k1_steps(h, plan)
   if plan.small_groups and (byte_scales(w13) or h % BK or n % BN):  # float32 scales per
     touched, sid = touched_experts(ids, e)  # call: the touched experts' (padded: windows past H get
-    unit = E2M1_UNIT if plan.e2m1 and not plan.act8 else 1.0  # zero scales; w2's,
-    # s2_columns; e4m3 tiles hold the e2m1 values themselves)
+    # zero scales; w2's, s2_columns; e4m3 tiles and mma.sync's hold the e2m1 values)
+    unit = E2M1_UNIT if plan.e2m1 and not (plan.act8 or plan.sync) else 1.0
     s13 = _padded_last(float_scales(w13, touched) * unit, k1 * BK // plan.group)
     s2 = float_scales(w2, touched) * unit
     s2 = _padded_last(s2, s2_columns(n, plan)) if n % BN else s2

@@ -1,5 +1,6 @@
-"""int4 code tiles x a 16-bit B operand on the warp-level MMA (PTX `mma.sync` m16n8k16), for
-the weight-only decode kernel (`decode_wq`'s int4 form with bf16 / f16 tokens).
+"""4-bit code tiles (int4, or e2m1: mxfp4 / nvfp4 values) x a 16-bit B operand on the
+warp-level MMA (PTX `mma.sync` m16n8k16), for the weight-only decode kernel (`decode_wq`'s
+4-bit forms with bf16 / f16 tokens).
 
 Why not Mosaic's wgmma with a register A tile: N = 8 register-A wgmma m64n8k16 cost ~10 ns a
 warpgroup on the H200 against ~6 ns for the same work as four mma.sync, and Mosaic's int4 ->
@@ -8,7 +9,12 @@ probe, 2026-12-03: docs/kernels.md, "Weight-only decode"), so a step ran at a th
 packed-weight floor. Here each thread loads its codes as 32-bit words (one 16-byte load per
 row and step) and converts a word of 8 codes with 3 shifts, 4 `lop3` and 4 packed `fma`
 (the magic-number trick: code bits ORed into the mantissa of 128.0, then 136 subtracted; the
-XOR with 8 that reads the stored signed nibbles u - 8 is folded into the lop3).
+XOR with 8 that reads the stored signed nibbles u - 8 is folded into the lop3). e2m1 codes take
+7 shifts, 4 ands, 4 lop3 and 4 packed multiplies a word: each code's exponent-mantissa bits
+move to the 16-bit type's lowest exponent bits and top mantissa bit, its sign to bit 15 --
+the number value x 2^-126 (bf16) or 2^-14 (f16), e2m1's subnormal 0.5 on the type's own
+subnormals -- and a multiply by 2^126 / 2^14 makes it the value (exactly; e2m1 has no code the
+16-bit types lack).
 
 The words are not in the MMA's fragment order, so the contraction runs in a *logical* order
 of K inside every 128-column step: a thread's word j of a row is its part of logical columns
@@ -34,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jmoe.kernels.e2m1 import E2M1_VALUES
+
 BLOCK = 128  # K of a code tile (a step)
 WORDS = BLOCK // 8  # int32 words of 8 codes in a tile row
 ROWS = 128  # rows of a code tile (the accumulator's)
@@ -44,6 +52,10 @@ _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 " \
 # per 16-bit dtype: the magic word (128.0 or 1024.0 with the XOR-8 bit), one, -(magic + 8)
 _MAGIC = {"bf16": (0x43084308, 0x3F803F80, 0xC308C308),
           "f16": (0x64086408, 0x3C003C00, 0xE408E408)}
+# e2m1 per 16-bit dtype: (where a code's 3 exponent-mantissa bits go: its lowest bit's
+# position, the mask of both halves; the multiplier 2^126 / 2^14 in both halves)
+_E2M1 = {"bf16": (6, 0x01C001C0, 0x7E807E80), "f16": (9, 0x0E000E00, 0x74007400)}
+_E2M1_VALUES = np.asarray(E2M1_VALUES)  # by a code's 3 low bits
 
 
 def _perm() -> np.ndarray:
@@ -128,22 +140,56 @@ def _convert_asm(key: str) -> str:
   return "\n".join(lines)
 
 
-def convert_asm(xdt) -> str:
-  """The PTX that converts one word of 8 int4 codes (for tests' emulator)."""
-  return _convert_asm(_dtype_key(xdt))
+def _shift(dst: str, src: str, left: int) -> str:
+  if left == 0:
+    return f"mov.b32 {dst}, {src};"
+  return f"shl.b32 {dst}, {src}, {left};" if left > 0 else f"shr.u32 {dst}, {src}, {-left};"
 
 
-def _codes_np(words: np.ndarray) -> np.ndarray:
-  """[..., W] int32 words -> [..., 8 W] signed codes by physical k."""
+def _e2m1_asm(key: str) -> str:
+  """$4: a word of 8 e2m1 codes -> $0..$3: 16-bit pairs of the values of codes (0, 4), (1, 5),
+  (2, 6), (3, 7). Pair i: the magnitude bits 4i..4i+2 (and 4i+16..) shifted to the type's
+  `low` bit and masked, the sign bit 4i+3 (4i+19) shifted to 15 (31) and merged by a lop3
+  (0xEA = a & b | c), then the multiply by 2^126 / 2^14 (adding -0: exact, signs kept)."""
+  low, mask, mult = _E2M1[key]
+  t = key + "x2"
+  lines = ["{", ".reg .b32 m0, m1, m2, m3, s0, s1, s2, s3, mul, neg0;",
+           f"mov.b32 mul, {mult};", "mov.b32 neg0, 0x80008000;"]
+  for i in range(4):
+    lines += [_shift(f"m{i}", "$4", low - 4 * i), _shift(f"s{i}", "$4", 12 - 4 * i),
+              f"and.b32 m{i}, m{i}, {mask:#010x};"]
+  for i in range(4):
+    lines.append(f"lop3.b32 ${i}, s{i}, 0x80008000, m{i}, 0xea;")
+  for i in range(4):
+    lines.append(f"fma.rn.{t} ${i}, ${i}, mul, neg0;")
+  lines.append("}")
+  return "\n".join(lines)
+
+
+def convert_asm(xdt, *, e2m1: bool = False) -> str:
+  """The PTX that converts one word of 8 int4 (e2m1) codes (for tests' emulator)."""
+  key = _dtype_key(xdt)
+  return _e2m1_asm(key) if e2m1 else _convert_asm(key)
+
+
+def _codes_np(words: np.ndarray, e2m1: bool = False) -> np.ndarray:
+  """[..., W] int32 words -> [..., 8 W] code values by physical k (float64 for e2m1)."""
   w = words.astype(np.int64) & 0xFFFFFFFF
-  nib = (w[..., None] >> (4 * np.arange(8))) & 0xF
-  return np.where(nib >= 8, nib - 16, nib).reshape(*words.shape[:-1], -1)
+  nib = ((w[..., None] >> (4 * np.arange(8))) & 0xF).reshape(*words.shape[:-1], -1)
+  if e2m1:
+    return np.where(nib >= 8, -1.0, 1.0) * _E2M1_VALUES[nib & 7]
+  return np.where(nib >= 8, nib - 16, nib)
 
 
-def _codes_jnp(words: jax.Array) -> jax.Array:
-  nib = [(words >> (4 * i)) & 0xF for i in range(8)]  # code 8c + i of word c
-  vals = jnp.stack([jnp.where(v >= 8, v - 16, v) for v in nib], axis=-1)
-  return vals.reshape(*words.shape[:-1], words.shape[-1] * 8).astype(jnp.float32)
+def _codes_jnp(words: jax.Array, e2m1: bool = False) -> jax.Array:
+  nib = jnp.stack([(words >> (4 * i)) & 0xF for i in range(8)], axis=-1)  # code 8c + i
+  nib = nib.reshape(*words.shape[:-1], words.shape[-1] * 8)
+  if e2m1:  # from the bits (a table would be a constant the kernel body captures)
+    ex, man = (nib >> 1) & 3, (nib & 1).astype(jnp.float32)
+    mag = jnp.where(ex == 0, 0.5 * man,
+                    (1.0 + 0.5 * man) * (jnp.left_shift(1, ex).astype(jnp.float32) * 0.5))
+    return jnp.where(nib >= 8, -mag, mag)
+  return jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- GPU helpers
@@ -253,15 +299,15 @@ def b_rows(ref, xdt, *, interpret: bool = False):
   return load(ref)
 
 
-def mma(acc, codes_ref, b, xdt, *, interpret: bool = False):
+def mma(acc, codes_ref, b, xdt, *, e2m1: bool = False, interpret: bool = False):
   """acc [128, 8] f32 (WGMMA layout) + codes @ B: codes_ref an SMEM [128, 16] int32 tile
-  (8 signed int4 codes a word, physical k), b from `b_tile` / `b_rows` -> the new acc."""
+  (8 signed int4 codes a word -- or e2m1 codes, their values -- physical k), b from `b_tile` /
+  `b_rows` -> the new acc."""
   if interpret:
-    a = _codes_jnp(codes_ref[...])
+    a = _codes_jnp(codes_ref[...], e2m1)
     return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
-  key = _dtype_key(xdt)
   layout = plgpu.Layout.WGMMA
-  conv, mma_asm = _convert_asm(key), _MMA.format(t=key)
+  conv, mma_asm = convert_asm(xdt, e2m1=e2m1), _MMA.format(t=_dtype_key(xdt))
 
   @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), layout),
                      return_type=plgpu.ShapeDtypeStruct((ROWS, _N), jnp.float32,
@@ -325,6 +371,6 @@ def mma(acc, codes_ref, b, xdt, *, interpret: bool = False):
   return run(acc, codes_ref, b)
 
 
-def reference_products(words: np.ndarray, b_phys: np.ndarray) -> np.ndarray:
+def reference_products(words: np.ndarray, b_phys: np.ndarray, e2m1: bool = False) -> np.ndarray:
   """float64 NumPy: words [R, 16] int32 (a code tile) @ b_phys [128, N] -> [R, N]."""
-  return _codes_np(words).astype(np.float64) @ np.asarray(b_phys, np.float64)
+  return _codes_np(words, e2m1).astype(np.float64) @ np.asarray(b_phys, np.float64)

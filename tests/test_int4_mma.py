@@ -1,5 +1,5 @@
-"""jmoe.kernels.int4_mma (int4 codes on mma.sync for decode_wq): the word conversion's PTX (run
-here by a small interpreter of its opcodes) against every code, the logical K order and the
+"""jmoe.kernels.int4_mma (4-bit codes on mma.sync for decode_wq): the word conversions' PTX
+(int4 and e2m1, run here by a small interpreter of their opcodes) against every code, the logical K order and the
 token fragment order it relies on, and the interpret-mode products against float64 NumPy."""
 import re
 
@@ -44,6 +44,10 @@ def _run_convert(asm: str, word: int, np_dt) -> list[int]:
       regs[args[0]] = val(args[1])
     elif op == "shr.u32":
       regs[args[0]] = val(args[1]) >> val(args[2])
+    elif op == "shl.b32":
+      regs[args[0]] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
+    elif op == "and.b32":
+      regs[args[0]] = val(args[1]) & val(args[2])
     elif op == "lop3.b32":
       regs[args[0]] = _lop3(*(val(a) for a in args[1:4]), val(args[4]))
     elif op.startswith("fma.rn."):
@@ -53,21 +57,34 @@ def _run_convert(asm: str, word: int, np_dt) -> list[int]:
   return [regs[o] for o in ("$0", "$1", "$2", "$3")]
 
 
+def _e2m1_np(nibbles: np.ndarray) -> np.ndarray:
+  """An independent e2m1 decoding (ml_dtypes' float4_e2m1fn) of nibbles 0..15."""
+  return nibbles.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+
+
+@pytest.mark.parametrize("e2m1", [False, True], ids=["int4", "e2m1"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_convert_asm_decodes_every_code(dtype):
+def test_convert_asm_decodes_every_code(dtype, e2m1):
   """Every code at every nibble: output pair j holds codes (j, j + 4) of the word, as the
-  signed values the stored nibbles (two's complement) mean."""
+  signed values the stored nibbles (two's complement) mean -- or, e2m1, as ml_dtypes'
+  float4_e2m1fn reads them (signed zeros included)."""
   np_dt = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float16
-  asm = int4_mma.convert_asm(dtype)
+  asm = int4_mma.convert_asm(dtype, e2m1=e2m1)
   rng = np.random.default_rng(0)
   words = [sum(v << (4 * i) for i in range(8)) for v in range(16)]
+  words += [sum(((v + i) % 16) << (4 * i) for i in range(8)) for v in range(16)]
   words += [int(w) for w in rng.integers(0, 1 << 32, 256, dtype=np.uint64)]
   for word in words:
-    codes = int4_mma._codes_np(np.asarray([word], np.uint32).view(np.int32))
+    nib = (word >> (4 * np.arange(8))) & 0xF
+    codes = _e2m1_np(nib) if e2m1 else np.where(nib >= 8, nib - 16, nib)
+    np.testing.assert_array_equal(
+        int4_mma._codes_np(np.asarray([word], np.uint32).view(np.int32), e2m1), codes)
     outs = _run_convert(asm, word, np_dt)
     for j, out in enumerate(outs):
       got = np.asarray([out & 0xFFFF, out >> 16], np.uint16).view(np_dt).astype(np.float64)
       np.testing.assert_array_equal(got, codes[[j, j + 4]], err_msg=f"word {word:#010x}")
+      if e2m1:  # -0 stays -0
+        np.testing.assert_array_equal(np.signbit(got), nib[[j, j + 4]] >= 8)
 
 
 def test_logical_order_and_fragment_order():
@@ -91,16 +108,24 @@ def test_logical_order_and_fragment_order():
     int4_mma.fragment_tiles(jnp.zeros((12, 128)))
 
 
-def test_interpret_products_match_float64():
-  """mma's interpret form: the stored words' signed codes (physical K) @ B, accumulated."""
+@pytest.mark.parametrize("e2m1", [False, True], ids=["int4", "e2m1"])
+def test_interpret_products_match_float64(e2m1):
+  """mma's interpret form: the stored words' codes (physical K) @ B, accumulated; e2m1's
+  reference decoded by ml_dtypes."""
   rng = np.random.default_rng(2)
   words = rng.integers(-2 ** 31, 2 ** 31, (128, 16)).astype(np.int32)
   b = rng.standard_normal((128, 8)).astype(np.float32)
   acc = rng.standard_normal((128, 8)).astype(np.float32)
   got = np.asarray(int4_mma.mma(jnp.asarray(acc), jnp.asarray(words), jnp.asarray(b),
-                                jnp.bfloat16, interpret=True))
-  want = acc + int4_mma.reference_products(words, b)
+                                jnp.bfloat16, e2m1=e2m1, interpret=True))
+  want = acc + int4_mma.reference_products(words, b, e2m1)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  if not e2m1:
+    return
+  w = words.view(np.uint32).astype(np.int64)
+  nib = ((w[..., None] >> (4 * np.arange(8))) & 0xF).reshape(128, 128)
+  np.testing.assert_allclose(got, acc + _e2m1_np(nib) @ b.astype(np.float64), rtol=1e-5,
+                             atol=1e-4)
   packed = rng.integers(0, 256, (3, 5, 64)).astype(np.uint8)  # [E, rows, K / 2]
   w = np.asarray(int4_mma.code_words(jnp.asarray(packed)))
   assert w.shape == (3, 5, 16)

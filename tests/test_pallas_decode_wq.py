@@ -103,19 +103,23 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
                        f"{sid} decode_wq vs oracle")
 
 
-@pytest.mark.parametrize("sync", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_decode_wq_int4_forms_match_oracle(sync, rng, monkeypatch):
-  """int4 codes with bf16 tokens: the mma.sync form (words, logical K order, fragment-ordered
-  token tiles; the default) and the wgmma form it replaced (SYNC_INT4 off) on one problem
+@pytest.mark.parametrize("sid,sync", [
+    ("w4a16", True),
+    pytest.param("w4a16", False, marks=pytest.mark.slow),
+    ("nvfp4", True),  # e2m1 codes on mma.sync, e4m3 scales per 16 and a global scale
+])
+def test_decode_wq_4bit_forms_match_oracle(sid, sync, rng, monkeypatch):
+  """4-bit codes with bf16 tokens: the mma.sync form (words, logical K order, fragment-ordered
+  token tiles; the default) and the wgmma form it replaced (SYNC_4BIT off) on one problem
   (N = 384: a size no other test traces, so the flag is read afresh)."""
-  monkeypatch.setattr(decode_wq, "SYNC_INT4", sync)
-  x, q13, q2, tw, ids, b13, b2 = _problem(rng, "w4a16", 2, 1024, 384, 4, 2, bias=True)
+  monkeypatch.setattr(decode_wq, "SYNC_4BIT", sync)
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 2, 1024, 384, 4, 2, bias=True)
   ids[0, 1] = -1
   plan = decode_wq._plan(q13, q2, True)
-  assert decode_wq.sync_eligible(plan, 1024, 384) == sync
+  assert decode_wq.sync_eligible(plan) == sync
   out = _run(x, q13, q2, tw, ids, w13_bias=b13, w2_bias=b2)
   onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, b13, b2), TOL,
-                       f"w4a16 decode_wq sync={sync} vs oracle")
+                       f"{sid} decode_wq sync={sync} vs oracle")
 
 
 @pytest.mark.parametrize("sid,h,n", [
@@ -372,7 +376,7 @@ def test_decode_wq_lowers_for_gpu(monkeypatch):
                                          ("mxfp4", 128, 4, 2880, 2880)])  # gpt-oss-120b
 def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, monkeypatch):
   """The e2m1 / small-group kernel at full sizes (a window's scales at a time in SMEM: rings
-  of 6 stages; e2m1's table conversion), through the weight-only entry."""
+  of 6 stages; the codes as words on mma.sync), through the weight-only entry."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
   quant = jmoe.QuantConfig(fmt)
 
@@ -389,7 +393,7 @@ def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, monkeypatch):
           S((1, h), jnp.bfloat16), w13, w2, S((1, k), jnp.float32),
           S((1, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
-  assert "prmt.b32" in text  # the codes go through e2m1's byte-permute tables
+  assert "mma.sync" in text and "shl.b32" in text  # e2m1 words on mma.sync (int4 needs no shl)
 
 
 # --------------------------------------------------------------------------------------------

@@ -77,7 +77,6 @@ GROUP = 128  # int4 / int8 scale groups per 128 (a step is one group); zero poin
 GROUPS = (16, 32, 128)  # the group sizes the kernel takes (a window is 8 groups; 64 would
 # need a GEMM2 scale box 8-byte aligned, which TMA refuses)
 ROWS_A = 64  # GEMM2's B tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
-_SMEM_BYTES = 232448 - 14 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 8
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # the codes' dtype in the kernel per weight_dtype (e2m1 codes are read as signed int4; e4m3
@@ -89,13 +88,22 @@ _CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8),
 @dataclasses.dataclass(frozen=True)
 class DecodeWQConfig:
   """stages: ring slots (int4: 18 KiB, int8: 34 KiB; None: as many as shared memory holds, up
-  to 8). One CTA per SM: two (sharing its SMEM, shallower rings) measured no better
-  (docs/kernels.md)."""
+  to 8). ctas_per_sm: CTAs resident on each SM (the persistent grid is that many times the
+  SMs; they share its shared memory, so each ring is shallower)."""
   stages: int | None = None
+  ctas_per_sm: int = 1
 
   def __post_init__(self):
     if self.stages is not None and self.stages < 2:
       raise ValueError(f"stages={self.stages} must be >= 2")
+    if self.ctas_per_sm not in (1, 2, 3, 4):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1, 2, 3 or 4")
+
+
+def smem_budget(ctas_per_sm: int = 1) -> int:
+  """Dynamic shared memory one CTA may use with `ctas_per_sm` of them on an SM (sm_90: 228
+  KiB an SM, 1 KiB of it reserved per CTA), less each buffer's 1 KiB alignment."""
+  return (228 * 1024) // ctas_per_sm - 1024 - 14 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +156,10 @@ def _fixed_bytes(plan: _Plan, h: int) -> int:
   return fixed
 
 
-def max_stages(plan: _Plan, h: int) -> int:
-  """The deepest ring that fits shared memory beside the per-item buffers."""
-  return min(_MAX_STAGES, (_SMEM_BYTES - _fixed_bytes(plan, h)) // _stage_bytes(plan))
+def max_stages(plan: _Plan, h: int, ctas_per_sm: int = 1) -> int:
+  """The deepest ring that fits a CTA's shared memory beside the per-item buffers."""
+  return min(_MAX_STAGES,
+             (smem_budget(ctas_per_sm) - _fixed_bytes(plan, h)) // _stage_bytes(plan))
 
 
 def store_b_tile(tile, a_smem, asum_smem, asum_dst, row_scale=None) -> None:
@@ -782,8 +791,8 @@ def _w2_scaled(part, asum, ids, w2, plan: _Plan, e: int) -> jax.Array:
 def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, w2_bias,
                  config: DecodeWQConfig | None, *, kernel: str, why, stage_cap):
   """A weight-only decode kernel's arguments checked (shapes, dtypes, `why`'s rules, the
-  biases, the quantized weights) -> (T, k, E, N, H, plan, ring stages), raising ValueError
-  that names the argument or the rule."""
+  biases, the quantized weights) -> (T, k, E, N, H, plan, ring stages, CTAs per SM), raising
+  ValueError that names the argument or the rule."""
   t, k = topk_ids.shape
   e, n2, h = w13.shape[0], w13.shape[2], w13.shape[1]
   n = n2 // 2
@@ -811,11 +820,13 @@ def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, 
   plan = _plan(w13, w2, w13_bias is not None)
   if kernel == "fused_experts_decode_wq" and sync_eligible(plan):
     plan = dataclasses.replace(plan, sync=True)
-  cap = stage_cap(plan, h)
-  stages = (config or DecodeWQConfig()).stages or min(cap, k1_steps(h, plan) + -(-h // BH))
+  config = config or DecodeWQConfig()
+  cap = stage_cap(plan, h, config.ctas_per_sm)
+  stages = config.stages or min(cap, k1_steps(h, plan) + -(-h // BH))
   if stages > cap or stages < 2:
-    raise ValueError(f"stages={stages} does not fit shared memory at H={h} (at most {cap})")
-  return t, k, e, n, h, plan, stages
+    raise ValueError(f"stages={stages} does not fit shared memory at H={h} with "
+                     f"ctas_per_sm={config.ctas_per_sm} (at most {cap})")
+  return t, k, e, n, h, plan, stages, config.ctas_per_sm
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "config", "out_dtype", "interpret"))
@@ -840,7 +851,7 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   x.dtype; bf16 for fp8 tokens).
   """
   act = as_activation(activation)
-  t, k, e, n, h, plan, stages = checked_call(
+  t, k, e, n, h, plan, stages, ctas = checked_call(
       x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config,
       kernel="fused_experts_decode_wq", why=unsupported, stage_cap=max_stages)
   if plan.act8 != (x_scale is not None):
@@ -854,7 +865,7 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   ids = topk_ids.reshape(m).astype(jnp.int32)
   interp, nsm = _compat.launch_params(interpret)
   kern = _build(h=h, n=n, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
-                num_sms=nsm, interpret=interp)
+                num_sms=nsm * ctas, interpret=interp)
   k1 = k1_steps(h, plan)
   if plan.small_groups and (byte_scales(w13) or h % BK or n % BN):  # float32 scales per
     touched, sid = touched_experts(ids, e)  # call: the touched experts' (padded: windows past H get

@@ -33,12 +33,11 @@ from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import combine_parts, cta_items, token_operand
 from jmoe.kernels.decode_wq import (BH, BK, BN, GROUP, ROWS_A, DecodeWQConfig, _codes, _Plan,
                                     _plan, _w2_scaled, byte_scales, checked_call, code_values,
-                                    finish, geometry, step_fetcher, store_b_tile,
-                                    unsupported_codes)
+                                    finish, geometry, smem_budget, step_fetcher,
+                                    store_b_tile, unsupported_codes)
 from jmoe.kernels.grouped_gemm import kernel_activation
 
 _N = 8  # tokens per group = wgmma's N
-_SMEM_BYTES = 232448 - 16 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 8
 assert BH // 2 == BN  # GEMM2's half-step accumulators have GEMM1's [128, 8] shape
 
@@ -56,9 +55,11 @@ def _fixed_bytes(plan: _Plan, h: int) -> int:
   return fixed
 
 
-def max_stages(plan: _Plan, h: int) -> int:
-  """The deepest ring that fits shared memory beside the per-item buffers."""
-  return min(_MAX_STAGES, (_SMEM_BYTES - _fixed_bytes(plan, h)) // _stage_bytes(plan))
+def max_stages(plan: _Plan, h: int, ctas_per_sm: int = 1) -> int:
+  """The deepest ring that fits a CTA's shared memory beside the per-item buffers (two more
+  buffers' alignment than decode_wq's)."""
+  free = smem_budget(ctas_per_sm) - 2 * 1024 - _fixed_bytes(plan, h)
+  return min(_MAX_STAGES, free // _stage_bytes(plan))
 
 
 def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) -> str | None:
@@ -287,7 +288,7 @@ def fused_experts_decode_wq_shared(x: jax.Array, w13, w2, topk_weights: jax.Arra
   QuantizedWeights (int4 / int8 codes, K-major), topk_weights / topk_ids [T, k], T * k <= 128.
   Returns [T, H] (out_dtype, default x.dtype)."""
   act = as_activation(activation)
-  t, k, e, n, h, plan, stages = checked_call(
+  t, k, e, n, h, plan, stages, ctas = checked_call(
       x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config,
       kernel="fused_experts_decode_wq_shared", why=unsupported, stage_cap=max_stages)
   m = t * k
@@ -297,7 +298,7 @@ def fused_experts_decode_wq_shared(x: jax.Array, w13, w2, topk_weights: jax.Arra
   xg = jnp.where((group_slots >= 0)[:, :, None], x[tok], 0).reshape(m * _N, h)
   interp, nsm = _compat.launch_params(interpret)
   kern = _build(h=h, n=n, m=m, groups=m, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
-                num_sms=nsm, interpret=interp)
+                num_sms=nsm * ctas, interpret=interp)
   args = [group_expert, group_slots.reshape(m * _N), xg, _codes(w13, plan.code),
           _codes(w2, plan.code)]
   if plan.grouped:

@@ -103,12 +103,13 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
                        f"{sid} decode_wq vs oracle")
 
 
-@pytest.mark.parametrize("sid,sync", [
-    ("w4a16", True),
-    pytest.param("w4a16", False, marks=pytest.mark.slow),
-    ("nvfp4", True),  # e2m1 codes on mma.sync, e4m3 scales per 16 and a global scale
+@pytest.mark.parametrize("sid,sync,ctas", [
+    ("w4a16", True, 1),
+    pytest.param("w4a16", False, 1, marks=pytest.mark.slow),
+    # e2m1 codes on mma.sync, e4m3 scales per 16 and a global scale; two CTAs share the items
+    ("nvfp4", True, 2),
 ])
-def test_decode_wq_4bit_forms_match_oracle(sid, sync, rng, monkeypatch):
+def test_decode_wq_4bit_forms_match_oracle(sid, sync, ctas, rng, monkeypatch):
   """4-bit codes with bf16 tokens: the mma.sync form (words, logical K order, fragment-ordered
   token tiles; the default) and the wgmma form it replaced (SYNC_4BIT off) on one problem
   (N = 384: a size no other test traces, so the flag is read afresh)."""
@@ -117,7 +118,8 @@ def test_decode_wq_4bit_forms_match_oracle(sid, sync, rng, monkeypatch):
   ids[0, 1] = -1
   plan = decode_wq._plan(q13, q2, True)
   assert decode_wq.sync_eligible(plan) == sync
-  out = _run(x, q13, q2, tw, ids, w13_bias=b13, w2_bias=b2)
+  out = _run(x, q13, q2, tw, ids, w13_bias=b13, w2_bias=b2,
+             config=decode_wq.DecodeWQConfig(ctas_per_sm=ctas))
   onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, b13, b2), TOL,
                        f"{sid} decode_wq sync={sync} vs oracle")
 
@@ -326,6 +328,12 @@ def test_decode_wq_says_what_it_does_not_take(rng):
   assert pmoe.weight_only_layout(1, 2, 1024, 128, silu, zp13, zp2) == "decode_shared"
   with pytest.raises(ValueError, match="stages=1"):
     decode_wq.DecodeWQConfig(stages=1)
+  with pytest.raises(ValueError, match="ctas_per_sm=5"):
+    decode_wq.DecodeWQConfig(ctas_per_sm=5)
+  with pytest.raises(ValueError, match="ctas_per_sm=4"):  # a quarter of SMEM: 8 stages no
+    decode_wq.fused_experts_decode_wq(jnp.ones((1, 1024), jnp.bfloat16), q13, q2,
+                                      jnp.ones((1, 2)), jnp.zeros((1, 2), jnp.int32),
+                                      config=decode_wq.DecodeWQConfig(stages=8, ctas_per_sm=4))
   with pytest.raises(ValueError, match="does not fit shared memory"):
     decode_wq.fused_experts_decode_wq(jnp.ones((1, 1024), jnp.bfloat16), q13, q2,
                                       jnp.ones((1, 2)), jnp.zeros((1, 2), jnp.int32),

@@ -87,8 +87,9 @@ _CODE_DTYPES = {"int4": jnp.dtype(jnp.int4), "int8": jnp.dtype(jnp.int8),
 
 @dataclasses.dataclass(frozen=True)
 class DecodeWQConfig:
-  """stages: ring slots (int4: 18 KiB, int8: 34 KiB; None: as many as shared memory holds, up
-  to 8). ctas_per_sm: CTAs resident on each SM (the persistent grid is that many times the
+  """stages: ring slots (int4: 18 KiB, int8: 34 KiB; 4-bit codes on mma.sync with H a
+  multiple of 512: slots of two steps, 36 KiB; None: as many as shared memory holds, up to
+  8 steps). ctas_per_sm: CTAs resident on each SM (the persistent grid is that many times the
   SMs; they share its shared memory, so each ring is shallower)."""
   stages: int | None = None
   ctas_per_sm: int = 1
@@ -118,6 +119,7 @@ class _Plan:
   group: int = GROUP
   act8: bool = False  # fp8 tokens and intermediate: codes -> e4m3, 8-bit wgmma (xdt: fp8)
   sync: bool = False  # 4-bit codes as int32 words on mma.sync (jmoe.kernels.int4_mma)
+  wide: bool = False  # sync, a ring slot two steps: GEMM1's code boxes 128-byte rows
 
   @property
   def int4(self) -> bool:
@@ -139,7 +141,8 @@ class _Plan:
 def _stage_bytes(plan: _Plan) -> int:
   code_bytes = BN * BK // 2 if plan.int4 else BN * BK
   s2_bytes = 2 * (BH // 2) * _N * 4 if plan.small_groups else 0  # GEMM2's scale tiles
-  return 2 * code_bytes + _N * BK * (1 if plan.act8 else 2) + s2_bytes
+  step = 2 * code_bytes + _N * BK * (1 if plan.act8 else 2) + s2_bytes
+  return 2 * step if plan.wide else step
 
 
 def _fixed_bytes(plan: _Plan, h: int) -> int:
@@ -157,8 +160,9 @@ def _fixed_bytes(plan: _Plan, h: int) -> int:
 
 
 def max_stages(plan: _Plan, h: int, ctas_per_sm: int = 1) -> int:
-  """The deepest ring that fits a CTA's shared memory beside the per-item buffers."""
-  return min(_MAX_STAGES,
+  """The deepest ring that fits a CTA's shared memory beside the per-item buffers (wide:
+  slots of two steps)."""
+  return min(_MAX_STAGES // 2 if plan.wide else _MAX_STAGES,
              (smem_budget(ctas_per_sm) - _fixed_bytes(plan, h)) // _stage_bytes(plan))
 
 
@@ -213,11 +217,12 @@ def s2_columns(n: int, plan: _Plan) -> int:
 
 
 def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: int, total,
-                 use_vec: bool, h: int):
+                 use_vec: bool, h: int, interpret: bool = False):
   """The weight-only decode kernels' load stream: fetch(g, i, cur, nxt) loads the CTA's step
   g (item i's, `cur`, or item i + 1's, `nxt`: (slot, expert, block, token tile)) into ring
   slot g % stages: a GEMM1 step a gate, an up and a token tile (bars1), a GEMM2 step two w2
-  tiles (bars2); an item's first step also its per-channel scales and biases (vbar)."""
+  tiles (bars2); an item's first step also its per-channel scales and biases (vbar).
+  k1: GEMM1 steps (wide plans: slots of two steps each, `wide_slot`) an item."""
   ring, xring, vec, vbar = refs["ring"], refs["xring"], refs["vec"], refs["vbar"]
   w13_ref, w2_ref, x_ref = refs["w13"], refs["w2"], refs["x"]
   s2_ref, s2ring, sid_ref = refs.get("s2"), refs.get("s2ring"), refs.get("sid")
@@ -247,8 +252,22 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
 
       @pl.when(r < k1)
       def _w13():
-        cols, bar = kcols(block_start(r, h, BK), BK), refs["bars1"].at[slot]
-        col0 = block_start(jb, n, BN)
+        bar, col0 = refs["bars1"].at[slot], block_start(jb, n, BN)
+        if plan.wide:  # steps 2r, 2r + 1 (no tails: H a multiple of 512)
+          for c, row in enumerate((col0, n + col0)):
+            rows = pl.ds(row, BN)
+            if interpret:  # (no RefUnion there: one box a step)
+              for s in range(2):
+                plgpu.copy_gmem_to_smem(w13_ref.at[ex, rows, kcols((2 * r + s) * BK, BK)],
+                                        dst.at[2 * c + s], bar)
+            else:  # gate / up's [128, 32] tile of two steps: 128-byte rows
+              plgpu.copy_gmem_to_smem(w13_ref.at[ex, rows, kcols(2 * r * BK, 2 * BK)],
+                                      refs["ring_w"].at[slot, c], bar)
+          for s in range(2):
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), pl.ds((2 * r + s) * BK, BK)],
+                                    xring.at[slot, s], bar)
+          return
+        cols = kcols(block_start(r, h, BK), BK)
         plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(col0, BN), cols], dst.at[0], bar)
         plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + col0, BN), cols], dst.at[1], bar)
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), pl.ds(r * BK, BK)],
@@ -256,17 +275,34 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
 
       @pl.when(r >= k1)
       def _w2():
-        c, bar = r - k1, refs["bars2"].at[slot]
-        for half in range(2):
-          rows = pl.ds(block_start(c, h, BH) + half * (BH // 2), BH // 2)
-          plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, kcols(block_start(jb, n, BN), BN)],
-                                  dst.at[half], bar)
-          if plan.small_groups:  # the rows' scales of block j's groups (and the next's)
-            plgpu.copy_gmem_to_smem(
-                s2_ref.at[sid_ref[info[0]], rows, pl.ds(s2_start(jb, n, plan), _N)],
-                s2ring.at[slot, half], bar)
+        bar = refs["bars2"].at[slot]
+        for s in range(2 if plan.wide else 1):  # wide: GEMM2 steps 2c, 2c + 1
+          c = (r - k1) * (2 if plan.wide else 1) + s
+          for half in range(2):
+            rows = pl.ds(block_start(c, h, BH) + half * (BH // 2), BH // 2)
+            plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, kcols(block_start(jb, n, BN), BN)],
+                                    dst.at[2 * s + half], bar)
+            if plan.small_groups:  # the rows' scales of block j's groups (and the next's)
+              plgpu.copy_gmem_to_smem(
+                  s2_ref.at[sid_ref[info[0]], rows, pl.ds(s2_start(jb, n, plan), _N)],
+                  s2ring.at[slot, 2 * s + half], bar)
 
   return fetch
+
+
+def wide_half(slot_ref, c: int, half, interpret: bool):
+  """GEMM1's code tile of step `half` (0 / 1, traced) of a wide slot, for `int4_mma.mma`:
+  on the GPU the [128, 32] tile's half (a ref starting at its first word; rows 128 bytes
+  apart), in the interpreter the step's own [128, 16] box."""
+  if interpret:
+    return slot_ref.at[2 * c + half]
+  return slot_ref.at[2 * c, half]  # row `half` of the [128, 16] view: 64 bytes in
+
+
+def wide_eligible(plan: _Plan, h: int, n: int) -> bool:
+  """Wide slots (two steps, 128-byte GEMM1 rows) where no tail shifts a step: H a multiple
+  of 512 (GEMM1's steps and GEMM2's pair up), N of 128."""
+  return WIDE_ROWS and plan.sync and h % 512 == 0 and n % BN == 0
 
 
 def window_steps(plan: _Plan) -> int:
@@ -283,10 +319,11 @@ def k1_steps(h: int, plan: _Plan) -> int:
 
 
 def geometry(h: int, n: int, plan: _Plan, stages: int):
-  """(blocks of N, GEMM1 steps, GEMM2 steps, steps per item, scale groups along H, the code
-  tiles' SMEM transforms, the token tiles') of a weight-only decode kernel; checks stages."""
+  """(blocks of N, GEMM1 steps, GEMM2 steps, ring slots per item (steps; wide: pairs), scale
+  groups along H, the code tiles' SMEM transforms, the token tiles') of a weight-only decode
+  kernel; checks stages."""
   nb, k1, k2 = -(-n // BN), k1_steps(h, plan), -(-h // BH)
-  spi = k1 + k2
+  spi = (k1 + k2) // 2 if plan.wide else k1 + k2  # ring slots an item
   if stages - 1 >= spi:
     raise ValueError(f"stages={stages} must be at most {spi} (steps per item)")
   if plan.sync:  # words and fragment-ordered token tiles: plain rows, no swizzle
@@ -308,6 +345,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   # steps whose partials share one accumulator: a window is 8 groups (column j: group 8w + j)
   window = window_steps(plan) or k1
   n_windows = k1 // window
+  k1u = k1 // 2 if plan.wide else k1  # GEMM1's ring slots an item
 
   def body(*refs):
     refs = list(refs)
@@ -325,6 +363,10 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     asum_ref = refs.pop(0) if plan.zero2 else None
     ring, xring, a_smem, a_vec, gvec, o_row, asum_smem, vec = refs[:8]
     del refs[:8]
+    ring_w = None
+    if plan.wide and not emulate:  # one ring, two views: GEMM1's [.., 2, 128, 32] boxes
+      ring_w, ring = ring
+
     sblk = refs.pop(0) if plan.grouped else None
     zblk, xsblk = (refs.pop(0), refs.pop(0)) if plan.zero13 else (None, None)
     s2ring = refs.pop(0) if plan.small_groups else None
@@ -350,10 +392,11 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     total = my_items * spi
 
     fetch = step_fetcher(
-        refs=dict(ring=ring, xring=xring, w13=w13_ref, w2=w2_ref, x=x_ref, c13=c13_ref,
+        refs=dict(ring=ring, ring_w=ring_w, xring=xring, w13=w13_ref, w2=w2_ref, x=x_ref, c13=c13_ref,
                   b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2, s2=s2_ref,
                   s2ring=s2ring, sid=sid_ref),
-        plan=plan, n=n, k1=k1, spi=spi, stages=stages, total=total, use_vec=use_vec, h=h)
+        plan=plan, n=n, k1=k1u, spi=spi, stages=stages, total=total, use_vec=use_vec, h=h,
+        interpret=emulate)
 
     def load_window(info, w, buf):
       """Small groups: window w's scales [128, 8] for gate and up into buffer buf (from the
@@ -412,7 +455,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       _, nxt = item(i + 1)
       slot_id, _, jb, _ = cur
       vb = lax.rem(i, 2)
-      base = i * spi
+      base = i * spi  # the item's first ring slot
       if use_vec:
         plgpu.barrier_wait(vbar.at[vb])
       if plan.grouped and not plan.small_groups:
@@ -455,14 +498,33 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
         def sync_mma():
           def step(r8, accs):
-            g = base + w * window + r8
+            if not plan.wide:
+              g = base + w * window + r8
+              slot = lax.rem(g, jnp.int32(stages))
+              plgpu.barrier_wait(bars1.at[slot])
+              b = int4_mma.b_tile(xring.at[slot], xdt, interpret=emulate)
+              accs = tuple(int4_mma.mma(a, ring.at[slot, c], b, xdt, e2m1=plan.e2m1,
+                                        interpret=emulate) for c, a in enumerate(accs))
+              plgpu.commit_smem()  # every warp has read the slot (no wgmma syncs them): refill
+              fetch(g + stages - 1, i, cur, nxt)
+              return accs
+            r = w * window + r8  # wide: the slot of steps 2u, 2u + 1 (windows may split it)
+            g, half = base + lax.div(r, 2), lax.rem(r, 2)
             slot = lax.rem(g, jnp.int32(stages))
-            plgpu.barrier_wait(bars1.at[slot])
-            b = int4_mma.b_tile(xring.at[slot], xdt, interpret=emulate)
-            accs = tuple(int4_mma.mma(a, ring.at[slot, c], b, xdt, e2m1=plan.e2m1,
-                                      interpret=emulate) for c, a in enumerate(accs))
-            plgpu.commit_smem()  # every warp has read the slot (no wgmma syncs them): refill
-            fetch(g + stages - 1, i, cur, nxt)
+
+            @pl.when(half == 0)
+            def _arrived():
+              plgpu.barrier_wait(bars1.at[slot])
+
+            b = int4_mma.b_tile(xring.at[slot, half], xdt, interpret=emulate)
+            accs = tuple(int4_mma.mma(a, wide_half(ring.at[slot], c, half, emulate), b, xdt,
+                                      e2m1=plan.e2m1, interpret=emulate, row_bytes=2 * BK // 2)
+                         for c, a in enumerate(accs))
+
+            @pl.when(half == 1)
+            def _refill():
+              plgpu.commit_smem()
+              fetch(g + stages - 1, i, cur, nxt)
             return accs
           zero = _cast(jnp.zeros((BN, _N), jnp.float32), plgpu.Layout.WGMMA)
           store_partials(*lax.fori_loop(0, window, step, (zero, zero)))
@@ -516,24 +578,37 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
                    asum_ref.at[jb, slot_id] if plan.zero2 else None, row_scale=sa)
       b2 = int4_mma.b_rows(a_smem, xdt, interpret=emulate) if plan.sync else None
 
-      def sync_pair(slot):
-        """GEMM2's two tiles on mma.sync -> their rows as pair_columns gives them."""
+      def sync_pair(slot, s=0):
+        """GEMM2's two tiles (wide: of the slot's step s) on mma.sync -> their rows as
+        pair_columns gives them."""
         zero = _cast(jnp.zeros((BH // 2, _N), jnp.float32), plgpu.Layout.WGMMA)
-        ys = [int4_mma.mma(zero, ring.at[slot, j], b2, xdt, e2m1=plan.e2m1, interpret=emulate)
-              for j in range(2)]
-        plgpu.commit_smem()  # every warp has read the slot: it may be refilled
+        ys = [int4_mma.mma(zero, ring.at[slot, 2 * s + j], b2, xdt, e2m1=plan.e2m1,
+                           interpret=emulate) for j in range(2)]
         if plan.small_groups:
-          return [jnp.sum(y * s2ring.at[slot, j][...], axis=1) for j, y in enumerate(ys)]
+          return [jnp.sum(y * s2ring.at[slot, 2 * s + j][...], axis=1) for j, y in enumerate(ys)]
         return [jnp.max(y, axis=1) for y in ys]  # B's 8 columns are equal
 
       @pl.loop(0, k2)
       def _gemm2(c):
-        g = base + k1 + c
+        if plan.wide:  # the slot of steps 2u, 2u + 1
+          g, s = base + k1u + lax.div(c, 2), lax.rem(c, 2)
+        else:
+          g, s = base + k1 + c, 0
         slot = lax.rem(g, jnp.int32(stages))
-        plgpu.barrier_wait(bars2.at[slot])
+        if plan.wide:
+          @pl.when(s == 0)
+          def _arrived():
+            plgpu.barrier_wait(bars2.at[slot])
+        else:
+          plgpu.barrier_wait(bars2.at[slot])
         if plan.sync:
-          ys = sync_pair(slot)
-          fetch(g + stages - 1, i, cur, nxt)
+          ys = sync_pair(slot, s)
+
+          def refill():
+            plgpu.commit_smem()  # every warp has read the slot: it may be refilled
+            fetch(g + stages - 1, i, cur, nxt)
+          pl.when(s == 1)(refill) if plan.wide else refill()
+
           store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1),
                                                 pl.ds(block_start(c, h, BH), BH)])
           return
@@ -566,8 +641,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   if plan.zero13:
     scratch += [plgpu.SMEM((2, BN, g1), jnp.dtype(jnp.uint8) if plan.int4 else plan.code),
                 plgpu.SMEM((g1,), jnp.float32)]
-  if plan.small_groups:  # GEMM2 steps' scale tiles [2 halves, 128 rows, 8 groups]
-    scratch.append(plgpu.SMEM((stages, 2, BH // 2, _N), jnp.float32))
+  if plan.small_groups:  # GEMM2 steps' scale tiles [(step,) half, 128 rows, 8 groups]
+    scratch.append(plgpu.SMEM((stages, 4 if plan.wide else 2, BH // 2, _N), jnp.float32))
   if plan.act8:
     scratch.append(plgpu.SMEM((ROWS_A,), jnp.float32))
   return finish(body, scratch, plan=plan, stages=stages, tf=(tf_w, tf_x),
@@ -585,14 +660,26 @@ def finish(body, scratch: list, *, plan: _Plan, stages: int, tf: tuple, n_blk: i
   [NB, m, H] f32 (and the activation sums [NB, asum_rows, 8] with w2 zero points)."""
   tf_w, tf_x = tf
   n_vec = (0 if plan.grouped else 2) + (2 if plan.has_bias else 0)  # item vectors' copies
-  ring = (plgpu.SMEM((stages, 2, BN, BK // 8), jnp.int32) if plan.sync else
+  steps = 2 if plan.wide else 1  # steps a slot
+  ring = (plgpu.SMEM((stages, 2 * steps, BN, BK // 8), jnp.int32) if plan.sync else
           plgpu.SMEM((stages, 2, BN, BK), plan.code, transforms=tf_w))
+  if plan.wide and not emulate:
+    # GEMM1's boxes of two steps [128, 32] (128-byte rows: TMA streams 64-byte rows at ~3.2
+    # TB/s, 128-byte ones at ~4.5 on the H200; docs/kernels.md) and GEMM2's [128, 16] tiles
+    # in the same slots: a union's members all start at its first byte (Mosaic GPU lays each
+    # group out from offset 0; a slot is 32 KiB in both, so slot s is the same bytes)
+    ring = plgpu.RefUnion(plgpu.SMEM((stages, 2, BN, 2 * BK // 8), jnp.int32), ring)
+  xring = plgpu.SMEM((stages, 2, _N, BK) if plan.wide else (stages, _N, BK), xdt,
+                     transforms=tf_x)
   scratch = [ring,  # the code ring
-             plgpu.SMEM((stages, _N, BK), xdt, transforms=tf_x),  # GEMM1 steps' token tiles
+             xring,  # GEMM1 steps' token tiles
              plgpu.SMEM((ROWS_A, BN), xdt, transforms=tf_x),  # the activations: GEMM2's B
              *scratch]
-  scratch = scratch + [plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-                       plgpu.Barrier(num_arrivals=4 if plan.small_groups else 2,
+  # TMA copies a slot: GEMM1 gate, up (wide: one 2-step box each, the interpreter's one a
+  # step) and token tiles; GEMM2 two tiles a step (and their scale tiles)
+  gemm1 = (6 if emulate else 4) if plan.wide else 3
+  scratch = scratch + [plgpu.Barrier(num_arrivals=gemm1, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=steps * (4 if plan.small_groups else 2),
                                      num_barriers=stages),
                        plgpu.Barrier(num_arrivals=max(n_vec, 1), num_barriers=2),
                        plgpu.Barrier(num_arrivals=n_blk,
@@ -704,12 +791,24 @@ def code_values(codes: jax.Array, plan: _Plan, xdt, *, interpret: bool = False) 
 
 
 SYNC_4BIT = True  # 4-bit codes with 16-bit tokens on mma.sync (benchmarks may switch it off)
+WIDE_ROWS = True  # mma.sync plans on wide slots where sizes allow (benchmarks may switch it off)
 
 
 def sync_eligible(plan: _Plan) -> bool:
   """decode_wq runs 4-bit codes (int4, e2m1) with bf16 / f16 tokens on `int4_mma` (mma.sync,
   the codes as int32 words; shifted tails as the wgmma form's, by whole words)."""
   return SYNC_4BIT and plan.int4 and not plan.act8
+
+
+def kernel_plan(plan: _Plan, h: int, n: int, ctas_per_sm: int = 1) -> _Plan:
+  """decode_wq's form of `plan` (`_plan`'s facts of the weights) at these sizes: 4-bit codes
+  with 16-bit tokens on mma.sync (`sync_eligible`), on wide slots where `wide_eligible` and two
+  of them fit a CTA's shared memory."""
+  if not sync_eligible(plan):
+    return plan
+  plan = dataclasses.replace(plan, sync=True)
+  wide = dataclasses.replace(plan, wide=True)
+  return wide if wide_eligible(plan, h, n) and max_stages(wide, h, ctas_per_sm) >= 2 else plan
 
 
 def byte_scales(w) -> bool:
@@ -818,11 +917,12 @@ def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, 
   for name, w in (("w13", w13), ("w2", w2)):
     check_quantized(w, argname=name)
   plan = _plan(w13, w2, w13_bias is not None)
-  if kernel == "fused_experts_decode_wq" and sync_eligible(plan):
-    plan = dataclasses.replace(plan, sync=True)
   config = config or DecodeWQConfig()
+  if kernel == "fused_experts_decode_wq":
+    plan = kernel_plan(plan, h, n, config.ctas_per_sm)
   cap = stage_cap(plan, h, config.ctas_per_sm)
-  stages = config.stages or min(cap, k1_steps(h, plan) + -(-h // BH))
+  spi = k1_steps(h, plan) + -(-h // BH)
+  stages = config.stages or min(cap, spi // 2 if plan.wide else spi)
   if stages > cap or stages < 2:
     raise ValueError(f"stages={stages} does not fit shared memory at H={h} with "
                      f"ctas_per_sm={config.ctas_per_sm} (at most {cap})")

@@ -299,10 +299,12 @@ def b_rows(ref, xdt, *, interpret: bool = False):
   return load(ref)
 
 
-def mma(acc, codes_ref, b, xdt, *, e2m1: bool = False, interpret: bool = False):
+def mma(acc, codes_ref, b, xdt, *, e2m1: bool = False, interpret: bool = False,
+        row_bytes: int = 4 * WORDS):
   """acc [128, 8] f32 (WGMMA layout) + codes @ B: codes_ref an SMEM [128, 16] int32 tile
   (8 signed int4 codes a word -- or e2m1 codes, their values -- physical k), b from `b_tile` /
-  `b_rows` -> the new acc."""
+  `b_rows` -> the new acc. row_bytes (GPU): the tile's row pitch -- 128 for one half of a
+  [128, 32] tile of two steps, codes_ref then starting at that half's first word."""
   if interpret:
     a = _codes_jnp(codes_ref[...], e2m1)
     return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
@@ -347,7 +349,7 @@ def mma(acc, codes_ref, b, xdt, *, e2m1: bool = False, interpret: bool = False):
       for hh in range(2):  # rows g and g + 8 of the warp's 16 in block mi
         row = arith.addi(arith.addi(arith.muli(warp, utils.c(16, i32)), g),
                          utils.c(64 * mi + 8 * hh, i32))
-        off = arith.addi(arith.muli(row, utils.c(4 * WORDS, i32)),
+        off = arith.addi(arith.muli(row, utils.c(row_bytes, i32)),
                          arith.muli(q, utils.c(16, i32)))
         words.append(_load_v4(ptr, off))
       for j in range(4):

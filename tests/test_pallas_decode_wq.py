@@ -103,25 +103,30 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
                        f"{sid} decode_wq vs oracle")
 
 
-@pytest.mark.parametrize("sid,sync,ctas", [
-    ("w4a16", True, 1),
-    pytest.param("w4a16", False, 1, marks=pytest.mark.slow),
-    # e2m1 codes on mma.sync, e4m3 scales per 16 and a global scale; two CTAs share the items
-    ("nvfp4", True, 2),
+@pytest.mark.parametrize("sid,sync,wide,ctas", [
+    ("w4a16", True, True, 1),  # wide slots: two steps each (H a multiple of 512)
+    pytest.param("w4a16", True, False, 1, marks=pytest.mark.slow),  # a slot a step
+    pytest.param("w4a16", False, False, 1, marks=pytest.mark.slow),  # wgmma
+    # e2m1 codes, e4m3 scales per 16 (a window a step: windows split the wide slots) and a
+    # global scale; then two CTAs sharing the items (no two wide slots fit: a slot a step)
+    ("nvfp4", True, True, 1),
+    pytest.param("nvfp4", True, False, 2, marks=pytest.mark.slow),
 ])
-def test_decode_wq_4bit_forms_match_oracle(sid, sync, ctas, rng, monkeypatch):
+def test_decode_wq_4bit_forms_match_oracle(sid, sync, wide, ctas, rng, monkeypatch):
   """4-bit codes with bf16 tokens: the mma.sync form (words, logical K order, fragment-ordered
-  token tiles; the default) and the wgmma form it replaced (SYNC_4BIT off) on one problem
-  (N = 384: a size no other test traces, so the flag is read afresh)."""
+  token tiles; the default) on wide slots and on one step a slot, and the wgmma form it
+  replaced (SYNC_4BIT off) on one problem (N = 384: a size no other test traces, so the flags
+  are read afresh; three items a slot, GEMM1 windows of 8 groups: one at 128, eight at 16)."""
   monkeypatch.setattr(decode_wq, "SYNC_4BIT", sync)
+  monkeypatch.setattr(decode_wq, "WIDE_ROWS", wide or ctas > 1)
   x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 2, 1024, 384, 4, 2, bias=True)
   ids[0, 1] = -1
-  plan = decode_wq._plan(q13, q2, True)
-  assert decode_wq.sync_eligible(plan) == sync
+  plan = decode_wq.kernel_plan(decode_wq._plan(q13, q2, True), 1024, 384, ctas)
+  assert (plan.sync, plan.wide) == (sync, wide)
   out = _run(x, q13, q2, tw, ids, w13_bias=b13, w2_bias=b2,
              config=decode_wq.DecodeWQConfig(ctas_per_sm=ctas))
   onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, b13, b2), TOL,
-                       f"{sid} decode_wq sync={sync} vs oracle")
+                       f"{sid} decode_wq sync={sync} wide={wide} vs oracle")
 
 
 @pytest.mark.parametrize("sid,h,n", [

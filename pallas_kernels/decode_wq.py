@@ -42,6 +42,13 @@ from the wrapper. wgmma's register-A form needed a converted 64-row tile per ins
 its issue bounded the step; mma.sync's fragments are what the conversion yields (H200: 485
 against ~860 ns per 128-column step). The contraction runs in a permuted K order inside each
 step, which the token tile mirrors, so the groups' masks and scales are the wgmma form's.
+Where H is a multiple of 512 a ring slot holds two steps (`wide_eligible`): GEMM1's gate and
+up arrive as [128, 32]-word boxes (128-byte rows: the H200's TMA streams 64-byte rows at ~3.2
+TB/s and 128-byte ones at ~4.5), GEMM2's two steps' tiles share the slot (a RefUnion view).
+e2m1's e8m0 / e4m3 scales per 16 / 32 are read there as bytes (`scale_bytes_eligible`:
+two windows' [128, 16] a box, GEMM2's 16-byte box around s2_start) and widened in registers,
+nvfp4's global scale multiplying the item's dot products and GEMM2 rows -- no float32 copy
+of the scales per call (it cost a quarter of the block at one token).
 
 Launches: the token-tile fusion, this kernel and the reduction.
 """
@@ -120,6 +127,10 @@ class _Plan:
   act8: bool = False  # fp8 tokens and intermediate: codes -> e4m3, 8-bit wgmma (xdt: fp8)
   sync: bool = False  # 4-bit codes as int32 words on mma.sync (jmoe.kernels.int4_mma)
   wide: bool = False  # sync, a ring slot two steps: GEMM1's code boxes 128-byte rows
+  scale8: str | None = None  # the stored scales' 8-bit format ("e8m0" / "e4m3"), if any
+  global13: int = 0  # w13 / w2's global scales along the rows (nvfp4: S of [E, S]), if any
+  global2: int = 0
+  scale_bytes: bool = False  # small groups' 8-bit scales read as bytes in the kernel
 
   @property
   def int4(self) -> bool:
@@ -134,13 +145,15 @@ class _Plan:
   def small_groups(self) -> bool:
     """Groups shorter than an item's 128 intermediate columns: GEMM2's scales are applied
     in the kernel (column t of its B tile: group t's activations), read in their stored
-    [E, H, N / g] layout (e2m1: float32 copies of the touched experts')."""
+    [E, H, N / g] layout (8-bit scales: as bytes on mma.sync, `scale_bytes`; else float32
+    copies of the touched experts')."""
     return self.grouped and self.group < BN
 
 
 def _stage_bytes(plan: _Plan) -> int:
   code_bytes = BN * BK // 2 if plan.int4 else BN * BK
-  s2_bytes = 2 * (BH // 2) * _N * 4 if plan.small_groups else 0  # GEMM2's scale tiles
+  s2_bytes = 2 * (BH // 2) * s2_width(plan) * (1 if plan.scale_bytes else 4) \
+      if plan.small_groups else 0  # GEMM2's scale tiles
   step = 2 * code_bytes + _N * BK * (1 if plan.act8 else 2) + s2_bytes
   return 2 * step if plan.wide else step
 
@@ -150,8 +163,8 @@ def _fixed_bytes(plan: _Plan, h: int) -> int:
   fixed = ROWS_A * BN * 2 + BN * 4 + 2 * BN * 4 + BH * 4 + 2 * 4 * BN * 4 + 64 * 4
   if plan.act8:  # the item's intermediate scale
     fixed += 64 * 4
-  if plan.small_groups:  # a window's scales at a time, double-buffered
-    fixed += 2 * 2 * BN * _N * 4
+  if plan.small_groups:  # a window's scales at a time (bytes: two), double-buffered
+    fixed += 2 * 2 * BN * (2 * _N if plan.scale_bytes else _N * 4)
   elif plan.grouped:
     fixed += 2 * BN * g1 * 4
     if plan.zero13:
@@ -205,8 +218,9 @@ def s2_start(jb, n: int, plan: _Plan):
   N / 32 = 90 columns): with 128 dividing N the box never passes the array's N / g columns
   (multiples of 4); else the start is rounded down to 4 columns in a copy padded past them
   (`s2_columns`)."""
-  if n % BN == 0:
-    return jnp.minimum(block_group(jb, n, BN, plan.group), n // plan.group - _N)
+  if n % BN == 0:  # (byte scales: a multiple of 8, so 8 past s2_box's start at most)
+    first = block_group(jb, n, BN, plan.group)
+    return jnp.minimum(first // 8 * 8 if plan.scale_bytes else first, n // plan.group - _N)
   return pl.multiple_of(block_group(jb, n, BN, plan.group) // 4 * 4, 4)
 
 
@@ -214,6 +228,34 @@ def s2_columns(n: int, plan: _Plan) -> int:
   """The GEMM2 scale copy's columns where 128 does not divide N: N / g rounded up to 4, and 4
   more (the last box's start rounded down by up to 3, its 8 columns past the item's)."""
   return -(-(n // plan.group) // 4) * 4 + 4
+
+
+def s2_width(plan: _Plan) -> int:
+  """Columns of a GEMM2 scale tile: 8 float32 (from s2_start), or as bytes the 16-byte-aligned
+  box holding them (s2_box; 16-byte rows: Mosaic finds no conflict-free load of 32-byte
+  ones)."""
+  return 16 if plan.scale_bytes else _N
+
+
+def s2_box(jb, n: int, plan: _Plan, cols: int):
+  """Byte scales: where item jb's GEMM2 scale box starts in a scale array of `cols` columns
+  (a multiple of 16 at least s2_width): s2_start rounded down to 16 bytes (TMA faults on an
+  unaligned start), kept inside the array."""
+  start = jnp.minimum(s2_start(jb, n, plan) // 16 * 16, cols - s2_width(plan))
+  return pl.multiple_of(start, 16)
+
+
+def scale_values(b: jax.Array, kind: str) -> jax.Array:
+  """8-bit scales (uint8 bits) -> float32: e8m0 2^(b - 127) by a shift into the exponent (b =
+  0, 2^-127, reads 0); e4m3 by its bits moved into float32's (normal) or its mantissa times
+  2^-9 (subnormal: no float32 subnormal, which the kernel's approximate math would flush)."""
+  i = b.astype(jnp.int32)
+  if kind == "e8m0":
+    return lax.bitcast_convert_type(i << 23, jnp.float32)
+  mag = i & 0x7F
+  normal = lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)
+  v = jnp.where(mag >= 8, normal, (mag & 7).astype(jnp.float32) * (2.0 ** -9))
+  return jnp.where(i >= 128, -v, v)
 
 
 def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: int, total,
@@ -283,9 +325,10 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
             plgpu.copy_gmem_to_smem(w2_ref.at[ex, rows, kcols(block_start(jb, n, BN), BN)],
                                     dst.at[2 * s + half], bar)
             if plan.small_groups:  # the rows' scales of block j's groups (and the next's)
-              plgpu.copy_gmem_to_smem(
-                  s2_ref.at[sid_ref[info[0]], rows, pl.ds(s2_start(jb, n, plan), _N)],
-                  s2ring.at[slot, 2 * s + half], bar)
+              cols = (pl.ds(s2_box(jb, n, plan, s2_ref.shape[-1]), s2_width(plan))
+                      if plan.scale_bytes else pl.ds(s2_start(jb, n, plan), _N))
+              plgpu.copy_gmem_to_smem(s2_ref.at[sid_ref[info[0]], rows, cols],
+                                      s2ring.at[slot, 2 * s + half], bar)
 
   return fetch
 
@@ -359,6 +402,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     z13_ref, xs_ref = (refs.pop(0), refs.pop(0)) if plan.zero13 else (None, None)
     b13_ref = refs.pop(0) if plan.has_bias else None
     s2_ref = refs.pop(0) if plan.small_groups else None
+    g13_ref = refs.pop(0) if plan.scale_bytes and plan.global13 else None  # [E, S] float32
+    g2_ref = refs.pop(0) if plan.scale_bytes and plan.global2 else None
     part_ref = refs.pop(0)
     asum_ref = refs.pop(0) if plan.zero2 else None
     ring, xring, a_smem, a_vec, gvec, o_row, asum_smem, vec = refs[:8]
@@ -400,10 +445,12 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
     def load_window(info, w, buf):
       """Small groups: window w's scales [128, 8] for gate and up into buffer buf (from the
-      scale array's row sid[slot]: the touched experts' copy for e2m1)."""
+      scale array's row sid[slot]: the touched experts' copy for e2m1) -- as bytes windows
+      w, w + 1's [128, 16] (a TMA box's rows are 16 bytes at least)."""
       slot_id, _, jb, _ = info
+      cols = pl.ds(w * _N, 2 * _N if plan.scale_bytes else _N)
       for c, row in enumerate((block_start(jb, n, BN), n + block_start(jb, n, BN))):
-        plgpu.copy_gmem_to_smem(s13_ref.at[sid_ref[slot_id], pl.ds(row, BN), pl.ds(w * _N, _N)],
+        plgpu.copy_gmem_to_smem(s13_ref.at[sid_ref[slot_id], pl.ds(row, BN), cols],
                                 sblk.at[buf, c], sbar.at[buf])
 
     def load_blocks(info):
@@ -434,6 +481,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       if not plan.grouped:  # one window: column 0 holds the whole dot product
         sc = _cast(vec.at[vb, c][...], plgpu.Layout.WGMMA.reduce(1))
         return jnp.sum(v, axis=1) * sc
+      if plan.scale_bytes:  # the pair's first or second 8 bytes a row
+        b = _cast(sblk.at[buf, c, :, pl.ds(lax.rem(w, 2) * _N, _N)][...], plgpu.Layout.WGMMA)
+        return jnp.sum(v * scale_values(b, plan.scale8), axis=1)
       if plan.small_groups:
         return jnp.sum(v * sblk.at[buf, c][...], axis=1)
       return jnp.sum(v * sblk.at[c, :, pl.ds(w * _N, _N)][...], axis=1)
@@ -462,17 +512,25 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         plgpu.barrier_wait(sbar.at[0])
 
       def run_window(w, accumulate: bool):
-        buf = lax.rem(i * n_windows + w, 2)  # the CTA's windows alternate the two buffers
-        if plan.small_groups:
-          plgpu.barrier_wait(sbar.at[buf])
-          # the other buffer's window was summed (and committed) before this one: refill it
-          @pl.when(w + 1 < n_windows)
-          def _next_window():
-            load_window(cur, w + 1, 1 - buf)
+        # the CTA's windows (bytes: pairs of windows) alternate the two buffers
+        per = 2 if plan.scale_bytes else 1
+        buf = lax.rem(i * (n_windows // per) + lax.div(w, per), 2)
 
-          @pl.when((w + 1 == n_windows) & (i + 1 < my_items))
+        def arrived_and_refill():
+          plgpu.barrier_wait(sbar.at[buf])
+          # the other buffer's windows were summed (and committed) before these: refill it
+          @pl.when(w + per < n_windows)
+          def _next_window():
+            load_window(cur, w + per, 1 - buf)
+
+          @pl.when((w + per >= n_windows) & (i + 1 < my_items))
           def _next_items_window():
             load_window(nxt, 0, 1 - buf)
+
+        if plan.scale_bytes:
+          pl.when(lax.rem(w, 2) == 0)(arrived_and_refill)
+        elif plan.small_groups:
+          arrived_and_refill()
 
         def mma(acc_g, acc_u):
           @pl.loop(0, window)
@@ -553,6 +611,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         v = _cast(gvec.at[c][...], plgpu.Layout.WGMMA.reduce(1))
         if plan.act8:  # the dot products of the token's fp8 values: times its scale
           v = v * xsc_ref[cur[3]]
+        if g13_ref is not None:  # nvfp4's global scale of the rows (one per 2N / S rows)
+          rows_per = 2 * n // g13_ref.shape[1]
+          v = v * g13_ref[cur[1], lax.div(c * n + block_start(jb, n, BN), rows_per)]
         if plan.has_bias:
           v = v + _cast(vec.at[vb, 2 + c][...], plgpu.Layout.WGMMA.reduce(1))
         vals.append(lax.broadcast_in_dim(v, (BN, _N), [0]))
@@ -584,6 +645,13 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         zero = _cast(jnp.zeros((BH // 2, _N), jnp.float32), plgpu.Layout.WGMMA)
         ys = [int4_mma.mma(zero, ring.at[slot, 2 * s + j], b2, xdt, e2m1=plan.e2m1,
                            interpret=emulate) for j in range(2)]
+        if plan.scale_bytes:  # B column t: scale column s2_start + t, in the box from s2_box
+          off = s2_start(jb, n, plan) - s2_box(jb, n, plan, s2_ref.shape[-1])
+          out = []
+          for j, y in enumerate(ys):
+            b = _cast(s2ring.at[slot, 2 * s + j, :, pl.ds(off, _N)][...], plgpu.Layout.WGMMA)
+            out.append(jnp.sum(y * scale_values(b, plan.scale8), axis=1))
+          return out
         if plan.small_groups:
           return [jnp.sum(y * s2ring.at[slot, 2 * s + j][...], axis=1) for j, y in enumerate(ys)]
         return [jnp.max(y, axis=1) for y in ys]  # B's 8 columns are equal
@@ -603,6 +671,10 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
           plgpu.barrier_wait(bars2.at[slot])
         if plan.sync:
           ys = sync_pair(slot, s)
+          if g2_ref is not None:  # nvfp4's global scale of the rows (one per H / S rows)
+            r0, rows_per = block_start(c, h, BH), h // g2_ref.shape[1]
+            ys = [y * g2_ref[cur[1], lax.div(r0 + j * (BH // 2), rows_per)]
+                  for j, y in enumerate(ys)]
 
           def refill():
             plgpu.commit_smem()  # every warp has read the slot: it may be refilled
@@ -634,7 +706,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       plgpu.SMEM((64,), jnp.float32),  # the activation's sum (every entry)
       plgpu.SMEM((2, 4, BN), jnp.float32),  # per item: channel scales, biases
   ]
-  if plan.small_groups:  # [buffer, gate / up, rows, the window's 8 groups]
+  if plan.scale_bytes:  # [buffer, gate / up, rows, two windows' 16 groups] as bytes
+    scratch.append(plgpu.SMEM((2, 2, BN, 2 * _N), jnp.uint8))
+  elif plan.small_groups:  # [buffer, gate / up, rows, the window's 8 groups]
     scratch.append(plgpu.SMEM((2, 2, BN, _N), jnp.float32))
   elif plan.grouped:
     scratch.append(plgpu.SMEM((2, BN, g1), jnp.float32))
@@ -642,7 +716,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     scratch += [plgpu.SMEM((2, BN, g1), jnp.dtype(jnp.uint8) if plan.int4 else plan.code),
                 plgpu.SMEM((g1,), jnp.float32)]
   if plan.small_groups:  # GEMM2 steps' scale tiles [(step,) half, 128 rows, 8 groups]
-    scratch.append(plgpu.SMEM((stages, 4 if plan.wide else 2, BH // 2, _N), jnp.float32))
+    scratch.append(plgpu.SMEM((stages, 4 if plan.wide else 2, BH // 2, s2_width(plan)),
+                              jnp.uint8 if plan.scale_bytes else jnp.float32))
   if plan.act8:
     scratch.append(plgpu.SMEM((ROWS_A,), jnp.float32))
   return finish(body, scratch, plan=plan, stages=stages, tf=(tf_w, tf_x),
@@ -792,6 +867,7 @@ def code_values(codes: jax.Array, plan: _Plan, xdt, *, interpret: bool = False) 
 
 SYNC_4BIT = True  # 4-bit codes with 16-bit tokens on mma.sync (benchmarks may switch it off)
 WIDE_ROWS = True  # mma.sync plans on wide slots where sizes allow (benchmarks may switch it off)
+SCALE_BYTES = True  # 8-bit small-group scales read as bytes in the kernel (likewise)
 
 
 def sync_eligible(plan: _Plan) -> bool:
@@ -807,8 +883,21 @@ def kernel_plan(plan: _Plan, h: int, n: int, ctas_per_sm: int = 1) -> _Plan:
   if not sync_eligible(plan):
     return plan
   plan = dataclasses.replace(plan, sync=True)
+  if scale_bytes_eligible(plan, h, n):
+    plan = dataclasses.replace(plan, scale_bytes=True)
   wide = dataclasses.replace(plan, wide=True)
   return wide if wide_eligible(plan, h, n) and max_stages(wide, h, ctas_per_sm) >= 2 else plan
+
+
+def scale_bytes_eligible(plan: _Plan, h: int, n: int) -> bool:
+  """Small groups' e8m0 / e4m3 scales read as bytes by the mma.sync kernel instead of float32
+  copies made per call: no tails (128 dividing H and N), whole pairs of windows (H a multiple
+  of 16 groups, N of 8: s2_start's boxes), and, for global scales, one per 128-row block."""
+  one_per_block = ((not plan.global13 or (2 * n // plan.global13) % BN == 0)
+                   and (not plan.global2 or (h // plan.global2) % BN == 0))
+  return (SCALE_BYTES and plan.sync and plan.small_groups and plan.scale8 is not None
+          and h % BK == 0 and n % BN == 0 and (h // plan.group) % 16 == 0
+          and (n // plan.group) % 8 == 0 and one_per_block)
 
 
 def byte_scales(w) -> bool:
@@ -820,11 +909,16 @@ def byte_scales(w) -> bool:
 def _plan(w13, w2, has_bias: bool) -> _Plan:
   q = w13.scheme
   grouped = q.weight_scale == "group"
+  scale8 = None
+  if byte_scales(w13):
+    scale8 = "e8m0" if jnp.dtype(w13.scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu) else "e4m3"
   return _Plan(code=_CODE_DTYPES[q.weight_dtype], grouped=grouped,
                zero13=w13.zero is not None, zero2=w2.zero is not None, has_bias=has_bias,
                e2m1=q.weight_dtype == "float4_e2m1fn",
                group=q.group_size if grouped else GROUP,
-               act8=q.act_dtype == "float8_e4m3fn")
+               act8=q.act_dtype == "float8_e4m3fn", scale8=scale8,
+               global13=0 if w13.global_scale is None else w13.global_scale.shape[1],
+               global2=0 if w2.global_scale is None else w2.global_scale.shape[1])
 
 
 def _codes(w, code) -> jax.Array:
@@ -967,7 +1061,16 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   kern = _build(h=h, n=n, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
                 num_sms=nsm * ctas, interpret=interp)
   k1 = k1_steps(h, plan)
-  if plan.small_groups and (byte_scales(w13) or h % BK or n % BN):  # float32 scales per
+  if plan.scale_bytes:  # the stored bytes, by expert (their row pitch a multiple of 16 bytes)
+    s13, s2 = (lax.bitcast_convert_type(w.scale, jnp.uint8) for w in (w13, w2))
+    cols2 = max(-(-s2.shape[-1] // 16) * 16, s2_width(plan))
+    if cols2 != s2.shape[-1]:  # else the touched experts' copy, w2's rows padded to 16 bytes
+      touched, sid = touched_experts(ids, e)  # (TMA's row pitch; qwen3 mxfp4: 24)
+      s13, s2 = s13[touched], _padded_last(s2[touched], cols2)
+    else:
+      sid = jnp.clip(ids, 0, e - 1)
+    args = [ids, sid]
+  elif plan.small_groups and (byte_scales(w13) or h % BK or n % BN):  # float32 scales per
     touched, sid = touched_experts(ids, e)  # call: the touched experts' (padded: windows past H get
     # zero scales; w2's, s2_columns; e4m3 tiles and mma.sync's hold the e2m1 values)
     unit = E2M1_UNIT if plan.e2m1 and not (plan.act8 or plan.sync) else 1.0
@@ -1001,6 +1104,8 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
     args.append(w13_bias.astype(jnp.float32))
   if plan.small_groups:
     args.append(s2)
+  if plan.scale_bytes:  # nvfp4's global scales, applied by the kernel per item
+    args += [w.global_scale.astype(jnp.float32) for w in (w13, w2) if w.global_scale is not None]
   outs = kern(*args)
   part, asum = (outs[0], outs[1]) if plan.zero2 else (outs[0], None)
   if not plan.small_groups:  # small groups: scaled in the kernel

@@ -103,28 +103,27 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
                        f"{sid} decode_wq vs oracle")
 
 
-@pytest.mark.parametrize("sid,sync,wide,ctas,n", [
-    ("w4a16", True, True, 1, 384),  # wide slots: two steps each (H a multiple of 512)
-    pytest.param("w4a16", True, False, 1, 384, marks=pytest.mark.slow),  # a slot a step
-    pytest.param("w4a16", False, False, 1, 384, marks=pytest.mark.slow),  # wgmma
+@pytest.mark.parametrize("sid,sync,wide,ctas,n,t", [
+    ("w4a16", True, True, 1, 384, 2),  # wide slots: two steps each (H a multiple of 512)
+    pytest.param("w4a16", True, False, 1, 384, 3, marks=pytest.mark.slow),  # a slot a step
+    pytest.param("w4a16", False, False, 1, 384, 4, marks=pytest.mark.slow),  # wgmma
     # e2m1 codes, e4m3 scales per 16 (a window a step: windows split the wide slots) and a
     # global scale, e8m0 scales per 32, both read as bytes (nvfp4: the touched experts' w2
     # rows padded to 16 bytes; mxfp4: the stored rows); then two CTAs sharing the items (no
     # two wide slots fit: a slot a step)
-    ("nvfp4", True, True, 1, 384),
-    ("mxfp4", True, True, 1, 512),
-    pytest.param("nvfp4", True, False, 2, 384, marks=pytest.mark.slow),
+    ("nvfp4", True, True, 1, 384, 2),
+    ("mxfp4", True, True, 1, 512, 2),
+    pytest.param("nvfp4", True, False, 2, 384, 2, marks=pytest.mark.slow),
 ])
-def test_decode_wq_4bit_forms_match_oracle(sid, sync, wide, ctas, n, rng, monkeypatch):
+def test_decode_wq_4bit_forms_match_oracle(sid, sync, wide, ctas, n, t, rng, monkeypatch):
   """4-bit codes with bf16 tokens: the mma.sync form (words, logical K order, fragment-ordered
   token tiles; the default) on wide slots and on one step a slot, and the wgmma form it
   replaced (SYNC_4BIT off) on one problem (H = 1024; N = 384: three items a slot; GEMM1
   windows of 8 groups: one at 128, eight at 16). The flags are read when the kernel is
-  traced: the jit caches are cleared first."""
-  jax.clear_caches()
+  traced: each case of a format has its own token count (T), so no trace is reused."""
   monkeypatch.setattr(decode_wq, "SYNC_4BIT", sync)
   monkeypatch.setattr(decode_wq, "WIDE_ROWS", wide or ctas > 1)
-  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 2, 1024, n, 4, 2, bias=True)
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, t, 1024, n, 4, 2, bias=True)
   ids[0, 1] = -1
   plan = decode_wq.kernel_plan(decode_wq._plan(q13, q2, True), 1024, n, ctas)
   assert (plan.sync, plan.wide, plan.scale_bytes) == (sync, wide, sync and sid != "w4a16")

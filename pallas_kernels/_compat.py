@@ -197,6 +197,20 @@ def smem_transforms(minor: int, itemsize: int) -> tuple:
   return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def check_union_aliases(*members) -> None:
+  """Raise unless each ref -- the members of one `plgpu.RefUnion`, as the kernel body receives
+  them -- starts at the union's first byte. Mosaic GPU lays every alias group out from offset 0
+  (jax 0.10 / 0.11) but does not promise it; the kernels that view one buffer in two shapes
+  (decode_wq's wide slots) rely on it, so a jax that moved a member fails at trace time."""
+  for ref in members:
+    transforms = getattr(ref, "transforms", ())
+    offset = getattr(transforms[0], "offset", None) if transforms else None
+    if offset != 0:
+      raise NotImplementedError(
+          f"a RefUnion member starts at byte {offset}, not 0, in this jax "
+          f"({jax.__version__}): the two views of one ring would not alias")
+
+
 def layout_cast(interpret: Any):
   """plgpu.layout_cast, or the identity in interpret mode (which has no rule for it and no
   layouts to cast)."""

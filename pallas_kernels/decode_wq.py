@@ -411,6 +411,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     ring_w = None
     if plan.wide and not emulate:  # one ring, two views: GEMM1's [.., 2, 128, 32] boxes
       ring_w, ring = ring
+      _compat.check_union_aliases(ring_w, ring)
 
     sblk = refs.pop(0) if plan.grouped else None
     zblk, xsblk = (refs.pop(0), refs.pop(0)) if plan.zero13 else (None, None)

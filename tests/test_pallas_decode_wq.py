@@ -4,9 +4,11 @@ oracle on the NumPy unpacking of the stored bytes; the weight-only path of the P
 (the kernel, and the dequantized fallback) through the public API; its GPU lowering at
 qwen3-30b-a3b's full size."""
 import re
+import types
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 import ml_dtypes
 import numpy as np
 import pytest
@@ -385,6 +387,25 @@ def test_decode_wq_lowers_for_gpu(monkeypatch):
           S((t, h), jnp.bfloat16), qw(2 * n, h), qw(h, n), S((t, k), jnp.float32),
           S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
+
+
+def test_ring_union_members_alias():
+  """The wide slots' two views of one ring are a RefUnion's members: this jax lays both out
+  from byte 0 (checked when the kernel is traced; a member elsewhere raises)."""
+  seen = {}
+
+  def body(out_ref, ring):
+    wide, steps = ring
+    seen["offsets"] = [r.transforms[0].offset for r in ring]
+    _compat.check_union_aliases(wide, steps)
+
+  kern = _compat.kernel(body, out_type=S((8,), jnp.float32), scratch_types=[plgpu.RefUnion(
+      plgpu.SMEM((2, 2, 128, 32), jnp.int32), plgpu.SMEM((2, 4, 128, 16), jnp.int32))])
+  jax.jit(kern).trace().lower(lowering_platforms=("cuda",))
+  assert seen["offsets"] == [0, 0]
+  moved = types.SimpleNamespace(transforms=(types.SimpleNamespace(offset=1024),))
+  with pytest.raises(NotImplementedError, match="byte 1024"):
+    _compat.check_union_aliases(moved)
 
 
 @pytest.mark.slow

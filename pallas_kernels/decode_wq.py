@@ -85,6 +85,7 @@ GROUPS = (16, 32, 128)  # the group sizes the kernel takes (a window is 8 groups
 # need a GEMM2 scale box 8-byte aligned, which TMA refuses)
 ROWS_A = 64  # GEMM2's B tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
 _MAX_STAGES = 8
+WIDE_ROW_BYTES = 2 * BK // 2  # a wide slot's code row: two steps' 128 codes of 4 bits
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # the codes' dtype in the kernel per weight_dtype (e2m1 codes are read as signed int4; e4m3
 # codes, mxfp8's weights, as themselves)
@@ -438,8 +439,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     total = my_items * spi
 
     fetch = step_fetcher(
-        refs=dict(ring=ring, ring_w=ring_w, xring=xring, w13=w13_ref, w2=w2_ref, x=x_ref, c13=c13_ref,
-                  b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2, s2=s2_ref,
+        refs=dict(ring=ring, ring_w=ring_w, xring=xring, w13=w13_ref, w2=w2_ref, x=x_ref,
+                  c13=c13_ref, b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2, s2=s2_ref,
                   s2ring=s2ring, sid=sid_ref),
         plan=plan, n=n, k1=k1u, spi=spi, stages=stages, total=total, use_vec=use_vec, h=h,
         interpret=emulate)
@@ -577,7 +578,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
             b = int4_mma.b_tile(xring.at[slot, half], xdt, interpret=emulate)
             accs = tuple(int4_mma.mma(a, wide_half(ring.at[slot], c, half, emulate), b, xdt,
-                                      e2m1=plan.e2m1, interpret=emulate, row_bytes=2 * BK // 2)
+                                      e2m1=plan.e2m1, interpret=emulate, row_bytes=WIDE_ROW_BYTES)
                          for c, a in enumerate(accs))
 
             @pl.when(half == 1)

@@ -486,6 +486,20 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
 # ----------------------------------------------------------------------------- the run
 
 
+DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES")  # jmoe.kernels.decode_wq's switches
+
+
+def parse_decode_wq(spec: str, error) -> dict:
+  """'WIDE_ROWS=0,SCALE_BYTES=1' -> {flag: bool}; error(msg) on an unknown flag or value."""
+  flags = {}
+  for item in filter(None, spec.split(",")):
+    name, _, value = item.partition("=")
+    if name not in DECODE_WQ_FLAGS or value not in ("0", "1"):
+      error(f"--decode-wq: {item!r} is not FLAG=0|1 with FLAG one of {DECODE_WQ_FLAGS}")
+    flags[name] = value == "1"
+  return flags
+
+
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--presets", default="mixtral-8x7b,qwen3-30b-a3b,deepseek-v3,gpt-oss-120b")
@@ -504,6 +518,10 @@ def parse_args(argv=None):
   ap.add_argument("--layouts", default="auto",
                   help="weight-only layouts to time, each a row (auto, decode, decode_shared, "
                        "prefill, prefill_fp8, dequantize: JMOE_WEIGHT_ONLY_LAYOUT)")
+  ap.add_argument("--decode-wq", default="",
+                  help="decode_wq's form switches for an A/B, FLAG=0|1 comma-separated: "
+                       f"{', '.join(DECODE_WQ_FLAGS)} (default: all on; run one process per "
+                       "setting: a traced kernel keeps the form it was traced with)")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--rotate", type=int, default=3, help="random input sets timed in rotation")
   ap.add_argument("--check-tokens", type=int, default=4,
@@ -536,6 +554,7 @@ def parse_args(argv=None):
     except ValueError as e:
       if "does not divide" not in str(e):
         ap.error(f"--schemes: {e}")
+  args.decode_wq = parse_decode_wq(args.decode_wq, ap.error)
   args.peers = [] if args.peers in ("", "none") else args.peers.split(",")
   args.layouts = args.layouts.split(",")
   for lay in args.layouts:
@@ -605,6 +624,9 @@ def table(results) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  from jmoe.kernels import decode_wq  # noqa: PLC0415
+  for name, on in args.decode_wq.items():  # before anything is traced
+    setattr(decode_wq, name, on)
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "bench_weight_only.json")
   t_start = time.time()
@@ -622,7 +644,7 @@ def main(argv=None) -> int:
       jax=jax.__version__, device=jax.devices()[0].device_kind, argv=sys.argv,
       tokamax=getattr(tokamax, "__version__", None), tokamax_why=tk_why or None,
       bandwidth=BW, peak_tflops=args.peak_tflops, weight_std=args.weight_std,
-      weight_dist=args.weight_dist, smoke=args.smoke), cases=[])
+      weight_dist=args.weight_dist, smoke=args.smoke, decode_wq=args.decode_wq), cases=[])
   log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; tokamax "
       f"{results['meta']['tokamax']}; peers {'on' if run_peer else 'off'}")
   tokens = [int(v) for v in args.tokens.split(",")]

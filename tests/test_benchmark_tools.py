@@ -127,3 +127,17 @@ def test_bench_train_step_tiny_smoke(tmp_path):
   assert len(run["losses"]) == 4 and all(math.isfinite(x) for x in run["losses"])
   assert run["flops_per_token"] > 6 * run["active_params"] > 0
   assert result["agreement"]["tiny"]["checked"] is False
+
+
+def test_bench_weight_only_decode_wq_switches():
+  """bench_weight_only.py --decode-wq: decode_wq's form switches for an A/B, checked by name
+  and value."""
+  import bench_weight_only as bw
+  assert bw.parse_args(["--decode-wq", "WIDE_ROWS=0,SCALE_BYTES=1"]).decode_wq == {
+      "WIDE_ROWS": False, "SCALE_BYTES": True}
+  assert bw.parse_args([]).decode_wq == {}
+  from jmoe.kernels import decode_wq
+  assert all(isinstance(getattr(decode_wq, f), bool) for f in bw.DECODE_WQ_FLAGS)
+  for bad in ("WIDE=0", "WIDE_ROWS=2", "SYNC_4BIT"):
+    with pytest.raises(SystemExit):
+      bw.parse_args(["--decode-wq", bad])

@@ -912,8 +912,11 @@ def _plan(w13, w2, has_bias: bool) -> _Plan:
   q = w13.scheme
   grouped = q.weight_scale == "group"
   scale8 = None
-  if byte_scales(w13):
-    scale8 = "e8m0" if jnp.dtype(w13.scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu) else "e4m3"
+  if byte_scales(w13):  # the scheme's scale format (the bytes are read as its bits)
+    kind = jnp.dtype(q.scale_dtype)
+    if kind not in (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.float8_e4m3fn)):
+      raise ValueError(f"{q.name}: 8-bit scales must be e8m0 or e4m3, not {kind}")
+    scale8 = "e8m0" if kind == jnp.dtype(jnp.float8_e8m0fnu) else "e4m3"
   return _Plan(code=_CODE_DTYPES[q.weight_dtype], grouped=grouped,
                zero13=w13.zero is not None, zero2=w2.zero is not None, has_bias=has_bias,
                e2m1=q.weight_dtype == "float4_e2m1fn",

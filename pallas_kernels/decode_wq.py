@@ -265,7 +265,8 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
   g (item i's, `cur`, or item i + 1's, `nxt`: (slot, expert, block, token tile)) into ring
   slot g % stages: a GEMM1 step a gate, an up and a token tile (bars1), a GEMM2 step two w2
   tiles (bars2); an item's first step also its per-channel scales and biases (vbar).
-  k1: GEMM1 steps (wide plans: slots of two steps each, `wide_slot`) an item."""
+  k1: GEMM1 ring slots an item (wide plans: two steps a slot, gate / up one [128, 32]-word
+  box each on the GPU, `ring_w`)."""
   ring, xring, vec, vbar = refs["ring"], refs["xring"], refs["vec"], refs["vbar"]
   w13_ref, w2_ref, x_ref = refs["w13"], refs["w2"], refs["x"]
   s2_ref, s2ring, sid_ref = refs.get("s2"), refs.get("s2ring"), refs.get("sid")
@@ -362,12 +363,18 @@ def k1_steps(h: int, plan: _Plan) -> int:
   return -(-k1 // w) * w if w else k1
 
 
+def ring_slots(h: int, plan: _Plan) -> int:
+  """Ring slots an item takes: its GEMM1 and GEMM2 steps (wide plans: two a slot)."""
+  steps = k1_steps(h, plan) + -(-h // BH)
+  return steps // 2 if plan.wide else steps
+
+
 def geometry(h: int, n: int, plan: _Plan, stages: int):
   """(blocks of N, GEMM1 steps, GEMM2 steps, ring slots per item (steps; wide: pairs), scale
   groups along H, the code tiles' SMEM transforms, the token tiles') of a weight-only decode
   kernel; checks stages."""
   nb, k1, k2 = -(-n // BN), k1_steps(h, plan), -(-h // BH)
-  spi = (k1 + k2) // 2 if plan.wide else k1 + k2  # ring slots an item
+  spi = ring_slots(h, plan)
   if stages - 1 >= spi:
     raise ValueError(f"stages={stages} must be at most {spi} (steps per item)")
   if plan.sync:  # words and fragment-ordered token tiles: plain rows, no swizzle
@@ -390,6 +397,20 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   window = window_steps(plan) or k1
   n_windows = k1 // window
   k1u = k1 // 2 if plan.wide else k1  # GEMM1's ring slots an item
+
+  def ring_pos(first_slot, step):
+    """(the ring counter of an item's step -- its slot is that mod stages --, the step's place
+    in the slot: 0 / 1 traced on wide slots, 0 else)."""
+    if plan.wide:
+      return first_slot + lax.div(step, 2), lax.rem(step, 2)
+    return first_slot + step, 0
+
+  def at_slot_edge(s, edge: int, fn) -> None:
+    """fn() at the slot's first (edge 0: wait for it) or last step (edge 1: refill it)."""
+    if plan.wide:
+      pl.when(s == edge)(fn)
+    else:
+      fn()
 
   def body(*refs):
     refs = list(refs)
@@ -440,8 +461,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
     fetch = step_fetcher(
         refs=dict(ring=ring, ring_w=ring_w, xring=xring, w13=w13_ref, w2=w2_ref, x=x_ref,
-                  c13=c13_ref, b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2, s2=s2_ref,
-                  s2ring=s2ring, sid=sid_ref),
+                  c13=c13_ref, b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2,
+                  s2=s2_ref, s2ring=s2ring, sid=sid_ref),
         plan=plan, n=n, k1=k1u, spi=spi, stages=stages, total=total, use_vec=use_vec, h=h,
         interpret=emulate)
 
@@ -558,33 +579,23 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
         def sync_mma():
           def step(r8, accs):
-            if not plan.wide:
-              g = base + w * window + r8
-              slot = lax.rem(g, jnp.int32(stages))
-              plgpu.barrier_wait(bars1.at[slot])
-              b = int4_mma.b_tile(xring.at[slot], xdt, interpret=emulate)
-              accs = tuple(int4_mma.mma(a, ring.at[slot, c], b, xdt, e2m1=plan.e2m1,
-                                        interpret=emulate) for c, a in enumerate(accs))
-              plgpu.commit_smem()  # every warp has read the slot (no wgmma syncs them): refill
-              fetch(g + stages - 1, i, cur, nxt)
-              return accs
-            r = w * window + r8  # wide: the slot of steps 2u, 2u + 1 (windows may split it)
-            g, half = base + lax.div(r, 2), lax.rem(r, 2)
+            g, s = ring_pos(base, w * window + r8)  # (a wide slot may span two windows)
             slot = lax.rem(g, jnp.int32(stages))
+            at_slot_edge(s, 0, lambda: plgpu.barrier_wait(bars1.at[slot]))
+            if plan.wide:
+              b = int4_mma.b_tile(xring.at[slot, s], xdt, interpret=emulate)
+              tiles = [wide_half(ring.at[slot], c, s, emulate) for c in range(2)]
+              kw = dict(row_bytes=WIDE_ROW_BYTES)
+            else:
+              b = int4_mma.b_tile(xring.at[slot], xdt, interpret=emulate)
+              tiles, kw = [ring.at[slot, c] for c in range(2)], {}
+            accs = tuple(int4_mma.mma(a, t, b, xdt, e2m1=plan.e2m1, interpret=emulate, **kw)
+                         for t, a in zip(tiles, accs))
 
-            @pl.when(half == 0)
-            def _arrived():
-              plgpu.barrier_wait(bars1.at[slot])
-
-            b = int4_mma.b_tile(xring.at[slot, half], xdt, interpret=emulate)
-            accs = tuple(int4_mma.mma(a, wide_half(ring.at[slot], c, half, emulate), b, xdt,
-                                      e2m1=plan.e2m1, interpret=emulate, row_bytes=WIDE_ROW_BYTES)
-                         for c, a in enumerate(accs))
-
-            @pl.when(half == 1)
-            def _refill():
-              plgpu.commit_smem()
+            def refill():
+              plgpu.commit_smem()  # every warp has read the slot (no wgmma syncs them)
               fetch(g + stages - 1, i, cur, nxt)
+            at_slot_edge(s, 1, refill)
             return accs
           zero = _cast(jnp.zeros((BN, _N), jnp.float32), plgpu.Layout.WGMMA)
           store_partials(*lax.fori_loop(0, window, step, (zero, zero)))
@@ -660,17 +671,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
       @pl.loop(0, k2)
       def _gemm2(c):
-        if plan.wide:  # the slot of steps 2u, 2u + 1
-          g, s = base + k1u + lax.div(c, 2), lax.rem(c, 2)
-        else:
-          g, s = base + k1 + c, 0
+        g, s = ring_pos(base + k1u, c)
         slot = lax.rem(g, jnp.int32(stages))
-        if plan.wide:
-          @pl.when(s == 0)
-          def _arrived():
-            plgpu.barrier_wait(bars2.at[slot])
-        else:
-          plgpu.barrier_wait(bars2.at[slot])
+        at_slot_edge(s, 0, lambda: plgpu.barrier_wait(bars2.at[slot]))
         if plan.sync:
           ys = sync_pair(slot, s)
           if g2_ref is not None:  # nvfp4's global scale of the rows (one per H / S rows)
@@ -681,7 +684,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
           def refill():
             plgpu.commit_smem()  # every warp has read the slot: it may be refilled
             fetch(g + stages - 1, i, cur, nxt)
-          pl.when(s == 1)(refill) if plan.wide else refill()
+          at_slot_edge(s, 1, refill)
 
           store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1),
                                                 pl.ds(block_start(c, h, BH), BH)])
@@ -1020,8 +1023,7 @@ def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, 
   if kernel == "fused_experts_decode_wq":
     plan = kernel_plan(plan, h, n, config.ctas_per_sm)
   cap = stage_cap(plan, h, config.ctas_per_sm)
-  spi = k1_steps(h, plan) + -(-h // BH)
-  stages = config.stages or min(cap, spi // 2 if plan.wide else spi)
+  stages = config.stages or min(cap, ring_slots(h, plan))
   if stages > cap or stages < 2:
     raise ValueError(f"stages={stages} does not fit shared memory at H={h} with "
                      f"ctas_per_sm={config.ctas_per_sm} (at most {cap})")

@@ -60,7 +60,7 @@ from jmoe.quant import dequantize, weight_bytes  # noqa: E402
 from jmoe.quant.activations import fake_quantize  # noqa: E402
 from jmoe.quant.weights import PACKED_4BIT  # noqa: E402
 from jmoe.experts.pallas import runs_weight_only  # noqa: E402
-from jmoe.kernels.moe import fp8_token_kernels  # noqa: E402
+from jmoe.kernels.moe import LAYOUTS, fp8_token_kernels  # noqa: E402
 from bench_quant import (BW, log, make_inputs, make_weights, quantize_chunked,  # noqa: E402
                          rel_err, time_fn)
 from check_common import top_kernels  # noqa: E402  (benchmarks/, the script's directory)
@@ -438,7 +438,7 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
     out = jax.block_until_ready(fn(*qsets[0]))
     r["compile_s"] = time.time() - t0
     # fp8-token schemes: the reference sees the tokens' fp8 values and, where the decode
-    # kernel runs them (its 8-bit form), the intermediate per 128 columns as it quantizes it
+    # kernel's 8-bit form runs them (decode_fp8), the intermediate per 128 columns as it does
     # (the bf16-token kernels keep it bf16; the XLA experts quantize it per token, the
     # fp8-token prefill GEMMs per token after GEMM1's bf16 output)
     xr = fake_quantize(x[:nchk], quant) if quant.act_dtype else x[:nchk]
@@ -449,7 +449,7 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
     elif layout8 == "prefill_fp8":  # per token, from GEMM1's bf16 output
       requant = lambda a: fake_quantize(  # noqa: E731
           a.astype(jnp.bfloat16).astype(jnp.float32), quant)
-    elif layout8 == "decode":
+    elif layout8 == "decode_fp8":
       requant = lambda a: jnp.asarray(fp8_per_block(np.asarray(a)))  # noqa: E731
     r["reference"] = ("bf16 tokens" if not quant.act_dtype else "fp8 tokens" + (
         ", intermediate fp8" if requant is not None else ""))
@@ -516,8 +516,9 @@ def parse_args(argv=None):
                        "default form, which transposes the weights in the graph)")
   ap.add_argument("--runner", default="auto", help="fused_moe's runner_backend")
   ap.add_argument("--layouts", default="auto",
-                  help="weight-only layouts to time, each a row (auto, decode, decode_shared, "
-                       "prefill, prefill_fp8, dequantize: JMOE_WEIGHT_ONLY_LAYOUT)")
+                  help="weight-only layouts to time, each a row (moe.LAYOUTS: auto, decode, "
+                       "decode_fp8, decode_shared, prefill, prefill_fp8, dequantize; "
+                       "JMOE_WEIGHT_ONLY_LAYOUT)")
   ap.add_argument("--decode-wq", default="",
                   help="decode_wq's form switches for an A/B, FLAG=0|1 comma-separated: "
                        f"{', '.join(DECODE_WQ_FLAGS)} (default: all on; run one process per "
@@ -558,9 +559,8 @@ def parse_args(argv=None):
   args.peers = [] if args.peers in ("", "none") else args.peers.split(",")
   args.layouts = args.layouts.split(",")
   for lay in args.layouts:
-    if lay not in ("auto", "decode", "decode_shared", "prefill", "prefill_fp8", "dequantize"):
-      ap.error(f"--layouts: {lay!r} is not auto, decode, decode_shared, prefill, prefill_fp8 "
-               "or dequantize")
+    if lay not in LAYOUTS:
+      ap.error(f"--layouts: {lay!r} is not one of {', '.join(LAYOUTS)}")
   for s in args.peers:
     try:
       parse_peer(s)

@@ -511,6 +511,8 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
 # 1,084 µs, mxfp4 1,252 vs 1,337; mixtral (1,024 rows an expert) w4a16 5,474 vs 5,167,
 # mxfp4 7,055 vs 5,551.
 PREFILL_MAX_ROWS_PER_EXPERT = 512
+LAYOUTS = ("auto", "decode", "decode_fp8", "decode_shared", "prefill", "prefill_fp8",
+           "dequantize")
 
 
 def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
@@ -529,34 +531,41 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   not a multiple of 16); decode where it takes the problem, except where slots share experts
   and decode_wq_shared refuses the format (e2m1, groups of 16 / 32): there prefill for 4-bit
   and e4m3 codes; else dequantize (H200: the rule picks the faster layout in every measured
-  case; docs/kernels.md, "Slots that share experts", "e2m1 and small groups"). 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): "decode" (decode_wq's
-  8-bit MMAs) where decode_wq takes the call and slots do not share experts; elsewhere the
-  tokens are dequantized to bf16 and the weight-only rule picks (`weight_only_view`: its
-  kernels stream an expert once for all its slots; measured, H200 mixtral 16 tokens: mxfp4
-  prefill GEMMs 885 us against 1,778 for decode_wq's 8-bit form). mxfp8's tokens are
-  dequantized always (`fp8_token_kernels`)."""
-  if layout not in ("auto", "decode", "decode_shared", "prefill", "prefill_fp8", "dequantize"):
-    raise ValueError(f"layout={layout!r}: 'auto', 'decode', 'decode_shared', 'prefill', "
-                     "'prefill_fp8' or 'dequantize'")
-  if w13.scheme.act_dtype is not None and not fp8_token_kernels(w13.scheme):
-    return weight_only_layout(t, k, h, n, act, weight_only_view(w13), weight_only_view(w2),
-                              layout)
-  why = _decode_wq.unsupported(t, k, h, n, act, w13, w2)
-  e = w13.shape[0]
-  sharing = t * k >= 2 * e  # slots share experts on average
-  if w13.scheme.act_dtype is not None and layout != "decode":
+  case; docs/kernels.md, "Slots that share experts", "e2m1 and small groups"). 4-bit codes
+  with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): "decode_fp8" (decode_wq's 8-bit MMAs on the
+  fp8 tokens, the intermediate quantized per 128 columns) only when asked; "prefill_fp8"
+  (grouped_gemm_w4a8) where it takes the call and the bf16-token rule would not pick
+  "decode"; elsewhere the tokens are dequantized to bf16 and the weight-only rule picks
+  (`weight_only_view`). Not decode_fp8 by default: the bf16-token decode kernel on
+  mma.sync is faster (BENCHMARKS.md, "fp8 tokens over 4-bit codes"). mxfp8's tokens are dequantized always
+  (`fp8_token_kernels`)."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r}: one of {', '.join(map(repr, LAYOUTS))}")
+  if w13.scheme.act_dtype is not None:
+    view13, view2 = weight_only_view(w13), weight_only_view(w2)
+    if not fp8_token_kernels(w13.scheme) or layout not in ("auto", "decode_fp8",
+                                                            "prefill_fp8"):
+      return weight_only_layout(t, k, h, n, act, view13, view2, layout)
+    if layout == "decode_fp8":
+      why = _decode_wq.unsupported(t, k, h, n, act, w13, w2)
+      if why is not None:
+        raise ValueError(f"layout='decode_fp8': the fp8-token decode kernel does not take "
+                         f"this call: {why}")
+      return layout
     why8 = _w4a8_unsupported(h, n, act, w13, w2)
     if layout == "prefill_fp8":
       if why8 is not None:
         raise ValueError(f"layout='prefill_fp8': the fp8-token prefill GEMMs do not take this "
                          f"call: {why8}")
       return layout
-    if layout == "auto" and why is None and not sharing:
-      return "decode"
-    if layout == "auto" and why8 is None:
-      return "prefill_fp8"
-    return weight_only_layout(t, k, h, n, act, weight_only_view(w13), weight_only_view(w2),
-                              layout)
+    bf16_rule = weight_only_layout(t, k, h, n, act, view13, view2, layout)
+    return "prefill_fp8" if why8 is None and bf16_rule != "decode" else bf16_rule
+  if layout in ("decode_fp8", "prefill_fp8"):
+    raise ValueError(f"layout={layout!r} takes fp8 tokens over 4-bit codes (mxfp4_fp8, "
+                     f"nvfp4_fp8, w4afp8), not {w13.scheme.name}")
+  why = _decode_wq.unsupported(t, k, h, n, act, w13, w2)
+  e = w13.shape[0]
+  sharing = t * k >= 2 * e  # slots share experts on average
   why_shared = _decode_wq_shared.unsupported(t, k, h, n, act, w13, w2)
   why_prefill = _gg_wq.unsupported(t * k, h, n, act, w13, w2)
   for name, reason in (("decode", why), ("decode_shared", why_shared),
@@ -690,7 +699,7 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
     if chosen == "prefill_fp8":
       return _w4a8_prefill(x, x_scale, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,
                            out_dtype, interpret)
-    if chosen != "decode" or not fp8_token_kernels(w13.scheme):
+    if chosen != "decode_fp8":
       # the bf16-token kernels on the tokens' values (the barrier keeps XLA from folding
       # prepare's f32 -> fp8 -> bf16 round trip into no rounding at all, which it did on the
       # H200: the tokens came out unquantized)
@@ -699,8 +708,8 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
   if chosen == "prefill":
     return _weight_only_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,
                                 out_dtype, interpret)
-  if chosen in ("decode", "decode_shared"):
-    run = (_decode_wq.fused_experts_decode_wq if chosen == "decode" else
+  if chosen in ("decode", "decode_fp8", "decode_shared"):
+    run = (_decode_wq.fused_experts_decode_wq if chosen != "decode_shared" else
            _decode_wq_shared.fused_experts_decode_wq_shared)
     kw = dict(x_scale=x_scale) if x_scale is not None else {}
     return run(x, w13, w2, topk_weights, topk_ids, activation=act, w13_bias=w13_bias,

@@ -193,10 +193,10 @@ def test_decode_wq_fp8_tokens_match_oracle(sid, h, n, bias, activation, rng):
 
 @pytest.mark.parametrize("sid,t", [("nvfp4_fp8", 1), pytest.param("w4afp8", 80, marks=pytest.mark.slow)])
 def test_fp8_token_schemes_through_the_api(sid, t, rng, monkeypatch):
-  """fused_moe with runner_backend='pallas_mosaic': one token runs the decode kernel's 8-bit
-  form (its intermediate quantized per 128 columns: the oracle of that scheme, and XLA's
-  per-token one within two fp8 roundings); 160 slots (past its 128) the weight-only prefill
-  GEMMs on the tokens' values in bf16, the intermediate bf16."""
+  """fused_moe with runner_backend='pallas_mosaic': the tokens' values in bf16 into the
+  bf16-token kernels, the intermediate bf16 -- one token the decode kernel, 160 slots (past
+  its 128) the weight-only prefill GEMMs -- against the oracle of that path, and XLA's
+  per-token requantizing one within two fp8 roundings."""
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
   x, q13, q2, tw, ids, _, _ = _problem(rng, sid, t, 512, 256, 4, 2)
   out = np.asarray(jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
@@ -210,7 +210,7 @@ def test_fp8_token_schemes_through_the_api(sid, t, rng, monkeypatch):
   x_hat = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(xs, np.float64)
   bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731
   want = onp.fused_moe(x_hat, np_dequant(q13), np_dequant(q2), tw, ids,
-                       requant=_fp8_per_block if t * 2 <= 128 else bf16)
+                       requant=bf16)
   onp.assert_rel_close(out, want, TOL, f"{sid} T={t}: pallas vs the oracle of its scheme")
 
 
@@ -258,7 +258,11 @@ def test_decode_wq_fp8_tokens_say_what_they_need(rng):
                                       x_scale=jnp.ones((1, 4)))
   assert "bf16 tokens, not float8_e4m3fn" in decode_wq_shared.unsupported(
       1, 2, 512, 256, silu, q13, q2)
+  # one token: the tokens' values in bf16 into the bf16-token decode kernel; its 8-bit form
+  # only when asked
   assert pmoe.weight_only_layout(1, 2, 512, 256, silu, q13, q2) == "decode"
+  assert pmoe.weight_only_layout(1, 2, 512, 256, silu, q13, q2,
+                                 layout="decode_fp8") == "decode_fp8"
   # where slots share experts, or past 128 slots: mxfp4's fp8-token prefill GEMMs
   # (test_pallas_w4a8.py; the other formats the bf16-token kernels' rule on the tokens'
   # values); an explicit decode layout stays
@@ -266,6 +270,12 @@ def test_decode_wq_fp8_tokens_say_what_they_need(rng):
   assert pmoe.weight_only_layout(80, 2, 512, 256, silu, q13, q2) == "prefill_fp8"
   assert pmoe.weight_only_layout(80, 2, 512, 256, silu, q13, q2, layout="prefill") == "prefill"
   assert pmoe.weight_only_layout(8, 2, 512, 256, silu, q13, q2, layout="decode") == "decode"
+  with pytest.raises(ValueError, match="decode_fp8.*160 slots"):
+    pmoe.weight_only_layout(80, 2, 512, 256, silu, q13, q2, layout="decode_fp8")
+  w4 = [quantize_weights(jnp.ones(s, jnp.float32), jmoe.QuantConfig("w4a16"))
+        for s in ((4, 512, 512), (4, 256, 512))]
+  with pytest.raises(ValueError, match="decode_fp8.*not w4a16"):
+    pmoe.weight_only_layout(1, 2, 512, 256, silu, *w4, layout="decode_fp8")
   with pytest.raises(ValueError, match="float8_e4m3fn tokens"):
     pmoe.fused_experts_weight_only(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids))
   g = jmoe.QuantConfig("w4afp8", act_scale="dynamic_group", act_group_size=128)

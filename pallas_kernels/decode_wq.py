@@ -873,6 +873,7 @@ def code_values(codes: jax.Array, plan: _Plan, xdt, *, interpret: bool = False) 
 SYNC_4BIT = True  # 4-bit codes with 16-bit tokens on mma.sync (benchmarks may switch it off)
 WIDE_ROWS = True  # mma.sync plans on wide slots where sizes allow (benchmarks may switch it off)
 SCALE_BYTES = True  # 8-bit small-group scales read as bytes in the kernel (likewise)
+PAD_ALL_BYTES = 32 << 20  # byte scales: pad every expert's w2 rows per call up to this size
 
 
 def sync_eligible(plan: _Plan) -> bool:
@@ -1071,11 +1072,15 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   if plan.scale_bytes:  # the stored bytes, by expert (their row pitch a multiple of 16 bytes)
     s13, s2 = (lax.bitcast_convert_type(w.scale, jnp.uint8) for w in (w13, w2))
     cols2 = max(-(-s2.shape[-1] // 16) * 16, s2_width(plan))
-    if cols2 != s2.shape[-1]:  # else the touched experts' copy, w2's rows padded to 16 bytes
-      touched, sid = touched_experts(ids, e)  # (TMA's row pitch; qwen3 mxfp4: 24)
-      s13, s2 = s13[touched], _padded_last(s2[touched], cols2)
-    else:
-      sid = jnp.clip(ids, 0, e - 1)
+    sid = jnp.clip(ids, 0, e - 1)
+    if cols2 != s2.shape[-1]:  # w2's rows padded to 16 bytes (TMA's row pitch; qwen3 mxfp4:
+      # 24): every expert's in one pad fusion where that copy is small, else the touched
+      # experts' (their unique / gather are ~10 XLA launches)
+      if s2.size // s2.shape[-1] * cols2 <= PAD_ALL_BYTES:
+        s2 = _padded_last(s2, cols2)
+      else:
+        touched, sid = touched_experts(ids, e)
+        s13, s2 = s13[touched], _padded_last(s2[touched], cols2)
     args = [ids, sid]
   elif plan.small_groups and (byte_scales(w13) or h % BK or n % BN):  # float32 scales per
     touched, sid = touched_experts(ids, e)  # call: the touched experts' (padded: windows past H get

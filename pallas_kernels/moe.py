@@ -19,6 +19,7 @@ from jmoe.kernels import decode_q8 as _decode_q8
 from jmoe.kernels import decode_wq as _decode_wq
 from jmoe.kernels import decode_wq_shared as _decode_wq_shared
 from jmoe.kernels import grouped_gemm_w4a8 as _w4a8
+from jmoe.kernels import grouped_gemm_wq_ws as _wq_ws
 from jmoe.kernels import grouped_gemm_wq as _gg_wq
 from jmoe.kernels import permute as _perm
 from jmoe.kernels import route as _route
@@ -511,8 +512,8 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
 # 1,084 µs, mxfp4 1,252 vs 1,337; mixtral (1,024 rows an expert) w4a16 5,474 vs 5,167,
 # mxfp4 7,055 vs 5,551.
 PREFILL_MAX_ROWS_PER_EXPERT = 512
-LAYOUTS = ("auto", "decode", "decode_fp8", "decode_shared", "prefill", "prefill_fp8",
-           "dequantize")
+LAYOUTS = ("auto", "decode", "decode_fp8", "decode_shared", "prefill", "prefill_ws",
+           "prefill_fp8", "dequantize")
 
 
 def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
@@ -568,8 +569,9 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   sharing = t * k >= 2 * e  # slots share experts on average
   why_shared = _decode_wq_shared.unsupported(t, k, h, n, act, w13, w2)
   why_prefill = _gg_wq.unsupported(t * k, h, n, act, w13, w2)
+  why_ws = _wq_ws_unsupported(h, n, act, w13, w2)
   for name, reason in (("decode", why), ("decode_shared", why_shared),
-                       ("prefill", why_prefill)):
+                       ("prefill", why_prefill), ("prefill_ws", why_ws)):
     if layout == name and reason is not None:
       raise ValueError(f"layout={name!r}: the weight-only {name} kernel does not take this "
                        f"call: {reason}")
@@ -584,12 +586,46 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
     # 888 us against 2,414 decode_wq, 2,333 dequantized; docs/kernels.md)
     # (and for e4m3 codes: mxfp8's groups of 32, which the shared kernel refuses; H200 qwen3
     # 4096 tokens: 1,170 us against 1,394 dequantized)
+    if why_ws is None:
+      return "prefill_ws"
     fp8_codes = w13.scheme.weight_dtype == "float8_e4m3fn"
     if (why_prefill is None and (w13.packed or fp8_codes)
         and t * k <= PREFILL_MAX_ROWS_PER_EXPERT * e):
       return "prefill"
     return "dequantize"
   return layout
+
+
+def _wq_ws_unsupported(h: int, n: int, act: Activation, w13, w2) -> str | None:
+  """Why the warp-specialized weight-only GEMMs (jmoe.kernels.grouped_gemm_wq_ws) cannot take
+  the experts (None: they can): a gated activation, one scheme, each GEMM's codes and sizes."""
+  if not act.is_gated:
+    return f"{act.name}: a gated activation"
+  if w2.scheme != w13.scheme:
+    return "w13 and w2 must share one scheme"
+  return _wq_ws.unsupported(h, n, w13) or _wq_ws.unsupported(n, h, w2)
+
+
+def _ws_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, out_dtype,
+                interpret):
+  """The sorted layout on the warp-specialized weight-only GEMMs: the routing, GEMM1 (gated,
+  the intermediate in the tokens' dtype), GEMM2 (its bias per row), the router-weighted
+  gather-sum; 256-token tiles where the experts average SPLIT_ROWS rows."""
+  t, k = topk_ids.shape
+  e = w13.shape[0]
+  h_dim, n = w2.shape[2], w2.shape[1]
+  cfg1 = _wq_ws.default_config(w13, n, True, x.dtype, t * k / e)
+  cfg2 = _wq_ws.default_config(w2, h_dim, False, x.dtype, t * k / e)
+  block_ms = tuple(sorted({cfg1.block_m, cfg2.block_m}))
+  m_alloc = gg.row_alloc(t * k, *block_ms)
+  xs, inv, _, metas = _sorted_rows(x, topk_ids, e, m_alloc, block_ms, "auto", "auto",
+                                   interpret)
+  meta = dict(zip(block_ms, metas))
+  h = _wq_ws.wq_ws_run(xs, w13, meta=meta[cfg1.block_m], act=act, gated=True, bias=w13_bias,
+                       out_dtype=x.dtype, config=cfg1, interpret=interpret)
+  y = _wq_ws.wq_ws_run(h, w2, meta=meta[cfg2.block_m], act=None, gated=False, bias=w2_bias,
+                       out_dtype=out_dtype, config=cfg2, interpret=interpret)
+  return _perm.gather_sum(y, inv, topk_weights, out_dtype=out_dtype)
 
 
 def fp8_token_kernels(q) -> bool:
@@ -705,6 +741,9 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
       # H200: the tokens came out unquantized)
       x = dequantize_activations(lax.optimization_barrier(x), x_scale, jnp.bfloat16)
       w13, w2, x_scale = weight_only_view(w13), weight_only_view(w2), None
+  if chosen == "prefill_ws":
+    return _ws_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, out_dtype,
+                       interpret)
   if chosen == "prefill":
     return _weight_only_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,
                                 out_dtype, interpret)

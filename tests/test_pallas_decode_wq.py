@@ -110,9 +110,9 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
     pytest.param("w4a16", True, False, 1, 384, 3, marks=pytest.mark.slow),  # a slot a step
     pytest.param("w4a16", False, False, 1, 384, 4, marks=pytest.mark.slow),  # wgmma
     # e2m1 codes, e4m3 scales per 16 (a window a step: windows split the wide slots) and a
-    # global scale, e8m0 scales per 32, both read as bytes (nvfp4: the touched experts' w2
-    # rows padded to 16 bytes; mxfp4: the stored rows); then two CTAs sharing the items (no
-    # two wide slots fit: a slot a step)
+    # global scale, e8m0 scales per 32, both read as bytes (nvfp4: w2's rows padded to 16
+    # bytes, every expert's; mxfp4: the stored rows); then two CTAs sharing the items (no
+    # two wide slots fit: a slot a step), with the touched experts' padded copy instead
     ("nvfp4", True, True, 1, 384, 2),
     ("mxfp4", True, True, 1, 512, 2),
     pytest.param("nvfp4", True, False, 2, 384, 2, marks=pytest.mark.slow),
@@ -125,6 +125,8 @@ def test_decode_wq_4bit_forms_match_oracle(sid, sync, wide, ctas, n, t, rng, mon
   traced: each case of a format has its own token count (T), so no trace is reused."""
   monkeypatch.setattr(decode_wq, "SYNC_4BIT", sync)
   monkeypatch.setattr(decode_wq, "WIDE_ROWS", wide or ctas > 1)
+  if ctas > 1:
+    monkeypatch.setattr(decode_wq, "PAD_ALL_BYTES", 0)
   x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, t, 1024, n, 4, 2, bias=True)
   ids[0, 1] = -1
   plan = decode_wq.kernel_plan(decode_wq._plan(q13, q2, True), 1024, n, ctas)
@@ -289,12 +291,12 @@ def test_decode_wq_fp8_tokens_say_what_they_need(rng):
     ("w4a16", 1, 1024, 128, "decode"),
     pytest.param("w4a16", 6, 1024, 128, "decode_shared",  # (the shared kernel: lean below)
                  marks=pytest.mark.slow),
-    ("w4a16", 5, 256, 128, "prefill"),
+    ("w4a16", 5, 256, 128, "prefill_ws"),
     pytest.param("mxfp4", 1, 512, 256, "decode", marks=pytest.mark.slow)])
 def test_weight_only_pallas_experts_match_xla(sid, t, h, n, want, rng, monkeypatch):
   """The public API with runner_backend='pallas_mosaic': one token (the decode kernel), six
   tokens on 4 experts (slots sharing experts: the shared decode kernel), a problem neither
-  takes (H = 256: the weight-only prefill GEMMs) and mxfp4 at one token (the decode kernel's
+  takes (H = 256: the warp-specialized weight-only prefill GEMMs) and mxfp4 at one token (the decode kernel's
   e2m1 path), each against the XLA experts and the oracle."""
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
   x, q13, q2, tw, ids, _, _ = _problem(rng, sid, t, h, n, 4, 2)
@@ -330,7 +332,7 @@ def test_decode_wq_says_what_it_does_not_take(rng):
   # e2m1: decode_wq while slots rarely share experts, the prefill GEMMs where they do (4-bit
   # codes), else the dequantized weights
   assert pmoe.weight_only_layout(1, 2, 1024, 256, silu, mx, mx) == "decode"
-  assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, mx, mx) == "prefill"
+  assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, mx, mx) == "prefill_ws"
   w8g32 = w("w8a16", 2, 1024, 256, weight_scale="group", group_size=32)
   assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, w8g32, w8g32) == "dequantize"
   assert "groups of 16, 32, 128" in decode_wq.unsupported(

@@ -127,9 +127,14 @@ def test_prefill_wq_says_what_it_does_not_take():
     grouped_gemm_wq.PrefillWQConfig(stages1=1)
   with pytest.raises(ValueError, match="ctas_per_sm=3"):
     grouped_gemm_wq.PrefillWQConfig(ctas_per_sm=3)
-  # auto: beyond the decode kernels while the experts average <= 512 rows, else dequantize
-  assert pmoe.weight_only_layout(64, 8, 256, 256, silu, q13, q2) == "prefill"  # 256 an expert
-  assert pmoe.weight_only_layout(4096, 2, 256, 256, silu, q13, q2) == "dequantize"  # 4096
+  # auto: beyond the decode kernels the warp-specialized GEMMs where they take the sizes
+  # (test_pallas_wq_ws.py); where not (H or N no multiple of 128) these while the experts
+  # average <= 512 rows, else dequantize
+  assert pmoe.weight_only_layout(64, 8, 256, 256, silu, q13, q2) == "prefill_ws"
+  odd13, odd2 = (w("w4a16", 2, 256, 384, group_size=64),
+                 w("w4a16", 2, 192, 256, group_size=64))  # N = 192
+  assert pmoe.weight_only_layout(64, 8, 256, 192, silu, odd13, odd2) == "prefill"  # 256 an expert
+  assert pmoe.weight_only_layout(4096, 2, 256, 192, silu, odd13, odd2) == "dequantize"  # 4096
   w8 = w("w8a16", 2, 256, 512), w("w8a16", 2, 256, 256)  # int8: not measured faster
   assert pmoe.weight_only_layout(64, 8, 256, 256, silu, *w8) == "dequantize"
 

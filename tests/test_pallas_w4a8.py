@@ -24,6 +24,7 @@ from jmoe.kernels.activations import as_activation
 from jmoe.quant import quantize_activations, quantize_weights
 from kernel_run import run_interpreted
 from test_pallas_decode_wq import _problem
+from test_pallas_wq_ws import grouped_oracle
 from test_quant_formats import np_dequant
 
 TOL = 2e-2
@@ -156,19 +157,9 @@ def test_w4a8_gemm_matches_oracle(gated, config, sizes, rng):
           out_dtype=jnp.float32, config=config, interpret=interpret),
       xq, q, jnp.asarray(sizes, jnp.int32), xs))
   x = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(xs, np.float64)
-  w = np_dequant(q)
-  want, row = [], 0
-  for g, size in enumerate(sizes):
-    y = x[row:row + size] @ w[g]
-    if gated:
-      y = y + np.asarray(bias[g], np.float64)
-      y = y[:, :n] / (1 + np.exp(-y[:, :n])) * y[:, n:]
-    else:
-      y = y * np.asarray(rs, np.float64)[row:row + size, None]
-    want.append(y)
-    row += size
+  want = grouped_oracle(x, np_dequant(q), sizes, gated, n, bias, rs)
   assert out.shape == (int(sizes.sum()), n) and np.isfinite(out).all()
-  onp.assert_rel_close(out, np.concatenate(want), 1e-5, f"w4a8 gated={gated} vs oracle")
+  onp.assert_rel_close(out, want, 1e-5, f"w4a8 gated={gated} vs oracle")
 
 
 def test_w4a8_configs_rule_and_refusals():

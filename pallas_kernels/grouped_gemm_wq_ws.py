@@ -1,0 +1,152 @@
+"""The weight-only prefill GEMMs on the warp-specialized family (jmoe.kernels.grouped_gemm_ws):
+bf16 / f16 tokens over 4-bit codes (w4a16: int4 per channel or per 16 / 32 / 64 / 128 along
+K, zero points per 128; mxfp4 / nvfp4: e2m1 with their 8-bit scales, nvfp4's global scale).
+
+    out[r] = act(x[r] @ dq(w[e]) * w_scale[e] + bias[e]) * row_scale[r]   (e: row r's expert)
+
+Each compute warpgroup converts its [64 or 128, 128] code tile to the token dtype in
+registers and multiplies it by the step's scale rows (`grouped_gemm_wq._a_tiles`: groups
+below 64 share a 64-deep MMA, each column's scale picked with selects; zero points
+subtracted; per-channel scales multiply the accumulator instead), and that tile is the
+16-bit wgmma's A, the token tile its B, while the other warpgroup's MMAs run: the
+conversion hides under the MMA where grouped_gemm_wq's single warpgroup waited for it.
+Rows stay in the sorted layout of the bf16 kernels (GEMM1's output rows are GEMM2's token
+rows; the router-weighted gather-sum follows), and 256-token tiles where the experts have the
+rows, so each code is converted once per 256 tokens.
+
+Sizes: K and the output columns multiples of 128 (gpt-oss' 2880 stays on grouped_gemm_wq).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.kernels import _compat
+from jmoe.kernels import grouped_gemm_ws as ws
+from jmoe.kernels.activations import Activation
+from jmoe.kernels.decode_wq import _codes, _plan, _Plan
+from jmoe.kernels.grouped_gemm_wq import SUB, _a_tiles, _group_major, _group_major_scales
+
+GROUPS = (16, 32, 64, 128)
+BK = ws.BK
+
+
+def unsupported(k: int, n_out: int, w) -> str | None:
+  """Why the kernel cannot take weights w (QuantizedWeights, logical [E, K, N_total]) with
+  n_out output columns (None: it can): 4-bit codes (int4, e2m1) with bf16 tokens, K-major,
+  no act-order, scales per channel or per one of GROUPS along K, zero points only per 128,
+  K and N_out multiples of 128."""
+  q = w.scheme
+  if q is None or q.weight_dtype not in ("int4", "float4_e2m1fn"):
+    return f"{q}: 4-bit codes (int4, e2m1)"
+  if q.act_dtype is not None:
+    return f"{q.name}: bf16 / f16 tokens (its tokens are {q.act_dtype})"
+  if not w.k_major or w.perm is not None:
+    return f"{q.name}: K-major values, no act-order permutation"
+  if q.weight_scale == "group" and q.group_size not in GROUPS:
+    return f"{q.name}: scale groups of {q.group_size} (takes {GROUPS} or per channel)"
+  if q.weight_scale not in ("group", "channel"):
+    return f"{q.name}: scales per group or per channel, not {q.weight_scale}"
+  if w.zero is not None and (q.weight_scale != "group" or q.group_size != BK):
+    return f"{q.name}: zero points with groups of {BK} only"
+  if k % BK or n_out % 128:
+    return f"K={k} must be a multiple of {BK} and N={n_out} of 128"
+  return None
+
+
+def conversion(plan: _Plan, zero: bool, xdt) -> ws.Conversion:
+  """The family's Conversion for weights of plan (`decode_wq._plan`), tokens of dtype xdt."""
+  side = []
+  if plan.grouped:
+    side.append((BK // plan.group, jnp.float32))
+  if zero:
+    side.append((1, jnp.uint8))
+
+  def convert(codes, sides, emulate: bool) -> list:
+    s = sides[0] if plan.grouped else None
+    z = sides[-1].at[0] if zero else None
+    return _a_tiles(codes, s, z, plan=plan, zero=zero, xdt=xdt,
+                    cast=_compat.layout_cast(emulate), interpret=emulate)
+
+  sub = max(plan.group, SUB) if plan.grouped else BK
+  return ws.Conversion("wq_ws", jnp.dtype(xdt), tuple(side), min(sub, BK), convert,
+                       per_token=False, per_column=not plan.grouped)
+
+
+def _weight_plan(w) -> _Plan:
+  return _plan(w, w, False)
+
+
+def default_config(w, n_out: int, gated: bool, xdt, rows_per_expert: float = 0) -> ws.WSConfig:
+  """`grouped_gemm_ws.default_config` for w's conversion."""
+  plan = _weight_plan(w)
+  return ws.default_config(n_out, gated, conversion(plan, w.zero is not None, xdt),
+                           rows_per_expert)
+
+
+def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
+              bias: jax.Array | None = None, row_scale: jax.Array | None = None,
+              out_dtype=jnp.bfloat16, config: ws.WSConfig | None = None,
+              interpret: Any = False) -> jax.Array:
+  """The kernel on sorted rows: lhs [m_pad, K] bf16 / f16 (the rows `meta` =
+  tile_metadata(.., config.block_m) was built for; m_pad >= block_m), w QuantizedWeights
+  (values [E, N_total, K/2]; see `unsupported`), bias [E, N_total] f32, row_scale [m_pad].
+  -> [m_pad, N_out] out_dtype (rows outside the tasks unwritten)."""
+  m_pad, k = lhs.shape
+  e, n_total, _ = w.values.shape
+  n_out = n_total // 2 if gated else n_total
+  why = unsupported(k, n_out, w)
+  if why is not None:
+    raise ValueError(f"wq_ws_run: {why}")
+  if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"lhs must be bf16 or f16, got {lhs.dtype}")
+  plan = _weight_plan(w)
+  zero = w.zero is not None
+  conv = conversion(plan, zero, lhs.dtype)
+  cfg = ws.fit_stages(config or ws.default_config(n_out, gated, conv), conv,
+                      2 if gated else 1, jnp.dtype(out_dtype).itemsize)
+  ws.check_config(cfg, gated=gated, n_out=n_out, m_pad=m_pad)
+  interp, nsm = _compat.launch_params(interpret)
+  kern = ws.build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total,
+                  out_dtype=jnp.dtype(out_dtype), cfg=cfg, conv=conv, gated=gated, act=act,
+                  has_bias=bias is not None, has_scale=row_scale is not None, num_sms=nsm,
+                  interpret=interp)
+  meta_arr, ntasks = meta
+  args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, _codes(w, plan.code)]
+  if plan.grouped:
+    args.append(_group_major_scales(w, plan))
+  if zero:
+    args.append(_group_major(w.zero).astype(jnp.uint8))
+  if not plan.grouped:
+    args.append(w.scale[:, :, 0].astype(jnp.float32))
+  if row_scale is not None:
+    args.append(row_scale.astype(jnp.float32))
+  if bias is not None:
+    args.append(bias.astype(jnp.float32))
+  return kern(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))
+def grouped_gemm_wq_ws(lhs: jax.Array, w, group_sizes: jax.Array, *,
+                       activation: Activation | str | None = None,
+                       bias: jax.Array | None = None, row_scale: jax.Array | None = None,
+                       out_dtype=jnp.bfloat16, config: ws.WSConfig | None = None,
+                       interpret: Any = False) -> jax.Array:
+  """bf16 tokens x 4-bit experts, grouped: out[r] = act(x[r] @ dq(w[g(r)]) + bias[g(r)]) *
+  row_scale[r]. lhs [M, K] bf16 / f16 sorted by group, w QuantizedWeights (logical [E, K,
+  N_total], K-major; see `unsupported`), group_sizes [E], bias [E, N_total], row_scale [M].
+  -> [M, N_out] out_dtype (N_out = N_total / 2 with a gated activation). Rows past
+  sum(group_sizes) are unwritten."""
+  if lhs.ndim != 2:
+    raise ValueError(f"lhs must be [M, K], got {lhs.shape}")
+  run = functools.partial(wq_ws_run, out_dtype=out_dtype, interpret=interpret)
+  default = functools.partial(_default_for, w, lhs.dtype)
+  return ws.grouped_call(run, lhs, w, group_sizes, activation=activation, bias=bias,
+                         row_scale=row_scale, config=config, default=default)
+
+
+def _default_for(w, xdt, n_out: int, gated: bool, rows_per_expert: float) -> ws.WSConfig:
+  return default_config(w, n_out, gated, xdt, rows_per_expert)

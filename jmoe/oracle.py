@@ -108,14 +108,17 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
           chose += (" (weight-only: the decode_wq kernels at <= 128 slots where they take "
                     "the format, one slot or up to 8 slots of an expert per work item; past "
                     "that, or where slots share experts in a format the shared kernel lacks, "
-                    "4-bit codes on the grouped_gemm_wq GEMMs while experts average <= 512 "
-                    "rows; else the weights dequantized per call into the bf16 kernels)")
+                    "4-bit codes on the warp-specialized grouped_gemm_wq_ws GEMMs where K and "
+                    "N are multiples of 128, else on the grouped_gemm_wq GEMMs while experts "
+                    "average <= 512 rows; else the weights dequantized per call into the "
+                    "bf16 kernels)")
         elif runner == "pallas_mosaic" and is_packed(quant):
-          chose += (" (4-bit codes with fp8 tokens: the decode_wq kernel's 8-bit MMAs at "
-                    "<= 128 slots where slots rarely share experts; elsewhere mxfp4 on the "
-                    "grouped_gemm_w4a8 fp8 GEMMs (K and N multiples of 128), the other "
-                    "formats with the tokens dequantized to bf16 into the weight-only "
-                    "kernels, the intermediate bf16)")
+          chose += (" (4-bit codes with fp8 tokens: at <= 128 slots where slots rarely "
+                    "share experts the tokens dequantized to bf16 into the bf16-token decode "
+                    "kernel, faster than its 8-bit MMA form (layout decode_fp8); elsewhere "
+                    "mxfp4 on the grouped_gemm_w4a8 fp8 GEMMs (K and N multiples of 128), "
+                    "the other formats with the tokens dequantized to bf16 into the "
+                    "weight-only kernels, the intermediate bf16)")
       return runner, "; ".join(skipped + [chose])
     skipped.append(f"{runner} skipped: {why}")
   what = f"{quant}" if quant is not None and quant.is_quantized else "this call"

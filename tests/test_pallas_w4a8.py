@@ -215,8 +215,9 @@ def test_mxfp4_fp8_prefill_matches_oracle(rng):
 
 def test_prefill_fp8_layout_rule_and_refusals():
   """auto takes the fp8-token GEMMs for mxfp4_fp8 past the decode kernel (slots sharing
-  experts, more than 128 slots) and keeps decode_wq's 8-bit form below; other 4-bit formats
-  with fp8 tokens keep the bf16-token kernels; a forced layout that cannot run says why."""
+  experts, more than 128 slots) and keeps the decode kernel (on bf16 tokens) below; other
+  4-bit formats with fp8 tokens keep the bf16-token kernels; a forced layout that cannot run
+  says why."""
   silu = as_activation("silu")
 
   def weights(fmt, e, h, n):

@@ -46,9 +46,9 @@ def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   scales), fp8_block (128 x 128 weight blocks, 1 x 128 activation groups), and every
   weight-only format (jmoe.kernels.moe.fused_experts_weight_only: the decode kernels or the
   grouped GEMMs on the codes where they apply, else the weights dequantized per call into the
-  bf16 kernels), and 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8: decode_wq's
-  8-bit form where it takes the call; mxfp4 past it on grouped_gemm_w4a8's fp8 GEMMs; else
-  the tokens dequantized into the weight-only kernels), and mxfp8 (e4m3 codes converted to
+  bf16 kernels), and 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8: mxfp4 past
+  the decode kernels on grouped_gemm_w4a8's fp8 GEMMs; else the tokens dequantized into the
+  weight-only kernels, decode_wq's 8-bit form only as layout decode_fp8), and mxfp8 (e4m3 codes converted to
   bf16 in registers, the tokens' e4m3 values dequantized into bf16)."""
   if quant is None or not quant.is_quantized:
     return None

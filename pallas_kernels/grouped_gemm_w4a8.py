@@ -136,7 +136,8 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
     raise ValueError(f"w4a8_run: {why}")
   cfg = fit_stages(config or default_config(n_out, gated), 2 if gated else 1,
                    jnp.dtype(out_dtype).itemsize)
-  ws.check_config(cfg, gated=gated, n_out=n_out, m_pad=m_pad)
+  ws.check_config(cfg, CONVERSION, gated=gated, n_out=n_out, m_pad=m_pad,
+                  out_bytes=jnp.dtype(out_dtype).itemsize)
   interp, nsm = _compat.launch_params(interpret)
   kern = ws.build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total,
                   out_dtype=jnp.dtype(out_dtype), cfg=cfg, conv=CONVERSION, gated=gated,

@@ -45,7 +45,7 @@ from jmoe.kernels import _compat
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import ring_step
 from jmoe.kernels.decode_wq import (_codes, _plan, _Plan, block_group, block_start,
-                                    code_values, unsupported_format)
+                                    code_values, scale_values, unsupported_format)
 from jmoe.kernels.e2m1 import E2M1_UNIT
 from jmoe.kernels.grouped_gemm import kernel_activation
 
@@ -144,11 +144,13 @@ def steps(kdim: int) -> int:
 
 
 def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool,
-             skip=None) -> list:
+             skip=None, scale8: str | None = None) -> list:
   """A code tile (SMEM, [rows, 128]) -> the bf16 register A tiles of its 128 / g scale
   groups, each [rows, g]: (code - zero) * scale with the step's scale rows s (SMEM
   [128 / g, rows]; and zero row z) per row; s None: per-channel (applied to the
-  accumulator). skip: its first `skip` columns zeroed (a shifted last step)."""
+  accumulator). skip: its first `skip` columns zeroed (a shifted last step). scale8
+  ("e8m0" / "e4m3"): s holds the stored 8-bit scales' bits, widened here (the factors they
+  lack -- E2M1_UNIT, nvfp4's global scale -- are then the caller's, on the accumulator)."""
   a = code_values(codes[...], plan, xdt, interpret=interpret)  # (e2m1: the scales carry
   # E2M1_UNIT)
   if skip is not None:  # a shifted last step: its first columns are the previous step's
@@ -166,8 +168,12 @@ def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool
     col = cast(lax.broadcasted_iota(jnp.int32, (rows, width), 1), plgpu.Layout.WGMMA)
   out = []
   for j, t in enumerate(tiles):
-    srow = lambda u: lax.broadcast_in_dim(  # noqa: E731
-        cast(s.at[j * per + u][...], row).astype(xdt), t.shape, [0])
+    def srow(u):
+      v = cast(s.at[j * per + u][...], row)
+      if scale8 is not None:  # the stored e8m0 / e4m3 bits
+        v = scale_values(v, scale8)
+      return lax.broadcast_in_dim(v.astype(xdt), t.shape, [0])
+
     sc = srow(0)
     for u in range(1, per):
       sc = jnp.where(col >= u * g, srow(u), sc)

@@ -23,11 +23,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jmoe.kernels import _compat
 from jmoe.kernels import grouped_gemm_ws as ws
 from jmoe.kernels.activations import Activation
 from jmoe.kernels.decode_wq import _codes, _plan, _Plan
+from jmoe.kernels.e2m1 import E2M1_UNIT
 from jmoe.kernels.grouped_gemm_wq import SUB, _a_tiles, _group_major, _group_major_scales
 
 GROUPS = (16, 32, 64, 128)
@@ -58,10 +60,13 @@ def unsupported(k: int, n_out: int, w) -> str | None:
 
 
 def conversion(plan: _Plan, zero: bool, xdt) -> ws.Conversion:
-  """The family's Conversion for weights of plan (`decode_wq._plan`), tokens of dtype xdt."""
+  """The family's Conversion for weights of plan (`decode_wq._plan`), tokens of dtype xdt.
+  8-bit scales (mxfp4's e8m0, nvfp4's e4m3) ride as their bytes and widen in registers; the
+  factors they lack (E2M1_UNIT, nvfp4's global scale) multiply the accumulator per column
+  (so does a per-channel scale)."""
   side = []
   if plan.grouped:
-    side.append((BK // plan.group, jnp.float32))
+    side.append((BK // plan.group, jnp.uint8 if plan.scale8 else jnp.float32))
   if zero:
     side.append((1, jnp.uint8))
 
@@ -69,22 +74,38 @@ def conversion(plan: _Plan, zero: bool, xdt) -> ws.Conversion:
     s = sides[0] if plan.grouped else None
     z = sides[-1].at[0] if zero else None
     return _a_tiles(codes, s, z, plan=plan, zero=zero, xdt=xdt,
-                    cast=_compat.layout_cast(emulate), interpret=emulate)
+                    cast=_compat.layout_cast(emulate), interpret=emulate,
+                    scale8=plan.scale8)
 
   sub = max(plan.group, SUB) if plan.grouped else BK
   return ws.Conversion("wq_ws", jnp.dtype(xdt), tuple(side), min(sub, BK), convert,
-                       per_token=False, per_column=not plan.grouped)
+                       per_token=False,
+                       per_column=not plan.grouped or plan.scale8 is not None)
+
+
+def column_scales(w, plan: _Plan) -> jax.Array:
+  """The accumulator's per-column factors float32 [E, N_total]: per-channel scales, or what
+  the byte scales lack (E2M1_UNIT times nvfp4's global scale along the rows)."""
+  if not plan.grouped:
+    return w.scale[:, :, 0].astype(jnp.float32)
+  e, n_total = w.values.shape[:2]
+  unit = E2M1_UNIT if plan.e2m1 else 1.0
+  if w.global_scale is None:
+    return jnp.full((e, n_total), unit, jnp.float32)
+  g = w.global_scale.astype(jnp.float32)  # [E, S] along the rows
+  return jnp.repeat(g, n_total // g.shape[1], axis=1) * unit
 
 
 def _weight_plan(w) -> _Plan:
   return _plan(w, w, False)
 
 
-def default_config(w, n_out: int, gated: bool, xdt, rows_per_expert: float = 0) -> ws.WSConfig:
+def default_config(w, n_out: int, gated: bool, xdt, rows_per_expert: float = 0,
+                   out_dtype=jnp.bfloat16) -> ws.WSConfig:
   """`grouped_gemm_ws.default_config` for w's conversion."""
   plan = _weight_plan(w)
   return ws.default_config(n_out, gated, conversion(plan, w.zero is not None, xdt),
-                           rows_per_expert)
+                           rows_per_expert, jnp.dtype(out_dtype).itemsize)
 
 
 def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
@@ -106,9 +127,10 @@ def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
   plan = _weight_plan(w)
   zero = w.zero is not None
   conv = conversion(plan, zero, lhs.dtype)
-  cfg = ws.fit_stages(config or ws.default_config(n_out, gated, conv), conv,
-                      2 if gated else 1, jnp.dtype(out_dtype).itemsize)
-  ws.check_config(cfg, gated=gated, n_out=n_out, m_pad=m_pad)
+  out_bytes = jnp.dtype(out_dtype).itemsize
+  cfg = ws.fit_stages(config or ws.default_config(n_out, gated, conv, out_bytes=out_bytes),
+                      conv, 2 if gated else 1, out_bytes)
+  ws.check_config(cfg, conv, gated=gated, n_out=n_out, m_pad=m_pad, out_bytes=out_bytes)
   interp, nsm = _compat.launch_params(interpret)
   kern = ws.build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total,
                   out_dtype=jnp.dtype(out_dtype), cfg=cfg, conv=conv, gated=gated, act=act,
@@ -116,12 +138,14 @@ def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
                   interpret=interp)
   meta_arr, ntasks = meta
   args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, _codes(w, plan.code)]
-  if plan.grouped:
+  if plan.scale8:  # the bytes, group-major (a step's rows contiguous: one TMA box)
+    args.append(_group_major(lax.bitcast_convert_type(w.scale, jnp.uint8)))
+  elif plan.grouped:
     args.append(_group_major_scales(w, plan))
   if zero:
     args.append(_group_major(w.zero).astype(jnp.uint8))
-  if not plan.grouped:
-    args.append(w.scale[:, :, 0].astype(jnp.float32))
+  if conv.per_column:
+    args.append(column_scales(w, plan))
   if row_scale is not None:
     args.append(row_scale.astype(jnp.float32))
   if bias is not None:
@@ -143,10 +167,11 @@ def grouped_gemm_wq_ws(lhs: jax.Array, w, group_sizes: jax.Array, *,
   if lhs.ndim != 2:
     raise ValueError(f"lhs must be [M, K], got {lhs.shape}")
   run = functools.partial(wq_ws_run, out_dtype=out_dtype, interpret=interpret)
-  default = functools.partial(_default_for, w, lhs.dtype)
+  default = functools.partial(_default_for, w, lhs.dtype, out_dtype)
   return ws.grouped_call(run, lhs, w, group_sizes, activation=activation, bias=bias,
                          row_scale=row_scale, config=config, default=default)
 
 
-def _default_for(w, xdt, n_out: int, gated: bool, rows_per_expert: float) -> ws.WSConfig:
-  return default_config(w, n_out, gated, xdt, rows_per_expert)
+def _default_for(w, xdt, out_dtype, n_out: int, gated: bool,
+                 rows_per_expert: float) -> ws.WSConfig:
+  return default_config(w, n_out, gated, xdt, rows_per_expert, out_dtype)

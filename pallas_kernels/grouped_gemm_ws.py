@@ -100,17 +100,22 @@ class Conversion:
 SPLIT_ROWS = 512  # rows per expert from which default_config takes 256-token tiles
 
 
-def default_config(n_out: int, gated: bool, conv: Conversion,
-                   rows_per_expert: float = 0) -> WSConfig:
+def default_config(n_out: int, gated: bool, conv: Conversion, rows_per_expert: float = 0,
+                   out_bytes: int = 2) -> WSConfig:
   """Experts with >= SPLIT_ROWS rows on average: 256-token tiles (gated: gate and up split
   over the warpgroups); else 128 columns gated (two [64, 128] accumulators a warpgroup), 256
-  ungated where they divide N (one [128, 128]). The deepest ring shared memory holds."""
+  ungated where they divide N (one [128, 128]); the first of those that shared memory holds
+  with a 2-slot ring (else 128-token, 128-column tiles), its ring as deep as it holds."""
+  n_rhs = 2 if gated else 1
+  tiles = []
   if rows_per_expert >= SPLIT_ROWS:
-    cfg = (WSConfig(block_m=256, block_n=64, split_gate_up=True) if gated else
-           WSConfig(block_m=256, block_n=128))
-  else:
-    cfg = WSConfig(block_n=256 if not gated and n_out % 256 == 0 else 128)
-  return fit_stages(cfg, conv, 2 if gated else 1)
+    tiles.append(WSConfig(block_m=256, block_n=64, split_gate_up=True) if gated else
+                 WSConfig(block_m=256, block_n=128))
+  if not gated and n_out % 256 == 0:
+    tiles.append(WSConfig(block_n=256))
+  tiles.append(WSConfig(block_n=128))
+  cfg = next(c for c in tiles if fits(c, conv, n_rhs, out_bytes) or c is tiles[-1])
+  return fit_stages(cfg, conv, n_rhs, out_bytes)
 
 
 def _stage_bytes(cfg: WSConfig, conv: Conversion, n_rhs: int) -> int:
@@ -136,6 +141,14 @@ def acc_registers(cfg: WSConfig, gated: bool) -> int:
   return n_acc * cfg.wg_rows * cfg.block_m // 128
 
 
+def fits(cfg: WSConfig, conv: Conversion, n_rhs: int, out_bytes: int = 2,
+         stages: int = 2) -> bool:
+  """Whether shared memory holds cfg's fixed buffers and a ring of `stages` slots (an upper
+  estimate: ~4 KiB above what Mosaic GPU allocates)."""
+  need = _fixed_bytes(cfg, out_bytes) + stages * _stage_bytes(cfg, conv, n_rhs)
+  return need <= gg._SMEM_BYTES
+
+
 def fit_stages(cfg: WSConfig, conv: Conversion, n_rhs: int, out_bytes: int = 2) -> WSConfig:
   """cfg with the ring lowered until shared memory holds it (at least 2 slots)."""
   budget = gg._SMEM_BYTES - _fixed_bytes(cfg, out_bytes)
@@ -143,8 +156,12 @@ def fit_stages(cfg: WSConfig, conv: Conversion, n_rhs: int, out_bytes: int = 2) 
   return dataclasses.replace(cfg, num_stages=st)
 
 
-def check_config(cfg: WSConfig, *, gated: bool, n_out: int, m_pad: int) -> None:
+def check_config(cfg: WSConfig, conv: Conversion, *, gated: bool, n_out: int, m_pad: int,
+                 out_bytes: int = 2) -> None:
   """Raise, naming the config, where it does not fit the call."""
+  if not fits(cfg, conv, 2 if gated else 1, out_bytes, cfg.num_stages):
+    raise ValueError(f"config {cfg}: its {cfg.num_stages}-slot ring and output tiles do not "
+                     f"fit shared memory with {conv.name}'s operands")
   if n_out % cfg.block_n:
     raise ValueError(f"N={n_out} is not a multiple of config.block_n={cfg.block_n}")
   if cfg.split_gate_up and not gated:

@@ -58,7 +58,7 @@ def grouped_oracle(x, w, sizes, gated, n, bias, rs):
 def test_wq_ws_gemm_matches_oracle(scheme, gated, config, sizes, rng):
   """grouped_gemm_wq_ws alone: 3 experts, one empty, tiles starting inside another expert's
   rows and the last tile shifted back, K = 256 (2 steps); gated silu with biases, or
-  ungated with a row scale; bf16 tokens; against the float64 oracle on the tokens' bf16
+  ungated with a row scale; bf16 tokens; the 8-bit scales as bytes widened in registers; against the float64 oracle on the tokens' bf16
   values and the NumPy unpacking of the codes (the kernel rounds each scaled code to bf16:
   the bound is the 4-bit paths' 2e-2)."""
   name, _, variant = scheme.partition(":")
@@ -75,7 +75,9 @@ def test_wq_ws_gemm_matches_oracle(scheme, gated, config, sizes, rng):
   out = np.asarray(run_interpreted(
       lambda *a, interpret: wqws.grouped_gemm_wq_ws(
           *a, activation="silu" if gated else None, bias=bias, row_scale=rs,
-          out_dtype=jnp.float32, config=config, interpret=interpret),
+          out_dtype=jnp.float32 if config is None else jnp.bfloat16, config=config,
+          interpret=interpret),  # (256-token tiles: bf16 outputs, as the block's; f32
+      # ones do not fit shared memory beside a 2-slot ring)
       x, q, jnp.asarray(sizes, jnp.int32)))
   want = grouped_oracle(np.asarray(x.astype(jnp.float32), np.float64), np_dequant(q), sizes, gated,
                  n, bias, rs)
@@ -131,6 +133,10 @@ def test_prefill_ws_layout_rule_and_refusals():
     pmoe.weight_only_layout(4096, 2, 1024, 512, silu, *w8, layout="prefill_ws")
   assert "zero points with groups of 128" in wqws.unsupported(
       1024, 512, _weights("w4a16", 8, 1024, 512, group_size=64, zero_point=True)[0])
+  with pytest.raises(ValueError, match="do not fit shared memory"):
+    jax.eval_shape(lambda x: wqws.grouped_gemm_wq_ws(
+        x, _weights("w4a16", 8, 1024, 512)[0], jnp.full(8, 512, jnp.int32), activation="silu",
+        out_dtype=jnp.float32, config=SPLIT), S((4096, 1024), jnp.bfloat16))
   with pytest.raises(ValueError, match="lhs must be bf16 or f16"):
     jax.eval_shape(lambda x: wqws.grouped_gemm_wq_ws(
         x, _weights("w4a16", 8, 1024, 512)[0], jnp.zeros(8, jnp.int32), activation="silu"),

@@ -61,12 +61,15 @@ def unsupported(k: int, n_out: int, w) -> str | None:
 
 def conversion(plan: _Plan, zero: bool, xdt) -> ws.Conversion:
   """The family's Conversion for weights of plan (`decode_wq._plan`), tokens of dtype xdt.
-  8-bit scales (mxfp4's e8m0, nvfp4's e4m3) ride as their bytes and widen in registers; the
-  factors they lack (E2M1_UNIT, nvfp4's global scale) multiply the accumulator per column
-  (so does a per-channel scale)."""
+  mxfp4's e8m0 scales ride as their bytes and widen in registers (a shift), E2M1_UNIT then
+  multiplying the accumulator per column (as a per-channel scale does); other scales
+  (int4's float32, nvfp4's e4m3 with its global scale) as float32 copies. (e4m3 bytes
+  widened in the kernel -- ~8 integer ops a scale -- made nvfp4's GEMMs 20 % slower on the
+  H200 than the per-call float32 copy costs: deepseek-v3 4096 tokens GEMM1 5,485 -> 6,660 µs.)"""
+  byte_scales = plan.scale8 == "e8m0"
   side = []
   if plan.grouped:
-    side.append((BK // plan.group, jnp.uint8 if plan.scale8 else jnp.float32))
+    side.append((BK // plan.group, jnp.uint8 if byte_scales else jnp.float32))
   if zero:
     side.append((1, jnp.uint8))
 
@@ -75,25 +78,20 @@ def conversion(plan: _Plan, zero: bool, xdt) -> ws.Conversion:
     z = sides[-1].at[0] if zero else None
     return _a_tiles(codes, s, z, plan=plan, zero=zero, xdt=xdt,
                     cast=_compat.layout_cast(emulate), interpret=emulate,
-                    scale8=plan.scale8)
+                    scale8=plan.scale8 if byte_scales else None)
 
   sub = max(plan.group, SUB) if plan.grouped else BK
   return ws.Conversion("wq_ws", jnp.dtype(xdt), tuple(side), min(sub, BK), convert,
                        per_token=False,
-                       per_column=not plan.grouped or plan.scale8 is not None)
+                       per_column=not plan.grouped or byte_scales)
 
 
 def column_scales(w, plan: _Plan) -> jax.Array:
   """The accumulator's per-column factors float32 [E, N_total]: per-channel scales, or what
-  the byte scales lack (E2M1_UNIT times nvfp4's global scale along the rows)."""
+  e8m0 byte scales lack (E2M1_UNIT)."""
   if not plan.grouped:
     return w.scale[:, :, 0].astype(jnp.float32)
-  e, n_total = w.values.shape[:2]
-  unit = E2M1_UNIT if plan.e2m1 else 1.0
-  if w.global_scale is None:
-    return jnp.full((e, n_total), unit, jnp.float32)
-  g = w.global_scale.astype(jnp.float32)  # [E, S] along the rows
-  return jnp.repeat(g, n_total // g.shape[1], axis=1) * unit
+  return jnp.full(w.values.shape[:2], E2M1_UNIT, jnp.float32)
 
 
 def _weight_plan(w) -> _Plan:
@@ -138,7 +136,7 @@ def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
                   interpret=interp)
   meta_arr, ntasks = meta
   args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, _codes(w, plan.code)]
-  if plan.scale8:  # the bytes, group-major (a step's rows contiguous: one TMA box)
+  if plan.scale8 == "e8m0":  # the bytes, group-major (a step's rows contiguous: one TMA box)
     args.append(_group_major(lax.bitcast_convert_type(w.scale, jnp.uint8)))
   elif plan.grouped:
     args.append(_group_major_scales(w, plan))

@@ -58,9 +58,10 @@ def grouped_oracle(x, w, sizes, gated, n, bias, rs):
 def test_wq_ws_gemm_matches_oracle(scheme, gated, config, sizes, rng):
   """grouped_gemm_wq_ws alone: 3 experts, one empty, tiles starting inside another expert's
   rows and the last tile shifted back, K = 256 (2 steps); gated silu with biases, or
-  ungated with a row scale; bf16 tokens; mxfp4's e8m0 scales as bytes widened in registers; against the float64 oracle on the tokens' bf16
-  values and the NumPy unpacking of the codes (the kernel rounds each scaled code to bf16:
-  the bound is the 4-bit paths' 2e-2)."""
+  ungated with a row scale; bf16 tokens (mxfp4: its e8m0 scales as bytes, widened in
+  registers); against the float64 oracle on the tokens' bf16 values and the NumPy unpacking
+  of the codes (the kernel rounds each scaled code to bf16: the bound is the 4-bit paths'
+  2e-2)."""
   name, _, variant = scheme.partition(":")
   quant = (jmoe.QuantConfig("custom", weight_dtype="int4", weight_scale="channel")
            if variant == "channel" else jmoe.QuantConfig(name, zero_point=variant == "zp"))

@@ -63,13 +63,14 @@ def conversion(plan: _Plan, zero: bool, xdt) -> ws.Conversion:
   """The family's Conversion for weights of plan (`decode_wq._plan`), tokens of dtype xdt.
   mxfp4's e8m0 scales ride as their bytes and widen in registers (a shift), E2M1_UNIT then
   multiplying the accumulator per column (as a per-channel scale does); other scales
-  (int4's float32, nvfp4's e4m3 with its global scale) as float32 copies. (e4m3 bytes
-  widened in the kernel -- ~8 integer ops a scale -- made nvfp4's GEMMs 20 % slower on the
-  H200 than the per-call float32 copy costs: deepseek-v3 4096 tokens GEMM1 5,485 -> 6,660 µs.)"""
+  (int4's float32, nvfp4's e4m3 with its global scale) as per-call copies in the token dtype,
+  the rounding the A tile's multiply gives them anyway (half a float32 copy's bytes, in
+  HBM and in the ring). (e4m3 bytes widened in the kernel -- ~8 integer ops a scale -- made
+  nvfp4's GEMMs ~20 % slower on the H200: deepseek-v3 4096 tokens GEMM1 5,485 -> 6,660 µs.)"""
   byte_scales = plan.scale8 == "e8m0"
   side = []
   if plan.grouped:
-    side.append((BK // plan.group, jnp.uint8 if byte_scales else jnp.float32))
+    side.append((BK // plan.group, jnp.uint8 if byte_scales else jnp.dtype(xdt)))
   if zero:
     side.append((1, jnp.uint8))
 
@@ -139,7 +140,7 @@ def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
   if plan.scale8 == "e8m0":  # the bytes, group-major (a step's rows contiguous: one TMA box)
     args.append(_group_major(lax.bitcast_convert_type(w.scale, jnp.uint8)))
   elif plan.grouped:
-    args.append(_group_major_scales(w, plan))
+    args.append(_group_major_scales(w, plan).astype(lhs.dtype))
   if zero:
     args.append(_group_major(w.zero).astype(jnp.uint8))
   if conv.per_column:

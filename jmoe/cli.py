@@ -395,9 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="write every candidate's time to this JSON file (first per key: the "
                       "config in use before the run)")
   t.add_argument("--quant", default=None,
-                 help="tune the 8-bit kernels of this W8A8 scheme instead (fp8_tensor, "
+                 help="tune the kernels of this quantized scheme instead (fp8_tensor, "
                       "fp8_channel, int8: GEMM1 / GEMM2 under the 8-bit dtype's keys; fp8_block: "
-                      "the block, table grouped_gemm_fp8_block)")
+                      "the block, table grouped_gemm_fp8_block; w4a16, mxfp4, nvfp4: the "
+                      "weight-only prefill GEMMs, tables grouped_gemm_wq_ws(_gated))")
   t.add_argument("--keep-existing", action="store_true",
                  help="only add the keys the tables lack (entries from earlier runs or checks "
                       "stay, even where this run timed the same key)")

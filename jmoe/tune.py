@@ -242,17 +242,29 @@ def quant_problems(scheme: str) -> tuple[str, ...]:
   BlockQ8Config; GEMM2 follows its form)."""
   from jmoe.config import QuantConfig  # noqa: PLC0415
   from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  from jmoe.kernels import grouped_gemm_wq_ws as wq_ws  # noqa: PLC0415
   quant = QuantConfig(scheme)
+  if _weight_only_4bit(quant):
+    return wq_ws.TABLES
   if quant.act_dtype is None or jnp.dtype(quant.weight_dtype) not in q8.Q8_DTYPES:
     raise ValueError(f"--quant {scheme}: tuning covers the 8-bit W8A8 schemes the Pallas "
-                     "kernels run (fp8_tensor, fp8_channel, fp8_block, int8)")
+                     "kernels run (fp8_tensor, fp8_channel, fp8_block, int8) and the 4-bit "
+                     "weight-only ones' prefill GEMMs (w4a16, mxfp4, nvfp4)")
   if quant.weight_scale == "block":
     return (q8.BLOCK_TABLE,)
   return ("grouped_gemm_gated", "grouped_gemm")
 
 
+def _weight_only_4bit(quant) -> bool:
+  """4-bit codes with bf16 tokens: the schemes whose prefill runs grouped_gemm_wq_ws."""
+  return quant.act_dtype is None and quant.weight_dtype in ("int4", "float4_e2m1fn")
+
+
 def _quant_candidates(table: str, num_experts: int, m: int) -> tuple:
+  from jmoe.kernels import grouped_gemm_ws as ws  # noqa: PLC0415
   from jmoe.kernels import tuning  # noqa: PLC0415
+  if table.startswith("grouped_gemm_wq_ws"):
+    return ws.candidates(table.endswith("gated"))
   if table.endswith("fp8_block"):
     return tuning.SWEEP_FP8_BLOCK
   return _candidates("gemm1" if table.endswith("gated") else "gemm2", num_experts, m)
@@ -281,7 +293,10 @@ def tune_quantized(num_experts: int, top_k: int, hidden: int, intermediate: int,
   the 8-bit dtype's key (what grouped_gemm_q8.q8_config reads). fp8_block: the whole block
   (fused_experts_quantized, sorted layout) per GEMM1 BlockQ8Config, GEMM2 following its form
   (it reads GEMM1's per-task scales), the winner into grouped_gemm_fp8_block (what
-  block_config reads). The config in use competes too, so a run never writes a slower one.
+  block_config reads). 4-bit weight-only schemes (w4a16, mxfp4, nvfp4): the prefill GEMMs
+  of grouped_gemm_wq_ws, GEMM1 and GEMM2, winners into grouped_gemm_wq_ws(_gated) under the
+  format's label (`_tune_weight_only`). The config in use competes too, so a run never
+  writes a slower one.
   """
   from jmoe.config import QuantConfig  # noqa: PLC0415
   from jmoe.kernels import grouped_gemm as gg  # noqa: PLC0415
@@ -325,6 +340,11 @@ def tune_quantized(num_experts: int, top_k: int, hidden: int, intermediate: int,
     return jax.jit(lambda a, g, s, v, ws: q8.grouped_gemm_q8(
         a, v, g, s, ws, activation=act if gated else None, config=cfg, interpret=interpret))
 
+  if _weight_only_4bit(quant):
+    return _tune_weight_only(q13, q2, act, tokens, top_k, ks[2], tables, device, iters=iters,
+                             interpret=interpret, max_candidates=max_candidates,
+                             progress=progress, draws=draws, report=report,
+                             on_result=on_result)
   results = []
   for t in tokens:
     m = t * top_k
@@ -344,6 +364,50 @@ def tune_quantized(num_experts: int, top_k: int, hidden: int, intermediate: int,
       results.append(_pick(t, table, key, now, sweep, functools.partial(build, table),
                            [args[i] for args in per_draw], iters=iters, interpret=interpret,
                            max_candidates=max_candidates, progress=progress, report=report))
+      if on_result is not None:
+        on_result(results[-1])
+  return results
+
+
+def _tune_weight_only(q13, q2, act, tokens: Sequence[int], top_k: int, key, tables, device, *,
+                      iters: int, interpret: bool, max_candidates: Optional[int], progress,
+                      draws: int, report, on_result) -> list[TuneResult]:
+  """tune_quantized for 4-bit weight-only schemes: GEMM1 (gated) and GEMM2 of
+  grouped_gemm_wq_ws on bf16 token rows sorted by random routings, each WSConfig candidate
+  (`grouped_gemm_ws.candidates`) against the config in use; winners keyed by the format's
+  label (what grouped_gemm_wq_ws.default_config reads)."""
+  from jmoe.kernels import grouped_gemm as gg  # noqa: PLC0415
+  from jmoe.kernels import grouped_gemm_wq_ws as wq_ws  # noqa: PLC0415
+  from jmoe.kernels import permute  # noqa: PLC0415
+  e, h, n = q13.shape[0], q13.shape[1], q2.shape[1]
+
+  def draw(t: int, k_):
+    """GEMM1's and GEMM2's operands for one routing of t tokens."""
+    kd = jax.random.split(k_, 3)
+    x = jax.random.normal(kd[0], (t, h), jnp.float32).astype(jnp.bfloat16)
+    ids = jax.lax.top_k(jax.random.normal(kd[1], (t, e)), top_k)[1].astype(jnp.int32)
+    order, gs, _ = permute.moe_align(ids, e)
+    rows = jnp.take(x, order // top_k, axis=0)
+    mid = jax.random.normal(kd[2], (t * top_k, n), jnp.float32).astype(jnp.bfloat16)
+    return (rows, q13, gs), (mid, q2, gs)
+
+  def build(gated: bool, cfg):
+    return jax.jit(lambda a, w, g: wq_ws.grouped_gemm_wq_ws(
+        a, w, g, activation=act if gated else None, config=cfg, interpret=interpret))
+
+  results = []
+  for t in tokens:
+    m = t * top_k
+    per_draw = [draw(t, jax.random.fold_in(key, d)) for d in range(max(1, draws))]
+    for i, table in enumerate(tables):
+      gated = i == 0
+      w, n_out, k_in = (q13, n, h) if gated else (q2, h, n)
+      now = wq_ws.default_config(w, n_out, gated, jnp.bfloat16, m)
+      tkey = gg._tuned_key(e, n_out, k_in, wq_ws.format_label(w), device, gg._m_bucket(m))
+      results.append(_pick(t, table, tkey, now, _quant_candidates(table, e, m),
+                           functools.partial(build, gated), [d[i] for d in per_draw],
+                           iters=iters, interpret=interpret, max_candidates=max_candidates,
+                           progress=progress, report=report))
       if on_result is not None:
         on_result(results[-1])
   return results

@@ -193,10 +193,11 @@ def _load_tuned(kernel_name: str) -> dict:
 
 
 def _tuned_key(E, N, K, dtype, device_kind, m_bucket, jax_version=None) -> str:
-  """Key of a tuned entry; configs are tuned per jax minor version (lowering changes between)."""
+  """Key of a tuned entry; configs are tuned per jax minor version (lowering changes between).
+  dtype: the operands' dtype, or a format label (str) for kernels that convert codes."""
   jv = jax_version or ".".join(str(v) for v in _compat.JAX_VERSION[:2])
-  return (f"E={E},N={N},K={K},dtype={jnp.dtype(dtype).name},device={device_kind},jax={jv},"
-          f"M<={m_bucket}")
+  dt = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+  return f"E={E},N={N},K={K},dtype={dt},device={device_kind},jax={jv},M<={m_bucket}"
 
 
 # decode: a bucket per power of two up to 64 slots. The best tile width depends on how many

@@ -148,11 +148,7 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
   meta_arr, ntasks = meta
   args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, codes, shifts,
           a_scale.astype(jnp.float32), w_scale]
-  if row_scale is not None:
-    args.append(row_scale.astype(jnp.float32))
-  if bias is not None:
-    args.append(bias.astype(jnp.float32))
-  return kern(*args)
+  return kern(*args, *ws.epilogue_args(row_scale, bias))
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))

@@ -99,12 +99,37 @@ def _weight_plan(w) -> _Plan:
   return _plan(w, w, False)
 
 
-def default_config(w, n_out: int, gated: bool, xdt, rows_per_expert: float = 0,
+TABLES = ("grouped_gemm_wq_ws_gated", "grouped_gemm_wq_ws")  # GEMM1, GEMM2 (tuned configs)
+
+
+def format_label(w) -> str:
+  """The tuned tables' dtype field for w's format: codes, scale grouping, zero points, the
+  scales' 8-bit type (e.g. "int4/g128", "float4_e2m1fn/g32/float8_e8m0fnu")."""
+  q = w.scheme
+  parts = [q.weight_dtype, f"g{q.group_size}" if q.weight_scale == "group" else "channel"]
+  if w.zero is not None:
+    parts.append("zp")
+  if jnp.dtype(w.scale.dtype).itemsize == 1:
+    parts.append(jnp.dtype(w.scale.dtype).name)
+  return "/".join(parts)
+
+
+def default_config(w, n_out: int, gated: bool, xdt, m: int = 0,
                    out_dtype=jnp.bfloat16) -> ws.WSConfig:
-  """`grouped_gemm_ws.default_config` for w's conversion."""
+  """The config for m sorted rows over w: the entry `python -m jmoe tune --quant` wrote for
+  this problem (tables TABLES, keyed by `format_label`) where it runs here, else
+  `grouped_gemm_ws.default_config` for w's conversion."""
+  from jmoe.kernels import grouped_gemm as gg  # noqa: PLC0415
   plan = _weight_plan(w)
-  return ws.default_config(n_out, gated, conversion(plan, w.zero is not None, xdt),
-                           rows_per_expert, jnp.dtype(out_dtype).itemsize)
+  conv = conversion(plan, w.zero is not None, xdt)
+  e, k = w.shape[0], w.shape[1]
+  out_bytes = jnp.dtype(out_dtype).itemsize
+  tuned = gg.tuned_config(TABLES[0 if gated else 1], ws.WSConfig, m, n_out, k, e,
+                          format_label(w), nearest=True)
+  if tuned is not None and ws.usable(tuned, conv, gated=gated, n_out=n_out,
+                                     out_bytes=out_bytes):
+    return tuned
+  return ws.default_config(n_out, gated, conv, m / e, out_bytes)
 
 
 def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
@@ -145,11 +170,7 @@ def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
     args.append(_group_major(w.zero).astype(jnp.uint8))
   if conv.per_column:
     args.append(column_scales(w, plan))
-  if row_scale is not None:
-    args.append(row_scale.astype(jnp.float32))
-  if bias is not None:
-    args.append(bias.astype(jnp.float32))
-  return kern(*args)
+  return kern(*args, *ws.epilogue_args(row_scale, bias))
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))
@@ -166,11 +187,12 @@ def grouped_gemm_wq_ws(lhs: jax.Array, w, group_sizes: jax.Array, *,
   if lhs.ndim != 2:
     raise ValueError(f"lhs must be [M, K], got {lhs.shape}")
   run = functools.partial(wq_ws_run, out_dtype=out_dtype, interpret=interpret)
-  default = functools.partial(_default_for, w, lhs.dtype, out_dtype)
+  default = functools.partial(_default_for, w, lhs.dtype, out_dtype, lhs.shape[0])
   return ws.grouped_call(run, lhs, w, group_sizes, activation=activation, bias=bias,
                          row_scale=row_scale, config=config, default=default)
 
 
-def _default_for(w, xdt, out_dtype, n_out: int, gated: bool,
+def _default_for(w, xdt, out_dtype, m: int, n_out: int, gated: bool,
                  rows_per_expert: float) -> ws.WSConfig:
-  return default_config(w, n_out, gated, xdt, rows_per_expert, out_dtype)
+  del rows_per_expert  # (default_config takes the rows: the tuned tables are keyed by them)
+  return default_config(w, n_out, gated, xdt, m, out_dtype)

@@ -71,6 +71,9 @@ class WSConfig:
     if self.num_stages < 2:
       raise ValueError(f"num_stages={self.num_stages} must be >= 2")
 
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
   @property
   def wg_rows(self) -> int:
     """Weight rows of one operand a compute warpgroup converts per step (its wgmma's M)."""
@@ -156,6 +159,24 @@ def fit_stages(cfg: WSConfig, conv: Conversion, n_rhs: int, out_bytes: int = 2) 
   return dataclasses.replace(cfg, num_stages=st)
 
 
+def candidates(gated: bool) -> tuple[WSConfig, ...]:
+  """The tuning sweep (`python -m jmoe tune --quant`): 128-token tiles (gated 128 columns;
+  ungated 128 or 256) and 256-token ones (gated: split gate / up), 2-4 ring slots; those a
+  problem's operands do not fit fail there and drop out."""
+  tiles = ([WSConfig(block_n=128), WSConfig(block_m=256, block_n=64, split_gate_up=True)]
+           if gated else [WSConfig(block_n=128), WSConfig(block_n=256),
+                          WSConfig(block_m=256, block_n=128)])
+  return tuple(dataclasses.replace(c, num_stages=st) for c in tiles for st in (2, 3, 4))
+
+
+def usable(cfg: WSConfig, conv: Conversion, *, gated: bool, n_out: int,
+           out_bytes: int = 2) -> bool:
+  """Whether cfg runs this problem (a tuned entry read for another output dtype may not)."""
+  return (n_out % cfg.block_n == 0 and (gated or not cfg.split_gate_up)
+          and acc_registers(cfg, gated) <= 128
+          and fits(cfg, conv, 2 if gated else 1, out_bytes, cfg.num_stages))
+
+
 def check_config(cfg: WSConfig, conv: Conversion, *, gated: bool, n_out: int, m_pad: int,
                  out_bytes: int = 2) -> None:
   """Raise, naming the config, where it does not fit the call."""
@@ -199,6 +220,12 @@ def grouped_call(run, lhs: jax.Array, w, group_sizes: jax.Array, *, activation,
             meta=gg.tile_metadata(group_sizes, m, cfg.block_m), act=act, gated=gated,
             bias=bias, row_scale=rs, config=cfg)
   return out[:m]
+
+
+def epilogue_args(row_scale: jax.Array | None, bias: jax.Array | None) -> list:
+  """The kernel's trailing operands as `build` orders them: [row_scale f32] [bias f32]."""
+  return ([] if row_scale is None else [row_scale.astype(jnp.float32)]) + (
+      [] if bias is None else [bias.astype(jnp.float32)])
 
 
 def store_transposed(y: jax.Array, ref) -> None:

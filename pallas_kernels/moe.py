@@ -614,8 +614,8 @@ def _ws_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, out_
   t, k = topk_ids.shape
   e = w13.shape[0]
   h_dim, n = w2.shape[2], w2.shape[1]
-  cfg1 = _wq_ws.default_config(w13, n, True, x.dtype, t * k / e)
-  cfg2 = _wq_ws.default_config(w2, h_dim, False, x.dtype, t * k / e, out_dtype)
+  cfg1 = _wq_ws.default_config(w13, n, True, x.dtype, t * k)
+  cfg2 = _wq_ws.default_config(w2, h_dim, False, x.dtype, t * k, out_dtype)
   block_ms = tuple(sorted({cfg1.block_m, cfg2.block_m}))
   m_alloc = gg.row_alloc(t * k, *block_ms)
   xs, inv, _, metas = _sorted_rows(x, topk_ids, e, m_alloc, block_ms, "auto", "auto",

@@ -398,6 +398,54 @@ def test_tune_quant_writes_8bit_tables_the_kernels_read(scheme, tables, tmp_path
     gg._load_tuned.cache_clear()
 
 
+@pytest.mark.slow
+def test_tune_quant_weight_only_writes_tables_the_prefill_gemms_read(tmp_path, monkeypatch):
+  """`tune --quant w4a16`: grouped_gemm_wq_ws' GEMM1 / GEMM2 winners under the format's
+  label, and its default_config reads them back (a config that cannot run the problem --
+  here for float32 outputs -- is passed over for the built-in choice)."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+
+  import jmoe
+  from jmoe.kernels import _compat
+  from jmoe.kernels import grouped_gemm as gg
+  from jmoe.kernels import grouped_gemm_ws as ws
+  from jmoe.kernels import grouped_gemm_wq_ws as wq_ws
+  from jmoe.quant import quantize_weights
+  if not _compat.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
+  rc = cli.main(["tune", "--shape", "4,2,256,128", "--tokens", "64", "--interpret", "--quant",
+                 "w4a16", "--max-candidates", "2", "--iters", "1", "--draws", "1",
+                 "--out", str(tmp_path), "--log", str(tmp_path / "log.json")])
+  assert rc == 0
+  log = json.loads((tmp_path / "log.json").read_text())["candidates"]
+  assert [c["table"] for c in log] == [tb for tb in wq_ws.TABLES for _ in range(2)]
+  entries = {}
+  for tb in wq_ws.TABLES:
+    (key, entry), = json.loads((tmp_path / f"{tb}.json").read_text()).items()
+    assert ",dtype=int4/g128," in key and entry["us"] > 0 and "--quant w4a16" in entry["note"]
+    entries[tb] = ws.WSConfig(**{f: entry[f] for f in ws.WSConfig().to_json()})
+  monkeypatch.setattr(gg, "_CONFIG_DIR", str(tmp_path))
+  monkeypatch.setattr(_compat, "device_kind", lambda: "interpret")
+  gg._load_tuned.cache_clear()
+  try:
+    quant = jmoe.QuantConfig("w4a16")
+    w13 = jax.eval_shape(lambda: quantize_weights(jnp.zeros((4, 256, 256)), quant))
+    w2 = jax.eval_shape(lambda: quantize_weights(jnp.zeros((4, 128, 256)), quant))
+    assert wq_ws.default_config(w13, 128, True, jnp.bfloat16, 128) == entries[wq_ws.TABLES[0]]
+    assert wq_ws.default_config(w2, 256, False, jnp.bfloat16, 128) == entries[wq_ws.TABLES[1]]
+    big = dataclasses.replace(entries[wq_ws.TABLES[1]], block_m=256, block_n=128, num_stages=4)
+    (tmp_path / f"{wq_ws.TABLES[1]}.json").write_text(json.dumps(
+        {k: dict(big.to_json(), us=1.0) for k in json.loads(
+            (tmp_path / f"{wq_ws.TABLES[1]}.json").read_text())}))
+    gg._load_tuned.cache_clear()
+    assert wq_ws.default_config(w2, 256, False, jnp.bfloat16, 128, jnp.float32) != big
+  finally:
+    gg._load_tuned.cache_clear()
+
+
 def test_tune_quant_refuses_schemes_it_cannot_time():
   with pytest.raises(ValueError, match="8-bit W8A8"):
     cli.main(["tune", "--shape", "4,2,128,128", "--tokens", "8", "--interpret", "--quant",

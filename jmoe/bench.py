@@ -236,13 +236,37 @@ class Row:
   device_us: Optional[float] = None
 
 
-def make_problem(cfg: MoEConfig, tokens: int, dtype, seed: int):
-  """Random weights and routing for one problem; returns (args, touched_experts)."""
+WEIGHT_DISTS = ("gaussian", "llm")
+
+
+def random_weights(key, shape: tuple, fan_in: int, dist: str = "gaussian") -> jax.Array:
+  """Expert weights [E, K, N] float32 with std about 1/sqrt(fan_in) (K = fan_in).
+  "gaussian": i.i.d. normal (the 4-bit formats' hard case: no structure for the scales to
+  follow). "llm": a model of trained LLM weights' known shape -- heavy tails (Student-t,
+  4 degrees of freedom, unit variance) and output channels of different size (a log-normal
+  scale per column, sigma 0.5) -- for accuracy figures closer to checkpoints'; not a
+  checkpoint's distribution."""
+  if dist not in WEIGHT_DISTS:
+    raise ValueError(f"weights={dist!r}: one of {', '.join(WEIGHT_DISTS)}")
+  if dist == "gaussian":
+    return jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)
+  kt, kc = jax.random.split(key)
+  df = 4.0
+  w = jax.random.t(kt, df, shape, jnp.float32) / math.sqrt(df / (df - 2.0))
+  sigma = 0.5
+  cols = jnp.exp(sigma * jax.random.normal(kc, shape[:1] + (1,) + shape[2:], jnp.float32)
+                 - sigma * sigma)  # (E[cols^2] = 1)
+  return w * cols / math.sqrt(fan_in)
+
+
+def make_problem(cfg: MoEConfig, tokens: int, dtype, seed: int, weights: str = "gaussian"):
+  """Random weights (`random_weights` of distribution `weights`) and routing for one problem;
+  returns (args, touched_experts)."""
   ks = jax.random.split(jax.random.key(seed), 4)
   e, h, n, w = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.w13_out
   x = jax.random.normal(ks[0], (tokens, h), jnp.float32).astype(dtype)
-  w13 = (jax.random.normal(ks[1], (e, h, w), jnp.float32) / math.sqrt(h)).astype(dtype)
-  w2 = (jax.random.normal(ks[2], (e, n, h), jnp.float32) / math.sqrt(n)).astype(dtype)
+  w13 = random_weights(ks[1], (e, h, w), h, weights).astype(dtype)
+  w2 = random_weights(ks[2], (e, n, h), n, weights).astype(dtype)
   logits = jax.random.normal(ks[3], (tokens, e), jnp.float32)
   weights, ids = select_experts(x, logits, cfg.top_k, renormalize=True)
   touched = int(np.unique(np.asarray(ids)).size)
@@ -281,17 +305,18 @@ def default_backends(platform: str) -> list[str]:
 
 def run_bench(preset: str, tokens: Sequence[int], backends: Sequence[str], dtype: str,
               machine: Machine, *, scale: bool, repeats: int = 10, rotate: int = 3,
-              progress=None, peers: Sequence[str] = (), quant: Sequence[str] = ()
-              ) -> tuple[list[Row], str]:
+              progress=None, peers: Sequence[str] = (), quant: Sequence[str] = (),
+              weights: str = "gaussian") -> tuple[list[Row], str]:
   """Time each backend at each token count, dense and then with the weights quantized to each
   `quant` scheme (rows "backend scheme"; their rel err is against the dense reference, so it
-  is the scheme's accuracy). Returns (rows, scaling note)."""
+  is the scheme's accuracy). weights: the weights' distribution (`random_weights`).
+  Returns (rows, scaling note)."""
   cfg, note = bench_config(preset, scale, quant)
   jdtype = jnp.dtype(dtype)
   rows: list[Row] = []
   fns = {b: _backend_fn(b, cfg) for b in backends}
   for t in tokens:
-    problems = [make_problem(cfg, t, jdtype, seed) for seed in range(rotate)]
+    problems = [make_problem(cfg, t, jdtype, seed, weights) for seed in range(rotate)]
     touched = problems[0][1]
     flops = block_flops(t, cfg)
     nbytes = block_bytes(t, cfg, touched, jdtype.itemsize)

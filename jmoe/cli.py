@@ -91,7 +91,7 @@ def cmd_bench(args) -> int:
     task = prog.add_task("benchmarking", total=total)
     rows, note = bench.run_bench(args.preset, tokens, backends, args.dtype, machine, scale=scale,
                                  repeats=args.repeats, peers=peers, quant=args.quant,
-                                 progress=lambda: prog.advance(task))
+                                 weights=args.weights, progress=lambda: prog.advance(task))
   table = Table(title=f"{args.preset} ({args.dtype}, {machine.platform})")
   has_dev = any(r.device_us is not None for r in rows)
   cols = ["tokens", "backend", "wall µs"] + (["device µs"] if has_dev else []) + [
@@ -359,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="also time the backends with the weights quantized to these schemes "
                       f"(comma-separated: {', '.join(QUANT_SCHEMES)}); their rel err vs the "
                       "dense block is the scheme's accuracy")
+  b.add_argument("--weights", default="gaussian", choices=("gaussian", "llm"),
+                 help="the random weights' distribution: gaussian, or llm (heavy tails and "
+                      "channels of different size, a model of trained weights: "
+                      "jmoe.bench.random_weights)")
   b.add_argument("--json", default=None, help="write the rows as JSON here")
   b.add_argument("--plot", default=None, help="write a time-vs-tokens plot (PNG) here")
   b.set_defaults(func=cmd_bench)

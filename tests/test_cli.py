@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -116,6 +117,26 @@ def test_bench_quant_shows_speed_and_accuracy(tmp_path, capsys):
   with pytest.raises(SystemExit):
     cli.main(["bench", "--quant", "fp7"])
   assert "'fp7' is not a quantization scheme" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # (two bench runs: ~30 s)
+def test_bench_weights_llm_changes_the_accuracy_not_the_scale(tmp_path):
+  """--weights llm: heavy-tailed weights with columns of different size, the same std as the
+  Gaussian ones; the block runs and the 4-bit scheme's error differs from the Gaussian run's."""
+  import jax
+  w = np.asarray(bench.random_weights(jax.random.key(0), (2, 256, 512), 256, "llm")) * 16
+  assert abs(w.std() - 1) < 0.1 and (np.abs(w) > 5).mean() > 1e-3  # heavier tails than N(0, 1)
+  errs = {}
+  for dist in bench.WEIGHT_DISTS:
+    js = tmp_path / f"{dist}.json"
+    assert cli.main(["bench", "--preset", "qwen3-30b-a3b", "--tokens", "4", "--backends", "xla",
+                     "--quant", "w4a16", "--repeats", "1", "--weights", dist,
+                     "--json", str(js)]) == 0
+    rows = {r["backend"]: r for r in json.loads(js.read_text())["rows"]}
+    errs[dist] = rows["xla w4a16"]["rel_err"]
+  assert all(0.01 < e < 0.5 for e in errs.values()) and errs["llm"] != errs["gaussian"]
+  with pytest.raises(ValueError, match="weights='uniform'"):
+    bench.random_weights(jax.random.key(0), (1, 8, 8), 8, "uniform")
 
 
 def test_check_quant_prints_the_choice_and_why(capsys):

@@ -363,6 +363,20 @@ def store_task_rows(src, dst, *, tile_row, lo, hi, tile_m: int, ladder: list[int
     start = start + (size & rows)
 
 
+def task_item_loop(meta_ref, num_items, n_tiles: int, m_pad: int, tile_m: int,
+                   compute_item) -> None:
+  """The persistent kernels' work loop over items (task, column tile) of a `tile_metadata`
+  list, spread over the grid's "sm" axis: compute_item(expert, task, first tile row, first
+  row, end row, column tile), the tile row shifted back inside m_pad rows."""
+  @plgpu.nd_loop((num_items,), collective_axes="sm")
+  def _loop(info):
+    (lin,) = info.index
+    task, ni = lax.div(lin, jnp.int32(n_tiles)), lax.rem(lin, jnp.int32(n_tiles))
+    e = meta_ref[0, task]
+    row = pl.multiple_of(jnp.minimum(meta_ref[1, task], m_pad - tile_m), 8)
+    compute_item(e, task, row, meta_ref[2, task], meta_ref[3, task], ni)
+
+
 def tile_metadata(group_sizes: jax.Array, m: int, block_m: int):
   """Work list of (group, row tile) tasks computed on device.
 

@@ -434,13 +434,7 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
           num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
           compute_context=compute_context)(*gmem, allocations=pipeline_allocs)
 
-    @plgpu.nd_loop((num_items,), collective_axes="sm")
-    def _loop(info):
-      (lin,) = info.index
-      task, ni = lax.div(lin, jnp.int32(n_tiles)), lax.rem(lin, jnp.int32(n_tiles))
-      e = meta_ref[0, task]
-      row = pl.multiple_of(jnp.minimum(meta_ref[1, task], m_pad - bm), 8)
-      compute_item(e, task, row, meta_ref[2, task], meta_ref[3, task], ni)
+    gg.task_item_loop(meta_ref, num_items, n_tiles, m_pad, bm, compute_item)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 

@@ -410,7 +410,8 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
       plgpu.wgmma_wait(0)  # the A registers and the ring slot are read
       return accs
 
-    def compute_item(e, row, lo, hi, ni):
+    def compute_item(e, task, row, lo, hi, ni):
+      del task  # (the rows are in the sorted layout: the tile's row says where)
       c = ni * bn
       gmem = [lhs_ref.at[pl.ds(row, bm), :],
               *[codes_ref.at[e, pl.ds(j * n_out + c, bn), :] for j in range(n_rhs)]]
@@ -429,13 +430,7 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
           num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
           compute_context=compute_context)(*gmem, allocations=pipeline_allocs)
 
-    @plgpu.nd_loop((num_items,), collective_axes="sm")
-    def _loop(info):
-      (lin,) = info.index
-      task, ni = lax.div(lin, jnp.int32(n_tiles)), lax.rem(lin, jnp.int32(n_tiles))
-      e = meta_ref[0, task]
-      row = pl.multiple_of(jnp.minimum(meta_ref[1, task], m_pad - bm), 8)
-      compute_item(e, row, meta_ref[2, task], meta_ref[3, task], ni)
+    gg.task_item_loop(meta_ref, num_items, n_tiles, m_pad, bm, compute_item)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 

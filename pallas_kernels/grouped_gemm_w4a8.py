@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jmoe.kernels import _compat
 from jmoe.kernels import grouped_gemm_ws as ws
 from jmoe.kernels.activations import Activation
 from jmoe.kernels.decode_wq import _codes
@@ -128,26 +127,19 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
   config.block_m) was built for; m_pad >= block_m), w mxfp4 QuantizedWeights (values
   [E, N_total, K/2]), a_scale [m_pad] f32 (the rows' token scales), bias [E, N_total] f32,
   row_scale [m_pad]. -> [m_pad, N_out] out_dtype (rows outside the tasks unwritten)."""
-  m_pad, k = lhs.shape
-  e, n_total, _ = w.values.shape
+  k = lhs.shape[1]
+  n_total = w.values.shape[1]
   n_out = n_total // 2 if gated else n_total
   why = unsupported(k, n_out, w)
   if why is not None:
     raise ValueError(f"w4a8_run: {why}")
-  cfg = fit_stages(config or default_config(n_out, gated), 2 if gated else 1,
-                   jnp.dtype(out_dtype).itemsize)
-  ws.check_config(cfg, CONVERSION, gated=gated, n_out=n_out, m_pad=m_pad,
-                  out_bytes=jnp.dtype(out_dtype).itemsize)
-  interp, nsm = _compat.launch_params(interpret)
-  kern = ws.build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total,
-                  out_dtype=jnp.dtype(out_dtype), cfg=cfg, conv=CONVERSION, gated=gated,
-                  act=act, has_bias=bias is not None, has_scale=row_scale is not None,
-                  num_sms=nsm, interpret=interp)
+  kern = ws.call_kernel(CONVERSION, config or default_config(n_out, gated), lhs=lhs,
+                        n_total=n_total, gated=gated, act=act, out_dtype=out_dtype,
+                        has_bias=bias is not None, has_scale=row_scale is not None,
+                        interpret=interpret)
   codes = _codes(w, jnp.dtype(jnp.int4))
   shifts, w_scale = mx_shift_bytes(w.scale)
-  meta_arr, ntasks = meta
-  args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, codes, shifts,
-          a_scale.astype(jnp.float32), w_scale]
+  args = ws.task_args(meta, lhs, codes) + [shifts, a_scale.astype(jnp.float32), w_scale]
   return kern(*args, *ws.epilogue_args(row_scale, bias))
 
 

@@ -140,8 +140,8 @@ def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
   tile_metadata(.., config.block_m) was built for; m_pad >= block_m), w QuantizedWeights
   (values [E, N_total, K/2]; see `unsupported`), bias [E, N_total] f32, row_scale [m_pad].
   -> [m_pad, N_out] out_dtype (rows outside the tasks unwritten)."""
-  m_pad, k = lhs.shape
-  e, n_total, _ = w.values.shape
+  k = lhs.shape[1]
+  n_total = w.values.shape[1]
   n_out = n_total // 2 if gated else n_total
   why = unsupported(k, n_out, w)
   if why is not None:
@@ -151,17 +151,11 @@ def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
   plan = _weight_plan(w)
   zero = w.zero is not None
   conv = conversion(plan, zero, lhs.dtype)
-  out_bytes = jnp.dtype(out_dtype).itemsize
-  cfg = ws.fit_stages(config or ws.default_config(n_out, gated, conv, out_bytes=out_bytes),
-                      conv, 2 if gated else 1, out_bytes)
-  ws.check_config(cfg, conv, gated=gated, n_out=n_out, m_pad=m_pad, out_bytes=out_bytes)
-  interp, nsm = _compat.launch_params(interpret)
-  kern = ws.build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total,
-                  out_dtype=jnp.dtype(out_dtype), cfg=cfg, conv=conv, gated=gated, act=act,
-                  has_bias=bias is not None, has_scale=row_scale is not None, num_sms=nsm,
-                  interpret=interp)
-  meta_arr, ntasks = meta
-  args = [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, _codes(w, plan.code)]
+  cfg = config or ws.default_config(n_out, gated, conv, out_bytes=jnp.dtype(out_dtype).itemsize)
+  kern = ws.call_kernel(conv, cfg, lhs=lhs, n_total=n_total, gated=gated, act=act,
+                        out_dtype=out_dtype, has_bias=bias is not None,
+                        has_scale=row_scale is not None, interpret=interpret)
+  args = ws.task_args(meta, lhs, _codes(w, plan.code))
   if plan.scale8 == "e8m0":  # the bytes, group-major (a step's rows contiguous: one TMA box)
     args.append(_group_major(lax.bitcast_convert_type(w.scale, jnp.uint8)))
   elif plan.grouped:

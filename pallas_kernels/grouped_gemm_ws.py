@@ -223,6 +223,28 @@ def grouped_call(run, lhs: jax.Array, w, group_sizes: jax.Array, *, activation,
   return out[:m]
 
 
+def call_kernel(conv: Conversion, cfg: WSConfig, *, lhs: jax.Array, n_total: int, gated: bool,
+                act: Activation | None, out_dtype, has_bias: bool, has_scale: bool,
+                interpret):
+  """The kernel for one call on lhs [m_pad, K]: cfg fitted to shared memory (its ring lowered
+  to what fits), checked against the call (naming what does not fit), built."""
+  m_pad, k = lhs.shape
+  n_out = n_total // 2 if gated else n_total
+  out_bytes = jnp.dtype(out_dtype).itemsize
+  cfg = fit_stages(cfg, conv, 2 if gated else 1, out_bytes)
+  check_config(cfg, conv, gated=gated, n_out=n_out, m_pad=m_pad, out_bytes=out_bytes)
+  interp, nsm = _compat.launch_params(interpret)
+  return build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, out_dtype=jnp.dtype(out_dtype),
+               cfg=cfg, conv=conv, gated=gated, act=act, has_bias=has_bias,
+               has_scale=has_scale, num_sms=nsm, interpret=interp)
+
+
+def task_args(meta, lhs: jax.Array, codes: jax.Array) -> list:
+  """The kernel's leading operands as `build` orders them: the task list, lhs, the codes."""
+  meta_arr, ntasks = meta
+  return [meta_arr.astype(jnp.int32), ntasks.astype(jnp.int32), lhs, codes]
+
+
 def epilogue_args(row_scale: jax.Array | None, bias: jax.Array | None) -> list:
   """The kernel's trailing operands as `build` orders them: [row_scale f32] [bias f32]."""
   return ([] if row_scale is None else [row_scale.astype(jnp.float32)]) + (

@@ -506,11 +506,11 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=out_dtype)
 
 
-# The weight-only prefill GEMMs beat dequantizing every expert per call while the experts get
-# few rows each (the dequantize's cost is the weights', the in-register conversion's grows
-# with the rows). H200, 4096 tokens (2026-12-02): qwen3 (256 rows an expert) w4a16 989 vs
-# 1,084 µs, mxfp4 1,252 vs 1,337; mixtral (1,024 rows an expert) w4a16 5,474 vs 5,167,
-# mxfp4 7,055 vs 5,551.
+# grouped_gemm_wq (one warpgroup; what sizes 128 does not divide and e4m3 codes run) beats
+# dequantizing every expert per call while the experts get few rows each (the dequantize's
+# cost is the weights', the in-register conversion's grows with the rows). H200, 4096 tokens
+# (2026-12-02): qwen3 (256 rows an expert) w4a16 989 vs 1,084 µs, mxfp4 1,252 vs 1,337;
+# mixtral (1,024 rows an expert) w4a16 5,474 vs 5,167, mxfp4 7,055 vs 5,551.
 PREFILL_MAX_ROWS_PER_EXPERT = 512
 LAYOUTS = ("auto", "decode", "decode_fp8", "decode_shared", "prefill", "prefill_ws",
            "prefill_fp8", "dequantize")
@@ -521,24 +521,25 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   """"decode" (jmoe.kernels.decode_wq: the packed codes are the only weight bytes read, an
   expert streamed once per slot), "decode_shared" (jmoe.kernels.decode_wq_shared: the same
   with up to 8 slots of one expert per work item, so an expert streams once per 8 of its
-  slots; the group scales cost a multiply per weight element), "prefill"
-  (jmoe.kernels.grouped_gemm_wq: grouped GEMMs on the codes, dequantized in registers; no
-  dequantized copy of the experts) or "dequantize" (the weights dequantized in the graph per
-  call, then the bf16 kernels: prefill, and what the decode kernels refuse: groups of 64, H /
-  N off their multiples, more than 128 slots). auto: prefill for 4-bit and e4m3 codes where
-  neither decode kernel takes the call and the experts average at most
-  PREFILL_MAX_ROWS_PER_EXPERT rows; decode_shared where slots share experts on average
-  (T * k >= 2 E) or decode_wq refuses only what decode_wq_shared takes (zero points at H / 128
-  not a multiple of 16); decode where it takes the problem, except where slots share experts
-  and decode_wq_shared refuses the format (e2m1, groups of 16 / 32): there prefill for 4-bit
-  and e4m3 codes; else dequantize (H200: the rule picks the faster layout in every measured
-  case; docs/kernels.md, "Slots that share experts", "e2m1 and small groups"). 4-bit codes
-  with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): "decode_fp8" (decode_wq's 8-bit MMAs on the
-  fp8 tokens, the intermediate quantized per 128 columns) only when asked; "prefill_fp8"
-  (grouped_gemm_w4a8) where it takes the call and the bf16-token rule would not pick
-  "decode"; elsewhere the tokens are dequantized to bf16 and the weight-only rule picks
-  (`weight_only_view`). Not decode_fp8 by default: the bf16-token decode kernel on
-  mma.sync is faster (BENCHMARKS.md, "fp8 tokens over 4-bit codes"). mxfp8's tokens are dequantized always
+  slots; the group scales cost a multiply per weight element), "prefill_ws"
+  (jmoe.kernels.grouped_gemm_wq_ws: warp-specialized grouped GEMMs on 4-bit codes converted
+  in registers, H and N multiples of 128), "prefill" (jmoe.kernels.grouped_gemm_wq: the
+  single-warpgroup form, which also takes sizes 128 does not divide and e4m3 codes) or
+  "dequantize" (the weights dequantized in the graph per call, then the bf16 kernels).
+  auto: decode_shared where slots share experts on average (T * k >= 2 E) or decode_wq
+  refuses only what decode_wq_shared takes (zero points at H / 128 not a multiple of 16);
+  decode where it takes the problem and slots do not share experts; past those (prefill,
+  more than 128 slots, or slots sharing experts in a format decode_wq_shared refuses: e2m1,
+  groups of 16 / 32) prefill_ws where it takes the call (H200, 4096 tokens: w4a16 0.92-1.11 x
+  bf16's time against grouped_gemm_wq's 1.13-1.42 x), else prefill for 4-bit and e4m3 codes
+  while the experts average at most PREFILL_MAX_ROWS_PER_EXPERT rows, else dequantize
+  (docs/kernels.md, "Slots that share experts", "e2m1 and small groups", "Weight-only
+  prefill"). 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8): "decode_fp8"
+  (decode_wq's 8-bit MMAs on the fp8 tokens, the intermediate quantized per 128 columns)
+  only when asked -- the bf16-token decode kernel on mma.sync is faster (BENCHMARKS.md, "fp8
+  tokens over 4-bit codes"); "prefill_fp8" (grouped_gemm_w4a8) where it takes the call and
+  the bf16-token rule would not pick "decode"; elsewhere the tokens are dequantized to bf16
+  and the weight-only rule picks (`weight_only_view`). mxfp8's tokens are dequantized always
   (`fp8_token_kernels`)."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r}: one of {', '.join(map(repr, LAYOUTS))}")
@@ -586,7 +587,7 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
     # 888 us against 2,414 decode_wq, 2,333 dequantized; docs/kernels.md)
     # (and for e4m3 codes: mxfp8's groups of 32, which the shared kernel refuses; H200 qwen3
     # 4096 tokens: 1,170 us against 1,394 dequantized)
-    if why_ws is None:
+    if why_ws is None:  # (H200 mixtral mxfp4 16 tokens: 721 us against 888 on the above)
       return "prefill_ws"
     fp8_codes = w13.scheme.weight_dtype == "float8_e4m3fn"
     if (why_prefill is None and (w13.packed or fp8_codes)

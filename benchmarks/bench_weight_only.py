@@ -56,7 +56,7 @@ import jmoe  # noqa: E402
 from jmoe.config import PRESETS as JMOE_PRESETS, QUANT_SCHEMES, QuantConfig  # noqa: E402
 from jmoe.experts._common import add_bias, sort_slots_by_expert  # noqa: E402
 from jmoe.kernels.activations import Activation  # noqa: E402
-from jmoe.quant import dequantize, weight_bytes  # noqa: E402
+from jmoe.quant import dequantize, prepare_for_kernels, weight_bytes  # noqa: E402
 from jmoe.quant.activations import fake_quantize  # noqa: E402
 from jmoe.quant.weights import PACKED_4BIT  # noqa: E402
 from jmoe.experts.pallas import runs_weight_only  # noqa: E402
@@ -523,6 +523,9 @@ def parse_args(argv=None):
                   help="decode_wq's form switches for an A/B, FLAG=0|1 comma-separated: "
                        f"{', '.join(DECODE_WQ_FLAGS)} (default: all on; run one process per "
                        "setting: a traced kernel keeps the form it was traced with)")
+  ap.add_argument("--prepared", default="yes", choices=("yes", "no", "both"),
+                  help="time the weights with the kernels' derived operands made once "
+                       "(jmoe.quant.prepare_for_kernels), as loaded only (no), or both rows")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--rotate", type=int, default=3, help="random input sets timed in rotation")
   ap.add_argument("--check-tokens", type=int, default=4,
@@ -730,19 +733,27 @@ def main(argv=None) -> int:
       q = (quantize_chunked(w13, quant), quantize_chunked(w2, quant))
       d = (dequantize_chunked(q[0], jnp.bfloat16), dequantize_chunked(q[1], jnp.bfloat16))
       jax.block_until_ready((q, d))
+      variants = {"no": q} if args.prepared == "no" else {}
+      if args.prepared in ("yes", "both"):  # the kernels' derived operands made once
+        variants["yes"] = jax.block_until_ready(prepare_for_kernels(*q, activation=p["act"]))
+      if args.prepared == "both":
+        variants["no"] = q
       for t in tokens:
         if time.time() - t_start > args.budget_s:
           log(f"budget reached: skipping {pname} T={t} {label}")
           continue
         if t in out_ref:
-          for lay in args.layouts:  # a fresh jit per layout: the env var is read when tracing
-            os.environ["JMOE_WEIGHT_ONLY_LAYOUT"] = lay
-            run_scheme(args, p, t, sets_of[t], cases[t], label if lay == "auto" else
-                       f"{label}[{lay}]", quant, q, d, bias, out_ref[t],
-                       fn if lay == "auto" else block_fn(p["act"], args.runner))
-            save()
-          os.environ.pop("JMOE_WEIGHT_ONLY_LAYOUT", None)
-      del q, d
+          for prep, qv in variants.items():
+            for lay in args.layouts:  # a fresh jit per layout: the env var is read when tracing
+              os.environ["JMOE_WEIGHT_ONLY_LAYOUT"] = lay
+              name = (label if lay == "auto" else f"{label}[{lay}]") + (
+                  "[unprepared]" if args.prepared == "both" and prep == "no" else "")
+              run_scheme(args, p, t, sets_of[t], cases[t], name, quant, qv, d, bias,
+                         out_ref[t], fn if lay == "auto" else block_fn(p["act"], args.runner))
+              cases[t]["schemes"][-1]["prepared"] = prep == "yes"
+              save()
+            os.environ.pop("JMOE_WEIGHT_ONLY_LAYOUT", None)
+      del q, d, variants
     del w13, w2, bias
   add_peer_ratios(results)
   save()

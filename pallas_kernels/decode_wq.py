@@ -73,6 +73,7 @@ from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile, e4m3_tile, fp8_codes_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import FP8_MAX
 from jmoe.kernels.permute import touched_experts
+from jmoe.kernels.prepared import Operand, operand
 from jmoe.quant.activations import ROW_SCALES
 from jmoe.quant.weights import check_quantized
 
@@ -970,6 +971,16 @@ def float_scales(w, experts: jax.Array) -> jax.Array:
   return s
 
 
+def padded_byte_columns(cols: int) -> int:
+  """Byte-scale columns padded to TMA's 16-byte row pitch."""
+  return -(-cols // 16) * 16
+
+
+# w2's byte scales with their rows padded (jmoe.kernels.prepared: kept where prepared)
+W2_SCALE_BYTES = Operand("decode_wq.w2_scale_bytes", lambda w: _padded_last(
+    lax.bitcast_convert_type(w.scale, jnp.uint8), padded_byte_columns(w.scale.shape[-1])))
+
+
 def _padded_last(a: jax.Array, size: int) -> jax.Array:
   """a with its last axis zero-padded to size."""
   return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, size - a.shape[-1])])
@@ -1071,13 +1082,14 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   k1 = k1_steps(h, plan)
   if plan.scale_bytes:  # the stored bytes, by expert (their row pitch a multiple of 16 bytes)
     s13, s2 = (lax.bitcast_convert_type(w.scale, jnp.uint8) for w in (w13, w2))
-    cols2 = max(-(-s2.shape[-1] // 16) * 16, s2_width(plan))
+    cols2 = max(padded_byte_columns(s2.shape[-1]), s2_width(plan))
     sid = jnp.clip(ids, 0, e - 1)
     if cols2 != s2.shape[-1]:  # w2's rows padded to 16 bytes (TMA's row pitch; qwen3 mxfp4:
-      # 24): every expert's in one pad fusion where that copy is small, else the touched
-      # experts' (their unique / gather are ~10 XLA launches)
-      if s2.size // s2.shape[-1] * cols2 <= PAD_ALL_BYTES:
-        s2 = _padded_last(s2, cols2)
+      # 24): prepared, or every expert's in one pad fusion where that copy is small, else the
+      # touched experts' (their unique / gather are ~10 XLA launches)
+      if (W2_SCALE_BYTES.key in (w2.prepared or {})
+          or s2.size // s2.shape[-1] * cols2 <= PAD_ALL_BYTES):
+        s2 = operand(w2, W2_SCALE_BYTES)
       else:
         touched, sid = touched_experts(ids, e)
         s13, s2 = s13[touched], _padded_last(s2[touched], cols2)

@@ -43,6 +43,7 @@ from jmoe.kernels.decode_wq import _codes
 from jmoe.kernels.e2m1 import (SHIFT_BIAS, e4m3_shift_bytes, e4m3_shifted_tile,
                                e4m3_shifted_values)
 from jmoe.kernels.grouped_gemm_q8 import row_scale_vector
+from jmoe.kernels.prepared import Operand, operand
 
 BK = ws.BK  # the K step: one 128-byte swizzle row of fp8 tokens
 GROUP = 32  # mxfp4's scale group along K
@@ -94,6 +95,12 @@ def mx_shift_bytes(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   return e4m3_shift_bytes(ex - ref[:, None, :] + SHIFT_BIAS), w_scale
 
 
+# the kernel's weight-derived operands (jmoe.kernels.prepared: kept where prepared)
+# (both from one mx_shift_bytes; XLA computes it once where both are made in one call)
+OPERANDS = (Operand("w4a8.shifts", lambda w: mx_shift_bytes(w.scale)[0]),
+            Operand("w4a8.w_scale", lambda w: mx_shift_bytes(w.scale)[1]))
+
+
 def fp8_codes(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The kernel's operands in jnp (the reference): packed e2m1 codes uint8 [E, N, K/2] and
   their e8m0 scales [E, N, K/32] -> (the e4m3 values the kernel multiplies [E, N, K] float32,
@@ -138,7 +145,7 @@ def w4a8_run(lhs: jax.Array, w, a_scale: jax.Array, *, meta, act: Activation | N
                         has_bias=bias is not None, has_scale=row_scale is not None,
                         interpret=interpret)
   codes = _codes(w, jnp.dtype(jnp.int4))
-  shifts, w_scale = mx_shift_bytes(w.scale)
+  shifts, w_scale = (operand(w, op) for op in OPERANDS)
   args = ws.task_args(meta, lhs, codes) + [shifts, a_scale.astype(jnp.float32), w_scale]
   return kern(*args, *ws.epilogue_args(row_scale, bias))
 

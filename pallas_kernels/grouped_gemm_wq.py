@@ -48,6 +48,7 @@ from jmoe.kernels.decode_wq import (_codes, _plan, _Plan, block_group, block_sta
                                     code_values, scale_values, unsupported_format)
 from jmoe.kernels.e2m1 import E2M1_UNIT
 from jmoe.kernels.grouped_gemm import kernel_activation
+from jmoe.kernels.prepared import Operand, operand
 
 BM = 128  # token rows per task: wgmma's N
 BF = 64  # GEMM1: gate / up rows (intermediate columns) per item, one m64 A tile each
@@ -566,19 +567,26 @@ def prefill_wq(xs: jax.Array, meta: jax.Array, num_tasks: jax.Array, w13, w2, *,
   meta = meta.astype(jnp.int32)
   num_tasks = num_tasks.astype(jnp.int32)
   args = [meta, num_tasks, xs, _codes(w13, plan.code)]
-  args.append(_group_major_scales(w13, plan) if plan.grouped else
-              w13.scale[:, :, 0].astype(jnp.float32))
-  if plan.zero13:
-    args.append(_group_major(w13.zero))
+  args += [operand(w13, op) for op in operands(w13)]
   if plan.has_bias:
     args.append(w13_bias.astype(jnp.float32))
   a_t = k1(*args)
   args = [meta, num_tasks, a_t, _codes(w2, plan.code)]
-  args.append(_group_major_scales(w2, plan) if plan.grouped else
-              w2.scale[:, :, 0].astype(jnp.float32))
-  if plan.zero2:
-    args.append(_group_major(w2.zero))
+  args += [operand(w2, op) for op in operands(w2)]
   return k2(*args)
+
+
+def operands(w) -> tuple[Operand, ...]:
+  """prefill_wq's weight-derived operands for one GEMM's weights w, in its argument order
+  (`jmoe.kernels.prepared`: kept on w where prepared, else made per call): the scales as
+  float32, group-major (`_group_major_scales`) or per channel [E, rows], and the zero points
+  group-major."""
+  grouped = w.scheme.weight_scale == "group"
+  ops = [Operand("wq.scale", (lambda w: _group_major_scales(w, _plan(w, w, False))) if grouped
+                 else (lambda w: w.scale[:, :, 0].astype(jnp.float32)))]
+  if w.zero is not None:
+    ops.append(Operand("wq.zero", lambda w: _group_major(w.zero)))
+  return tuple(ops)
 
 
 def combine_columns(y_t: jax.Array, cols: jax.Array, topk_weights: jax.Array, w2_bias, *,

@@ -27,6 +27,7 @@ from jax import lax
 
 from jmoe.kernels import _compat
 from jmoe.kernels import grouped_gemm_ws as ws
+from jmoe.kernels.prepared import Operand, operand
 from jmoe.kernels.activations import Activation
 from jmoe.kernels.decode_wq import _codes, _plan, _Plan
 from jmoe.kernels.e2m1 import E2M1_UNIT
@@ -99,6 +100,28 @@ def _weight_plan(w) -> _Plan:
   return _plan(w, w, False)
 
 
+def operands(w, xdt) -> tuple[Operand, ...]:
+  """The kernel's weight-derived operands for w with tokens of dtype xdt, in its argument
+  order (`jmoe.kernels.prepared`: kept on w where prepared, else made per call): the grouped
+  scales group-major (a step's rows contiguous: one TMA box) -- mxfp4's e8m0 as their bytes,
+  the others in xdt with nvfp4's global scale and E2M1_UNIT folded in --, the zero points
+  group-major, the accumulator's per-column factors (`column_scales`)."""
+  plan = _weight_plan(w)
+  xdt = jnp.dtype(xdt)
+  ops = []
+  if plan.scale8 == "e8m0":
+    ops.append(Operand("wq_ws.scale_bytes", lambda w: _group_major(
+        lax.bitcast_convert_type(w.scale, jnp.uint8))))
+  elif plan.grouped:
+    ops.append(Operand(f"wq_ws.scale.{xdt.name}", lambda w: _group_major_scales(
+        w, _weight_plan(w)).astype(xdt)))
+  if w.zero is not None:
+    ops.append(Operand("wq_ws.zero", lambda w: _group_major(w.zero).astype(jnp.uint8)))
+  if conversion(plan, w.zero is not None, xdt).per_column:
+    ops.append(Operand("wq_ws.columns", lambda w: column_scales(w, _weight_plan(w))))
+  return tuple(ops)
+
+
 TABLES = ("grouped_gemm_wq_ws_gated", "grouped_gemm_wq_ws")  # GEMM1, GEMM2 (tuned configs)
 
 
@@ -156,14 +179,7 @@ def wq_ws_run(lhs: jax.Array, w, *, meta, act: Activation | None, gated: bool,
                         out_dtype=out_dtype, has_bias=bias is not None,
                         has_scale=row_scale is not None, interpret=interpret)
   args = ws.task_args(meta, lhs, _codes(w, plan.code))
-  if plan.scale8 == "e8m0":  # the bytes, group-major (a step's rows contiguous: one TMA box)
-    args.append(_group_major(lax.bitcast_convert_type(w.scale, jnp.uint8)))
-  elif plan.grouped:
-    args.append(_group_major_scales(w, plan).astype(lhs.dtype))
-  if zero:
-    args.append(_group_major(w.zero).astype(jnp.uint8))
-  if conv.per_column:
-    args.append(column_scales(w, plan))
+  args += [operand(w, op) for op in operands(w, lhs.dtype)]
   return kern(*args, *ws.epilogue_args(row_scale, bias))
 
 

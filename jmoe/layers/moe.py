@@ -6,6 +6,7 @@ the router logits' losses, the expert load and the capacity drops.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Union
 
 import jax
@@ -20,9 +21,9 @@ from jmoe.layers import losses
 from jmoe.layers.capacity import (batched_experts_with_capacity, capacity_dropped,
                                   expert_capacity)
 from jmoe.layers.partitioning import resolve_axes
-from jmoe.layers.variables import QuantizedSlot, QuantizedWeight, variable
+from jmoe.layers.variables import QuantizedSlot, variable
 from jmoe.modular import ExpertWeights
-from jmoe.quant import QuantizedWeights, quantize_weights
+from jmoe.quant import QuantizedWeights, check_quantized, prepare_for_kernels, quantize_weights
 from jmoe.router import RoutingFn, select_experts
 from jmoe.shared import fuse_shared_slots, shared_expert_mlp
 
@@ -46,6 +47,11 @@ class MoE(nnx.Module):
       "auto"); `parallel=ParallelConfig(mesh=...)` runs the experts expert-parallel.
     quant: a scheme name / QuantConfig: the expert weights are drawn, quantized and held as
       non-trainable `QuantizedWeight` variables (forward only: no gradient reaches them).
+    prepare_for_kernels: also hold the operands the Pallas kernels derive from quantized
+      weights (`jmoe.quant.prepare_for_kernels`: the prefill GEMMs' scale layouts), made at
+      construction and on `load_params` instead of on every call; they cost memory (nvfp4:
+      a bf16 copy of its scales). None: where the Pallas kernels may run (a GPU backend, the
+      runner auto or pallas_mosaic).
     kernel_init, router_init, bias_init: initializers of the expert / shared weights, the
       router weight, and the biases (the correction bias starts at zero).
     routing_fn: `select_experts`' custom_routing_function.
@@ -72,6 +78,7 @@ class MoE(nnx.Module):
                param_dtype=jnp.float32, runner_backend: Optional[str] = None,
                a2a_backend: str = "auto", parallel: Optional[ParallelConfig] = None,
                quant: Union[str, QuantConfig, None] = None,
+               prepare_for_kernels: Optional[bool] = None,
                kernel_init: Initializer = expert_init_default,
                router_init: Initializer = dense_init_default,
                bias_init: Initializer = nnx.initializers.zeros_init(),
@@ -103,6 +110,11 @@ class MoE(nnx.Module):
     self.a2a_backend = a2a_backend
     self.parallel = parallel
     self.quant = quant
+    if prepare_for_kernels is None:
+      runner = runner_backend or config.runner_backend
+      prepare_for_kernels = (quant is not None and jax.default_backend() == "gpu"
+                             and runner in (None, "auto", "pallas_mosaic"))
+    self.prepare_for_kernels = bool(prepare_for_kernels)
     self.routing_fn = routing_fn
     self.router_jitter = float(router_jitter)
     self.deterministic = deterministic
@@ -131,10 +143,8 @@ class MoE(nnx.Module):
     w13 = kernel_init(rngs.params(), (e, h, c.w13_out), pdt)
     w2 = kernel_init(rngs.params(), (e, n, h), pdt)
     if self.quant is not None:
-      QuantizedSlot.store(self, "w13", quantize_weights(w13, self.quant, argname="w13"),
-                          ax.expert, mesh, own_mesh)
-      QuantizedSlot.store(self, "w2", quantize_weights(w2, self.quant, argname="w2"),
-                          ax.expert, mesh, own_mesh)
+      self._store_quantized(quantize_weights(w13, self.quant, argname="w13"),
+                            quantize_weights(w2, self.quant, argname="w2"), mesh, own_mesh)
       self.w13 = self.w2 = None
     elif gated:
       self.w13 = param(w13.reshape(e, h, 2, n), "expert", None, None, "tensor")
@@ -158,6 +168,14 @@ class MoE(nnx.Module):
       if c.shared_expert_gate:
         sg = param(router_init(rngs.params(), (h, 1), pdt)[:, 0], None)
     self.shared_w13, self.shared_w2, self.shared_gate = s13, s2, sg
+
+  def _store_quantized(self, w13: QuantizedWeights, w2: QuantizedWeights, mesh,
+                       own_mesh: bool) -> None:
+    if self.prepare_for_kernels:
+      dt = self.dtype if self.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+      w13, w2 = prepare_for_kernels(w13, w2, activation=self.config.act, dtype=dt)
+    QuantizedSlot.store(self, "w13", w13, self.axes.expert, mesh, own_mesh)
+    QuantizedSlot.store(self, "w2", w2, self.axes.expert, mesh, own_mesh)
 
   def params(self) -> MoEParams:
     """The current values as a MoEParams pytree in jmoe's layout (w13 [E, H, 2N], or
@@ -187,16 +205,24 @@ class MoE(nnx.Module):
     if isinstance(params.w13, QuantizedWeights) != (self.quant is not None):
       raise ValueError(f"params.w13 is {type(params.w13).__name__} but the layer was built with "
                        f"quant={self.quant}: build it with the weights' scheme")
+    if self.quant is not None:  # every part (global scales, act-order perms included)
+      for name in ("w13", "w2"):
+        value = getattr(params, name)
+        if value.scheme != self.quant:
+          raise ValueError(f"params.{name} is {value.scheme}, the layer holds {self.quant}")
+        check_quantized(value, argname=f"params.{name}")
+        for part in ("values", "scale"):
+          var = getattr(self, f"{name}_{part}")
+          if tuple(getattr(value, part).shape) != tuple(var.shape):
+            raise ValueError(f"params.{name}.{part} has shape {tuple(getattr(value, part).shape)}"
+                             f", the layer's variable {tuple(var.shape)}")
+      _, mesh, own_mesh = resolve_axes(self.parallel, self.axes.expert, self.axes.tensor)
+      self._store_quantized(dataclasses.replace(params.w13, prepared=None),
+                            dataclasses.replace(params.w2, prepared=None), mesh, own_mesh)
     for name in ("router_w", "router_b", "correction_bias", "w2_bias", "shared_w13",
                  "shared_w2", "shared_gate", "w13_bias", "w13", "w2"):
       value = getattr(params, name)
       if self.quant is not None and name in ("w13", "w2"):
-        if value.scheme != self.quant:
-          raise ValueError(f"params.{name} is {value.scheme}, the layer holds {self.quant}")
-        for part in ("values", "scale", "zero"):
-          var = getattr(self, f"{name}_{part}")
-          if var is not None:
-            self._assign(f"params.{name}.{part}", var, getattr(value, part))
         continue
       var = getattr(self, name)
       if (var is None) != (value is None):

@@ -23,30 +23,46 @@ def variable(kind, value, names: tuple, mesh, own_mesh: bool = False) -> nnx.Var
 
 class QuantizedSlot:
   """One quantized weight (w13 or w2) spread over plain variables of `module`:
-  `<name>_values`, `<name>_scale`, `<name>_zero` / `_global_scale` / `_perm` (or None); the
-  scheme and orientation are static Python attributes."""
+  `<name>_values`, `<name>_scale`, `<name>_zero` / `_global_scale` / `_perm` (or None), and
+  one `<name>_prepared_<key>` per prepared kernel operand (`jmoe.quant.prepare_for_kernels`;
+  their keys in `<name>_prepared_keys`); the scheme and orientation are static Python
+  attributes."""
 
   @staticmethod
   def store(module: nnx.Module, name: str, w: QuantizedWeights, expert_axis: Optional[str],
             mesh, own_mesh: bool = False) -> None:
+    """Set (or replace) the variables of slot `name` from w; the old prepared operands go."""
     names = (expert_axis, None, None)  # quantized experts shard over the expert axis only
-    setattr(module, f"{name}_values", variable(QuantizedWeight, w.values, names, mesh, own_mesh))
-    setattr(module, f"{name}_scale", variable(QuantizedWeight, w.scale, names, mesh, own_mesh))
+    put = lambda a: variable(QuantizedWeight, a, names[:a.ndim] + (None,) * (a.ndim - 3),  # noqa: E731
+                             mesh, own_mesh)
+    setattr(module, f"{name}_values", put(w.values))
+    setattr(module, f"{name}_scale", put(w.scale))
     for part in _OPTIONAL_PARTS:  # None, or [E, ...] sharded like the values
       a = getattr(w, part)
-      setattr(module, f"{name}_{part}", None if a is None else variable(
-          QuantizedWeight, a, names[:a.ndim], mesh, own_mesh))
+      setattr(module, f"{name}_{part}", None if a is None else put(a))
+    for key in getattr(module, f"{name}_prepared_keys", ()):
+      delattr(module, _prepared_attr(name, key))
+    prepared = w.prepared or {}
+    for key, a in prepared.items():  # ([E, ...] each: sharded like the values)
+      setattr(module, _prepared_attr(name, key), put(a))
+    setattr(module, f"{name}_prepared_keys", tuple(prepared))
     setattr(module, f"{name}_scheme", (w.scheme, w.k_major))
 
   @staticmethod
   def load(module: nnx.Module, name: str) -> QuantizedWeights:
     scheme, k_major = getattr(module, f"{name}_scheme")
     parts = {p: getattr(module, f"{name}_{p}", None) for p in _OPTIONAL_PARTS}
+    keys = getattr(module, f"{name}_prepared_keys", ())
+    prepared = {k: getattr(module, _prepared_attr(name, k))[...] for k in keys}
     return QuantizedWeights(values=getattr(module, f"{name}_values")[...],
                             scale=getattr(module, f"{name}_scale")[...],
                             **{p: None if v is None else v[...] for p, v in parts.items()},
-                            scheme=scheme, k_major=k_major)
+                            prepared=prepared or None, scheme=scheme, k_major=k_major)
 
 
-# QuantizedWeights' optional arrays (nvfp4's global scale, GPTQ act-order's perm)
+def _prepared_attr(name: str, key: str) -> str:
+  return f"{name}_prepared_" + "".join(c if c.isalnum() else "_" for c in key)
+
+
+# QuantizedWeights' optional arrays (zero points, nvfp4's global scale, GPTQ act-order's perm)
 _OPTIONAL_PARTS = ("zero", "global_scale", "perm")

@@ -15,20 +15,23 @@ The 4-bit formats (w4a16, mxfp4, nvfp4) pack two codes per uint8 along K (`packi
 layouts are in `weights`' docstring); `int4_checkpoints` reads GPTQ / AWQ tensors, and
 `jmoe.interop.hf` loads gpt-oss MXFP4, GPTQ / AWQ and ModelOpt nvfp4 checkpoints packed. The XLA
 experts run every format (the packed ones dequantized in the graph on every call); the Pallas
-kernels take the 8-bit W8A8 schemes only.
+kernels run every format on Hopper (`jmoe.kernels.moe`: the W8A8 GEMMs, and the weight-only
+decode and prefill kernels that convert codes in registers). `prepare_for_kernels` makes
+once, after loading, the scale layouts those kernels would otherwise make on every call.
 """
 from jmoe.quant.activations import (dequantize_activations, fake_quantize,
                                     quantize_activations)
 from jmoe.quant.dispatch import (FP8_DISPATCH_BLOCK, FP8_DISPATCH_DTYPE, dequantize_rows_fp8,
                                  quantize_rows_fp8)
 from jmoe.quant import int4_checkpoints, packing
+from jmoe.quant.kernel_layout import prepare_for_kernels
 from jmoe.quant.weights import (QuantizedWeights, check_quantized, dequantize, from_qwix,
                                 is_quantized, quantize_weights, weight_bytes)
 
 __all__ = [
     "FP8_DISPATCH_BLOCK", "FP8_DISPATCH_DTYPE", "QuantizedWeights", "check_quantized",
     "dequantize", "dequantize_activations", "dequantize_rows_fp8", "fake_quantize",
-    "from_qwix", "int4_checkpoints", "is_quantized", "packing", "quantize_activations",
-    "quantize_rows_fp8",
+    "from_qwix", "int4_checkpoints", "is_quantized", "packing", "prepare_for_kernels",
+    "quantize_activations", "quantize_rows_fp8",
     "quantize_weights", "weight_bytes",
 ]

@@ -83,6 +83,9 @@ class QuantizedWeights:
     `weight_scale_2`; required with e4m3 block scales), else None.
   perm: int32 [E, K], GPTQ act-order: the stored K position k holds logical row perm[e, k]
     (else None).
+  prepared: {key: [E, ...] array}, kernel operands derived from the arrays above once
+    (`prepare_for_kernels`: the prefill GEMMs' group-major scales, ...) instead of on every
+    call, else None. Derived data: replacing values or scales needs preparing again.
   scheme (static): the QuantConfig; k_major (static): the values' orientation.
   """
 
@@ -92,6 +95,7 @@ class QuantizedWeights:
   input_scale: Optional[jax.Array] = None
   global_scale: Optional[jax.Array] = None
   perm: Optional[jax.Array] = None
+  prepared: Optional[dict] = None
   scheme: QuantConfig = dataclasses.field(default=None, metadata=dict(static=True))
   k_major: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
@@ -132,19 +136,22 @@ class QuantizedWeights:
 
   def take_experts(self, idx: jax.Array) -> "QuantizedWeights":
     """The experts `idx` ([U] int32 in [0, E)) as their own stack: values, scales, zero points,
-    global scales and perms gathered along the expert axis (input_scale is per tensor)."""
+    global scales, perms and prepared operands gathered along the expert axis (input_scale is
+    per tensor)."""
     g = lambda a: None if a is None else jnp.take(a, idx, axis=0)  # noqa: E731
+    prepared = None if self.prepared is None else {k: g(a) for k, a in self.prepared.items()}
     return dataclasses.replace(self, values=g(self.values), scale=g(self.scale),
                                zero=g(self.zero), global_scale=g(self.global_scale),
-                               perm=g(self.perm))
+                               perm=g(self.perm), prepared=prepared)
 
   def with_k_major(self, k_major: bool = True) -> "QuantizedWeights":
-    """The same weights in the other orientation (one transpose of values and scales)."""
+    """The same weights in the other orientation (one transpose of values and scales; the
+    prepared operands, made for the K-major kernels, are dropped)."""
     if k_major == self.k_major:
       return self
     t = lambda a: None if a is None else jnp.swapaxes(a, 1, 2)  # noqa: E731
     return dataclasses.replace(self, values=t(self.values), scale=t(self.scale),
-                               zero=t(self.zero), k_major=k_major)
+                               zero=t(self.zero), k_major=k_major, prepared=None)
 
 
 def is_quantized(w: Any) -> bool:
@@ -445,6 +452,10 @@ def check_quantized(w: QuantizedWeights, *, argname: str) -> None:
                        f"{tuple(w.perm.shape)}")
     if not jnp.issubdtype(w.perm.dtype, jnp.integer):
       raise TypeError(f"{argname}.perm must be an integer array, got {w.perm.dtype}")
+  for key, a in (w.prepared or {}).items():
+    if getattr(a, "ndim", 0) < 1 or a.shape[0] != e:
+      raise ValueError(f"{argname}.prepared[{key!r}] must be [E={e}, ...] (one row per expert), "
+                       f"got shape {tuple(getattr(a, 'shape', ()))}")
 
 
 def weight_bytes(w: Any) -> int:

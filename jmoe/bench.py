@@ -24,6 +24,7 @@ from jmoe.api import fused_moe
 from jmoe import timing
 from jmoe.config import MoEConfig, get_preset
 from jmoe.oracle import platform_info
+from jmoe.quant.kernel_layout import prepare_for_kernels
 from jmoe.quant.weights import quantize_weights, weight_bytes
 from jmoe.router import select_experts
 
@@ -273,12 +274,18 @@ def make_problem(cfg: MoEConfig, tokens: int, dtype, seed: int, weights: str = "
   return (x, w13, w2, weights, ids), touched
 
 
-def quantized_problems(problems, scheme: str):
-  """The problems with w13 / w2 quantized to `scheme` (once, outside the timed calls)."""
+def quantized_problems(problems, scheme: str, cfg: MoEConfig, prepare: bool = False):
+  """The problems with w13 / w2 quantized to `scheme` (once, outside the timed calls), and
+  with `prepare` the kernels' derived operands made once too (`prepare_for_kernels`, as a
+  loaded model holds them)."""
   out = []
   for (x, w13, w2, tw, ti), touched in problems:
-    out.append(((x, quantize_weights(w13, scheme, argname="w13"),
-                 quantize_weights(w2, scheme, argname="w2"), tw, ti), touched))
+    q13 = quantize_weights(w13, scheme, argname="w13")
+    q2 = quantize_weights(w2, scheme, argname="w2")
+    if prepare:
+      dt = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+      q13, q2 = prepare_for_kernels(q13, q2, activation=cfg.act, dtype=dt)
+    out.append(((x, q13, q2, tw, ti), touched))
   return out
 
 
@@ -324,7 +331,8 @@ def run_bench(preset: str, tokens: Sequence[int], backends: Sequence[str], dtype
     ref_out = None
     runs = [(b, None) for b in list(backends) + list(peers)]
     runs += [(b, q) for q in quant for b in backends]
-    quantized = {q: quantized_problems(problems, q) for q in quant}
+    prepare = jax.default_backend() == "gpu"  # (the CPU runs XLA: no Pallas operands)
+    quantized = {q: quantized_problems(problems, q, cfg, prepare) for q in quant}
     for b, q in runs:
       label = (b if b in backends else f"peer:{b}") + (f" {q}" if q else "")
       try:

@@ -379,7 +379,9 @@ def _tune_weight_only(q13, q2, act, tokens: Sequence[int], top_k: int, key, tabl
   from jmoe.kernels import grouped_gemm as gg  # noqa: PLC0415
   from jmoe.kernels import grouped_gemm_wq_ws as wq_ws  # noqa: PLC0415
   from jmoe.kernels import permute  # noqa: PLC0415
+  from jmoe.quant import prepare_for_kernels  # noqa: PLC0415
   e, h, n = q13.shape[0], q13.shape[1], q2.shape[1]
+  q13, q2 = prepare_for_kernels(q13, q2, activation=act)  # (time the GEMMs, not the re-layout)
 
   def draw(t: int, k_):
     """GEMM1's and GEMM2's operands for one routing of t tokens."""

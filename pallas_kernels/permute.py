@@ -225,7 +225,6 @@ def _gather_sum_fwd(y, weights, inv, sort_order, k, out_dtype, impl, interpret):
 
 def _gather_sum_bwd(k, out_dtype, impl, interpret, res, d):
   y, weights, inv, order = res
-  m_rows = order.shape[0]
   row_ok = (order >= 0)[:, None]
   order = jnp.maximum(order, 0)
   if weights is None:
@@ -484,7 +483,6 @@ def gather_rows(x: jax.Array, idx: jax.Array, num_rows: jax.Array | None = None,
   c = _row_chunk(h)
   x3 = x.reshape(t, h // c, c)
   idx = jnp.clip(idx.astype(jnp.int32), 0, t - 1)
-  steps = m // r
   need = jnp.full((1,), m, jnp.int32) if num_rows is None else jnp.clip(
       jnp.asarray(num_rows, jnp.int32).reshape(1), 0, m)
   ns = num_stages

@@ -234,7 +234,6 @@ def _build_tgmm(*, m, k, n, e, dtype, out_dtype, cfg: TgmmConfig, num_ctas, inte
   bk, bn, br, tk = cfg.block_k, cfg.block_n, cfg.block_r, cfg.tile_k
   k_tiles, n_tiles = k // tk, n // bn
   itemsize = jnp.dtype(dtype).itemsize
-  out_isz = jnp.dtype(out_dtype).itemsize
   tik = cfg.transpose_in_kernel
   ws = cfg.warp_specialized
   nwg = 2 if ws else 1

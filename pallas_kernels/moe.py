@@ -763,30 +763,31 @@ def fused_experts_weight_only(x: jax.Array, w13, w2, topk_weights: jax.Array,
 def prepare_weight_only(w13, w2, *, activation: Activation | str = "silu",
                         token_dtype=jnp.bfloat16) -> tuple[Any, Any]:
   """w13 / w2 (weight-only QuantizedWeights, logical [E, H, 2N] / [E, N, H]) with the operands
-  the prefill layouts that `weight_only_layout` can pick for them would otherwise make on
-  every call kept on them (`jmoe.kernels.prepared`): prefill_ws's group-major scales (in
-  token_dtype, the dtype of the tokens they will meet; fp8-token schemes meet bf16),
-  prefill's float32 ones, prefill_fp8's exponent shifts, and decode_wq's w2 byte scales
-  padded to 16-byte rows where they are not (qwen3 mxfp4); the decode kernels otherwise read
-  the stored scales. Made once, after loading; the stored arrays are unchanged."""
+  the layouts `weight_only_layout` picks for them (auto, from one slot to the most it sends to
+  a prefill kernel) would otherwise make on every call kept on them (`jmoe.kernels.prepared`):
+  prefill_ws's group-major scales (in token_dtype, the dtype of the tokens they will meet;
+  fp8-token schemes meet bf16), prefill's float32 ones, prefill_fp8's exponent shifts, and
+  decode's w2 byte scales padded to 16-byte rows where they are not (qwen3 mxfp4); the
+  decode kernels otherwise read the stored scales. Made once, after loading; the stored
+  arrays are unchanged."""
   from jmoe.kernels.prepared import with_prepared  # noqa: PLC0415
   act = as_activation(activation)
-  h, n = w2.shape[2], w2.shape[1]
-  ops13: tuple = ()
-  ops2: tuple = ()
-  if fp8_token_kernels(w13.scheme) and _w4a8_unsupported(h, n, act, w13, w2) is None:
-    ops13 = ops2 = _w4a8.OPERANDS
-  else:
-    if w13.scheme.act_dtype is not None:
-      token_dtype = jnp.bfloat16  # (the tokens are dequantized for the bf16-token kernels)
-    v13, v2 = weight_only_view(w13), weight_only_view(w2)
-    if _wq_ws_unsupported(h, n, act, v13, v2) is None:
-      ops13, ops2 = _wq_ws.operands(v13, token_dtype), _wq_ws.operands(v2, token_dtype)
-    elif (_gg_wq.unsupported(1, h, n, act, v13, v2) is None
-          and (v13.packed or v13.scheme.weight_dtype == "float8_e4m3fn")):
-      ops13, ops2 = _gg_wq.operands(v13), _gg_wq.operands(v2)
+  e, h, n = w13.shape[0], w2.shape[2], w2.shape[1]
+  slots = (1, _decode.MAX_SLOTS + 1, PREFILL_MAX_ROWS_PER_EXPERT * e)  # (one token a slot)
+  layouts = {weight_only_layout(t, 1, h, n, act, w13, w2) for t in slots}
   v13, v2 = weight_only_view(w13), weight_only_view(w2)
-  if (_decode_wq.byte_scales(v2) and v2.scale.shape[-1] % 16
-      and _decode_wq.unsupported(1, 1, h, n, act, v13, v2) is None):
-    ops2 = ops2 + (_decode_wq.W2_SCALE_BYTES,)  # (decode: w2's byte rows to TMA's pitch)
+  if w13.scheme.act_dtype is not None:
+    token_dtype = jnp.bfloat16  # (the bf16-token kernels get the tokens dequantized)
+  ops13, ops2 = [], []
+  if "prefill_fp8" in layouts:
+    ops13 += _w4a8.OPERANDS
+    ops2 += _w4a8.OPERANDS
+  if "prefill_ws" in layouts:
+    ops13 += _wq_ws.operands(v13, token_dtype)
+    ops2 += _wq_ws.operands(v2, token_dtype)
+  if "prefill" in layouts:
+    ops13 += _gg_wq.operands(v13)
+    ops2 += _gg_wq.operands(v2)
+  if "decode" in layouts and _decode_wq.byte_scales(v2) and v2.scale.shape[-1] % 16:
+    ops2.append(_decode_wq.W2_SCALE_BYTES)  # (w2's byte rows to TMA's 16-byte pitch)
   return with_prepared(w13, ops13), with_prepared(w2, ops2)

@@ -36,7 +36,8 @@ from jmoe import timing  # noqa: E402
 from jmoe.kernels import decode_q8  # noqa: E402
 from jmoe.kernels import moe as pmoe  # noqa: E402
 from jmoe.kernels.activations import as_activation  # noqa: E402
-from jmoe.quant import quantize_activations, quantize_weights  # noqa: E402
+from jmoe.quant import (calibrate_input_scales, quantize_activations,  # noqa: E402
+                        quantize_weights)
 from check_common import top_kernels, torch_sorted_slots  # noqa: E402  (benchmarks/, the script's directory)
 
 PRESETS = {
@@ -45,7 +46,9 @@ PRESETS = {
     "deepseek-v3": dict(E=256, k=8, H=7168, N=2048),
     "tiny": dict(E=4, k=2, H=256, N=128),  # CPU smoke test (--interpret)
 }
-SCHEMES = ("fp8_tensor", "fp8_channel", "fp8_block", "int8")
+SCHEMES = ("fp8_tensor", "fp8_channel", "fp8_block", "int8", "fp8_tensor_static",
+           "fp8_channel_static", "int8_static")
+CALIBRATION_TOKENS = 4096  # the static schemes' scales: calibrated on tokens of another seed
 BW = 4.30e12  # H200 copy bandwidth measured here (read + write), as bench_grouped_gemm.py
 
 
@@ -81,12 +84,26 @@ def make_weights(p, key, chunk: int = 32, std: float | None = None, dist: str = 
   return jnp.concatenate(parts13), jnp.concatenate(parts2)
 
 
-def quantize_chunked(w, scheme, chunk: int = 32):
+def quantize_chunked(w, scheme, chunk: int = 32, input_scale=None):
   """quantize_weights over expert chunks (its f32 temporaries stay a chunk's size); every
-  array of the result (values, scales, zero points, global scales) is joined."""
-  q = jax.jit(quantize_weights, static_argnums=1)
-  parts = [q(w[c0:c0 + chunk], scheme) for c0 in range(0, w.shape[0], chunk)]
-  return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+  array of the result (values, scales, zero points, global scales) is joined; input_scale:
+  a static scheme's (set on the joined result)."""
+  q = jax.jit(lambda w_, s_: quantize_weights(w_, scheme, input_scale=s_))
+  s1 = input_scale if input_scale is not None else jnp.ones((1,), jnp.float32)
+  parts = [q(w[c0:c0 + chunk], s1) for c0 in range(0, w.shape[0], chunk)]
+  joined = jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+  return dataclasses.replace(joined, input_scale=input_scale)
+
+
+def quantize_for(p, w13, w2, scheme):
+  """(w13, w2) quantized to `scheme`; a static scheme's input scales calibrated on
+  CALIBRATION_TOKENS random tokens routed at random (another seed than the timed inputs)."""
+  s13 = s2 = None
+  if jmoe.QuantConfig(scheme).act_scale == "static_tensor":
+    x, _, ids = make_inputs(p, CALIBRATION_TOKENS, jax.random.key(7))
+    s13, s2 = calibrate_input_scales(x, w13, w2, ids, scheme)
+  return quantize_chunked(w13, scheme, input_scale=s13), quantize_chunked(w2, scheme,
+                                                                          input_scale=s2)
 
 
 def make_inputs(p, t, key):
@@ -119,7 +136,7 @@ def quantized_block_fn(interpret, configs=(None, None), layout="auto"):
   fused_experts_quantized's (auto / sorted / decode)."""
   config1, config2 = configs
   def block(x, tw, ti, q13, q2):
-    xq, xs = quantize_activations(x, q13.scheme)
+    xq, xs = quantize_activations(x, q13.scheme, static_scale=q13.input_scale)
     return pmoe.fused_experts_quantized(xq, xs, q13, q2, tw, ti, out_dtype=jnp.bfloat16,
                                         interpret=interpret, config1=config1, config2=config2,
                                         layout=layout)
@@ -198,6 +215,16 @@ def _np_expert(w, e: int) -> np.ndarray:
   return np.asarray(jax.device_get(_dequantized_expert(w.values[e], w.scale[e])), np.float64)
 
 
+def _np_quantize_static(a: np.ndarray, dtype_name: str, scale) -> np.ndarray:
+  """Static per-tensor quantization of a float64 with `scale` (saturating) -> dequantized."""
+  s = np.float32(np.asarray(scale).reshape(()))
+  q = (a.astype(np.float32) / s)
+  if dtype_name == "int8":
+    q = np.round(q)
+  q = np.clip(q, -QMAX[dtype_name], QMAX[dtype_name]).astype(jnp.dtype(dtype_name))
+  return q.astype(np.float64) * np.float64(s)
+
+
 def quantized_reference(x, tw, ti, q13, q2, inter_group=None) -> np.ndarray:
   """float64 host reference of the scheme on these tokens: the tokens quantized per the
   scheme, the dequantized 8-bit weights of each slot's expert, the activation's output
@@ -205,7 +232,15 @@ def quantized_reference(x, tw, ti, q13, q2, inter_group=None) -> np.ndarray:
   router-weighted sum. Independent of the device's conversions."""
   quant = q13.scheme
   group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
-  xd = _np_quantize_rows(np.asarray(x, np.float64), quant.act_dtype, group)
+  if quant.act_scale == "static_tensor":
+    s2 = np.asarray(jax.device_get(q2.input_scale))
+    xd = _np_quantize_static(np.asarray(x, np.float64), quant.act_dtype,
+                             jax.device_get(q13.input_scale))
+    requant = (lambda a: _np_quantize_rows(a, quant.act_dtype, inter_group)) if inter_group \
+        else (lambda a: _np_quantize_static(a, quant.act_dtype, s2))
+  else:
+    xd = _np_quantize_rows(np.asarray(x, np.float64), quant.act_dtype, group)
+    requant = lambda a: _np_quantize_rows(a, quant.act_dtype, inter_group or group)  # noqa: E731
   tw, ti = np.asarray(tw, np.float64), np.asarray(ti)
   out = np.zeros_like(xd)
   for t_ in range(ti.shape[0]):
@@ -214,8 +249,7 @@ def quantized_reference(x, tw, ti, q13, q2, inter_group=None) -> np.ndarray:
       h = _np_expert(q13, e) @ xd[t_]
       n = h.shape[0] // 2
       a = (h[:n] / (1 + np.exp(-h[:n])) * h[n:])[None]
-      out[t_] += tw[t_, j] * (_np_expert(q2, e) @ _np_quantize_rows(
-          a, quant.act_dtype, inter_group or group)[0])
+      out[t_] += tw[t_, j] * (_np_expert(q2, e) @ requant(a)[0])
   return out
 
 
@@ -396,7 +430,7 @@ def main(argv=None) -> int:
     w13, w2 = make_weights(p, jax.random.key(1))
     qw = {}
     for s in args.schemes.split(","):
-      qw[s] = (quantize_chunked(w13, s), quantize_chunked(w2, s))
+      qw[s] = quantize_for(p, w13, w2, s)
     jax.block_until_ready(qw)
     for t in [int(v) for v in args.tokens.split(",")]:
       if time.time() - t_start > args.budget_s:

@@ -304,6 +304,8 @@ def moe_layer_from_params(config, params, *, param_dtype=None, **layer_kwargs):
       raise ValueError(f"quant={layer_kwargs['quant']} but the checkpoint's experts are "
                        f"{params.w13.scheme}")
     layer_kwargs["quant"] = params.w13.scheme
+    if params.w13.input_scale is not None:  # a static scheme: the layer holds its scales
+      layer_kwargs["input_scales"] = (params.w13.input_scale, params.w2.input_scale)
   layer = _abstract_moe(config, param_dtype=param_dtype, **layer_kwargs)
   layer.load_params(params)
   return layer

@@ -468,12 +468,15 @@ def _per_expert_fp8(r: _Reader, e: int, h: int, n: int):
     return None
   block = _block_size(r.hf_config)
   w13v, w13s, w2v, w2s, kinds = [], [], [], [], set()
+  inputs = {0: [], 1: []}  # static input scales of GEMM1 (gate, up) and GEMM2 (down)
   for i in range(e):
     parts = []
-    for nm, want in zip(names, [(n, h), (n, h), (h, n)]):
+    for j, (nm, want) in enumerate(zip(names, [(n, h), (n, h), (h, n)])):
       key = f"experts.{i}.{nm}.weight"
       if not r.has(key):
         raise r.missing(f"expert {i}", [key])
+      if r.has(f"experts.{i}.{nm}.input_scale"):
+        inputs[j // 2].append(_input_scale(r, f"experts.{i}.{nm}.input_scale"))
       w, sc, kind = _fp8_linear(r, key, block)
       if w.shape != want:
         raise ValueError(f"{r.prefix}{key} has shape {w.shape}, expected {want} (out, in) for "
@@ -496,11 +499,43 @@ def _per_expert_fp8(r: _Reader, e: int, h: int, n: int):
     scheme = QuantConfig("fp8_block", block_shape=(block[1], block[0]))
   else:
     scheme = QuantConfig("fp8_channel")
+  statics = _static_input_scales(r, inputs, 3 * e, kind)
+  if statics[0] is not None:
+    scheme = QuantConfig("fp8_channel_static")
   q = [QuantizedWeights(values=jnp.asarray(np.stack(v)), scale=jnp.asarray(np.stack(sc)),
-                        scheme=scheme) for v, sc in ((w13v, w13s), (w2v, w2s))]
+                        input_scale=None if st is None else jnp.asarray(st), scheme=scheme)
+       for v, sc, st in ((w13v, w13s, statics[0]), (w2v, w2s, statics[1]))]
   check_quantized(q[0], argname=f"{r.prefix}experts (w13)")
   check_quantized(q[1], argname=f"{r.prefix}experts (w2)")
   return q[0], q[1]
+
+
+def _input_scale(r: _Reader, key: str) -> float:
+  """One linear's static activation scale (a positive scalar), else an error naming it."""
+  a = r.raw(key).astype(np.float32)
+  if a.size != 1 or not np.isfinite(a).all() or not float(a.reshape(())) > 0:
+    raise ValueError(f"{r.prefix}{key} must be one positive per-tensor scale, got shape "
+                     f"{a.shape} {a.reshape(-1)[:4]}")
+  return float(a.reshape(()))
+
+
+def _static_input_scales(r: _Reader, inputs: dict, n_linears: int, kind: str):
+  """(GEMM1's, GEMM2's) static input scale as float32 [1], or (None, None) for dynamic
+  activations. A checkpoint whose every expert linear has an `input_scale` (per-tensor FP8
+  with activation_scheme "static", as vLLM's Fp8 / compressed-tensors static exports) runs
+  them, one scale per GEMM: the largest over experts (and over gate / up), as vLLM does, so no
+  expert's inputs saturate more than it calibrated. quantization_config's activation_scheme
+  "dynamic" ignores them; some but not all linears having one is an error."""
+  found = len(inputs[0]) + len(inputs[1])
+  if found == 0 or _quantization_config(r.hf_config).get("activation_scheme") == "dynamic":
+    return None, None
+  if found != n_linears:
+    raise ValueError(f"{r.prefix}experts: {found} of {n_linears} expert linears have an "
+                     "input_scale; a static FP8 checkpoint has one for every linear")
+  if kind == "block":
+    raise ValueError(f"{r.prefix}experts: static input_scale with 128x128 block weight scales "
+                     "(no scheme pairs them; block FP8 quantizes activations per 1x128 group)")
+  return (np.asarray([max(inputs[0])], np.float32), np.asarray([max(inputs[1])], np.float32))
 
 
 def _quantization_config(hf_config: Any) -> dict:
@@ -675,8 +710,10 @@ def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Ma
     quantized: "keep" (default): FP8 expert weights load as `jmoe.quant.QuantizedWeights`,
       their values and scales as stored — DeepSeek's `weight_scale_inv` 128x128 blocks as
       fp8_block, per-tensor / per-channel `weight_scale` exports as fp8_channel (a tensor's
-      scale repeated over its channels) — and run W8A8 with dynamic activation scales (a
-      checkpoint's static `input_scale` is not used); gpt-oss MXFP4 as mxfp4, GPTQ / AWQ
+      scale repeated over its channels) — and run W8A8 with dynamic activation scales, or,
+      where every expert linear has a static `input_scale` (activation_scheme "static"), as
+      fp8_channel_static with one input scale per GEMM (the largest over the experts, as
+      vLLM); gpt-oss MXFP4 as mxfp4, GPTQ / AWQ
       int4 as w4a16, ModelOpt nvfp4 as nvfp4 (values and scales as stored; the XLA experts
       dequantize them in the graph, no Pallas kernel takes them yet). "dequantize": bfloat16
       weights (or `dtype`).

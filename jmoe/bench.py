@@ -22,9 +22,10 @@ import numpy as np
 from jmoe import registry
 from jmoe.api import fused_moe
 from jmoe import timing
-from jmoe.config import MoEConfig, get_preset
+from jmoe.config import MoEConfig, QuantConfig, get_preset
 from jmoe.oracle import platform_info
 from jmoe.quant.kernel_layout import prepare_for_kernels
+from jmoe.quant.calibration import calibrate_input_scales
 from jmoe.quant.weights import quantize_weights, weight_bytes
 from jmoe.router import select_experts
 
@@ -280,8 +281,11 @@ def quantized_problems(problems, scheme: str, cfg: MoEConfig, prepare: bool = Fa
   loaded model holds them)."""
   out = []
   for (x, w13, w2, tw, ti), touched in problems:
-    q13 = quantize_weights(w13, scheme, argname="w13")
-    q2 = quantize_weights(w2, scheme, argname="w2")
+    s13 = s2 = None
+    if QuantConfig(scheme).act_scale == "static_tensor":  # calibrated on the problem's tokens
+      s13, s2 = calibrate_input_scales(x, w13, w2, ti, scheme, activation=cfg.act)
+    q13 = quantize_weights(w13, scheme, input_scale=s13, argname="w13")
+    q2 = quantize_weights(w2, scheme, input_scale=s2, argname="w2")
     if prepare:
       dt = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
       q13, q2 = prepare_for_kernels(q13, q2, activation=cfg.act, dtype=dt)

@@ -54,10 +54,18 @@ QUANT_SCHEMES: dict[str, dict[str, Any]] = {
                        act_dtype="float8_e4m3fn", act_scale="dynamic_token"),
     "fp8_channel": dict(weight_dtype="float8_e4m3fn", weight_scale="channel",
                         act_dtype="float8_e4m3fn", act_scale="dynamic_token"),
+    # static: one calibrated activation scale per GEMM input (the checkpoint's input_scale;
+    # vLLM's fp8 activation_scheme "static"), so GEMM1's epilogue writes GEMM2's 8-bit input
+    "fp8_tensor_static": dict(weight_dtype="float8_e4m3fn", weight_scale="tensor",
+                              act_dtype="float8_e4m3fn", act_scale="static_tensor"),
+    "fp8_channel_static": dict(weight_dtype="float8_e4m3fn", weight_scale="channel",
+                               act_dtype="float8_e4m3fn", act_scale="static_tensor"),
     "fp8_block": dict(weight_dtype="float8_e4m3fn", weight_scale="block", block_shape=(128, 128),
                       act_dtype="float8_e4m3fn", act_scale="dynamic_group", act_group_size=128),
     "int8": dict(weight_dtype="int8", weight_scale="channel", act_dtype="int8",
                  act_scale="dynamic_token"),
+    "int8_static": dict(weight_dtype="int8", weight_scale="channel", act_dtype="int8",
+                        act_scale="static_tensor"),
     "w8a16": dict(weight_dtype="int8", weight_scale="channel"),
     "w4a16": dict(weight_dtype="int4", weight_scale="group", group_size=128),
     "mxfp8": dict(weight_dtype="float8_e4m3fn", weight_scale="group", group_size=32,

@@ -210,12 +210,8 @@ class PrepareFinalize(abc.ABC):
 
   def quant_support(self, quant: Optional[QuantConfig]) -> Optional[str]:
     """None when prepare can quantize the input for `quant`, else the reason it cannot.
-    The local and EP prepares quantize dynamically (per token, token group, or tensor)."""
-    if quant is None or not quant.is_quantized or quant.act_dtype is None:
-      return None
-    if quant.act_scale == "static_tensor":
-      return ("static per-tensor activation scales (a checkpoint's input_scale) are not "
-              "supported by prepare yet; use act_scale='dynamic_tensor' or 'dynamic_token'")
+    The local and EP prepares quantize dynamically (per token, token group, or tensor) or
+    with the static scale they are given (`a1_scale`, w13's input_scale)."""
     return None
 
   def supports_quant(self, quant: Optional[QuantConfig]) -> bool:
@@ -225,8 +221,11 @@ class PrepareFinalize(abc.ABC):
   def prepare(self, x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, *,
               num_local_experts: int, expert_map: Optional[jax.Array],
               apply_router_weight_on_input: bool,
-              quant: Optional[QuantConfig]) -> ExpertsInput:
-    """x [T, H], topk [T, k] -> ExpertsInput in `activation_format`."""
+              quant: Optional[QuantConfig],
+              a1_scale: Optional[jax.Array] = None) -> ExpertsInput:
+    """x [T, H], topk [T, k] -> ExpertsInput in `activation_format`. `a1_scale`: the static
+    per-tensor scale that quantizes x under act_scale="static_tensor" (w13's input_scale);
+    the experts then get it as `a_scale` [1, 1]."""
 
   def prepare_async(self, *args, **kwargs) -> Callable[[], ExpertsInput]:
     """Start the dispatch and return a receiver; work placed between the two overlaps it.
@@ -402,7 +401,7 @@ class ModularKernel:
     receive = pf.prepare_async(
         x, topk_weights, topk_ids, num_local_experts=weights.num_experts,
         expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
-        quant=self.quant)
+        quant=self.quant, a1_scale=getattr(weights.w13, "input_scale", None))
     shared = shared_output() if shared_output is not None else None
     inp = receive()
     wr = experts.finalize_weight_and_reduce_impl()

@@ -42,7 +42,7 @@ from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_colum
                                  ring_step, store_part_row, token_operand)
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import Q8_MAX
-from jmoe.quant.activations import ROW_SCALES
+from jmoe.quant.activations import K_CONSTANT_SCALES
 
 _N = 8  # wgmma's N: the token (or activation) row, 8 times
 BN = 128  # intermediate columns per item (GEMM1's M per gate / up, GEMM2's K)
@@ -223,10 +223,12 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
 def supports(t: int, k: int, h: int, n: int, act: Activation | str, quant) -> bool:
   """Whether fused_experts_decode_q8 takes this problem: a gated activation, <= 128 slots, H a
   multiple of 256, N of 128, and a scheme whose scales are constant along K (per tensor /
-  channel weights, per-token or per-tensor dynamic activations)."""
+  channel weights, per-token, per-tensor or static activations; under a static scheme the
+  tokens come quantized with the static scale and the intermediate keeps the kernel's
+  per-item scale, finer than the static one)."""
   return (as_activation(act).is_gated and t * k <= MAX_SLOTS and h % BH == 0 and n % BN == 0
           and quant.weight_scale in ("tensor", "channel")
-          and quant.act_scale in ROW_SCALES
+          and quant.act_scale in K_CONSTANT_SCALES
           and jnp.dtype(quant.act_dtype) in Q8_MAX)
 
 

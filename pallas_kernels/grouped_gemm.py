@@ -348,6 +348,23 @@ def row_ladder(tile_m: int, m_pad: int) -> list[int]:
   return ladder
 
 
+# saturation bounds of the 8-bit outputs (the largest finite e4m3; int8's symmetric range)
+_OUT_8BIT_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.int8): 127.0}
+
+
+def to_out_dtype(v: jax.Array, out_dtype) -> jax.Array:
+  """An epilogue's f32 tile in `out_dtype`. 8-bit outputs (GEMM1 writing GEMM2's quantized
+  input under a static scale) saturate as jmoe.quant.quantize_activations does: e4m3 clamps
+  to +-448 (never NaN), int8 rounds to nearest even, then clamps to +-127."""
+  dt = jnp.dtype(out_dtype)
+  qmax = _OUT_8BIT_MAX.get(dt)
+  if qmax is None:
+    return v.astype(dt)
+  if jnp.issubdtype(dt, jnp.integer):
+    v = jnp.round(v)
+  return jnp.clip(v, -qmax, qmax).astype(dt)
+
+
 def store_task_rows(src, dst, *, tile_row, lo, hi, tile_m: int, ladder: list[int],
                     cols) -> None:
   """TMA-stores the rows of the SMEM tile src [tile_m, C] (tile rows tile_row..) that lie in
@@ -724,7 +741,7 @@ def _build_kernel(*, m_pad, k, n_out, n_total, num_groups, dtype, out_dtype, cfg
           outs += [(vals[0], pre_ref, c0), (vals[1], pre_ref, n_out + c0)]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's stores read epi_smem
       for j, (v, _, _) in enumerate(outs):
-        epi_smem.at[wg, j][...] = v.astype(out_dtype)
+        epi_smem.at[wg, j][...] = to_out_dtype(v, out_dtype)
       plgpu.commit_smem()
       for j, (_, dst, col) in enumerate(outs):
         store_task_rows(epi_smem.at[wg, j], dst, tile_row=r0, lo=lo, hi=hi, tile_m=tile_m,

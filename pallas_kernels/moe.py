@@ -444,7 +444,9 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
   a_q [T, H] 8-bit (prepare's quantized tokens), a_scale per-token [T, 1], per-tensor [1, 1]
   or per-group [T, H/128] (fp8_block); w13 values [E, 2N, H] (gated) / [E, N, H], w2 values
   [E, H, N]. Schemes: fp8_tensor / fp8_channel / int8 (grouped_gemm_q8 for both GEMMs, GEMM1's
-  bf16 output re-quantized per token in XLA) and fp8_block (grouped_gemm_q8's block kernel;
+  bf16 output re-quantized per token in XLA), their static forms (a_scale [1, 1], w13's
+  input_scale; GEMM1's epilogue scales by 1 / w2.input_scale and writes GEMM2's 8-bit input
+  itself) and fp8_block (grouped_gemm_q8's block kernel;
   GEMM1's epilogue writes GEMM2's fp8 input and its per-128-column scales: no bf16
   intermediate). Routing: moe_align + an XLA row gather of the 8-bit rows and their scales;
   the router weights are applied in the final gather-sum (f32), as in fused_experts.
@@ -493,12 +495,22 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
                      gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,
                      interpret=interpret)
   else:
-    h = q8.q8_run(xs, w13.values, group_sizes, xs_scale[:, 0],
-                  q8.column_scale_matrix(w13.scale, e, n13, argname="w13.scale"), act=act,
-                  gated=act.is_gated, bias=w13_bias, out_dtype=jnp.bfloat16, config=cfg1,
-                  interpret=interpret, meta=metas[cfg1.block_m], keep_rows=True)
-    live = jnp.arange(m_alloc) < jnp.sum(group_sizes)
-    hq, hs = _requant_rows(h, live, quant)
+    w13_cols = q8.column_scale_matrix(w13.scale, e, n13, argname="w13.scale")
+    if quant.act_scale == "static_tensor":
+      # GEMM2's input scale is known before the call (w2.input_scale): GEMM1's epilogue
+      # multiplies by its inverse and writes the 8-bit rows (saturating), no bf16 round trip
+      s2 = w2.input_scale.astype(jnp.float32).reshape(())
+      hq = q8.q8_run(xs, w13.values, group_sizes, xs_scale[:, 0], w13_cols, act=act,
+                     gated=act.is_gated, bias=w13_bias, row_scale=jnp.full((m_alloc,), 1 / s2),
+                     out_dtype=w2.values.dtype, config=cfg1, interpret=interpret,
+                     meta=metas[cfg1.block_m], keep_rows=True)
+      hs = s2
+    else:
+      h = q8.q8_run(xs, w13.values, group_sizes, xs_scale[:, 0], w13_cols, act=act,
+                    gated=act.is_gated, bias=w13_bias, out_dtype=jnp.bfloat16, config=cfg1,
+                    interpret=interpret, meta=metas[cfg1.block_m], keep_rows=True)
+      live = jnp.arange(m_alloc) < jnp.sum(group_sizes)
+      hq, hs = _requant_rows(h, live, quant)
     y = q8.q8_run(hq, w2.values, group_sizes, q8.row_scale_vector(hs, m_alloc),
                   q8.column_scale_matrix(w2.scale, e, hdim, argname="w2.scale"), act=None,
                   gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,

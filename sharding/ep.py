@@ -8,6 +8,7 @@ shard; `prepare`/`finalize` hold the collectives.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional, Union
 
@@ -151,10 +152,8 @@ def ep_fused_moe(
       raise ValueError(f"quantized w13 / w2 ({w13.scheme}) with a tensor axis of size {tp}: "
                        "tensor-parallel quantized experts are not supported yet; shard the "
                        "experts over the expert axis only")
-    if w13.input_scale is not None or w2.input_scale is not None:
-      raise ValueError("w13 / w2 carry a static input_scale: expert-parallel quantized experts "
-                       "quantize their activations dynamically; drop input_scale")
-    ws = dict(ws, w13=P(parallel.expert_axis), w2=P(parallel.expert_axis))
+    ws = dict(ws, w13=_quantized_spec(w13, parallel.expert_axis),
+              w2=_quantized_spec(w2, parallel.expert_axis))
   # gate | up side by side would shard badly over N: view w13 as [E, H, 2, N] so each tensor
   # rank gets matching gate and up columns
   w13v = w13.reshape(e, h, 2, n) if gated and not quantized else w13
@@ -212,6 +211,15 @@ def ep_fused_moe(
   return out
 
 
+def _quantized_spec(w: QuantizedWeights, expert_axis) -> QuantizedWeights:
+  """shard_map's spec for quantized weights: every [E, ...] part over the expert axis, the
+  static input_scale (one per tensor) replicated."""
+  spec = jax.tree.map(lambda _: P(expert_axis), w)
+  if w.input_scale is not None:
+    spec = dataclasses.replace(spec, input_scale=P())
+  return spec
+
+
 def _micro_batched(kernel, x, weights, tw, ti, act, emap, on_input, shared, nmb):
   """Two-batch overlap: issue every micro-batch's dispatch first, then compute and combine
   them in turn, so micro-batch i+1's all-to-all has no dependence on micro-batch i's GEMMs."""
@@ -222,7 +230,8 @@ def _micro_batched(kernel, x, weights, tw, ti, act, emap, on_input, shared, nmb)
   for xc, wc, ic in chunks:
     receivers.append(pf.prepare_async(
         xc, wc, ic, num_local_experts=weights.num_experts, expert_map=emap,
-        apply_router_weight_on_input=on_input, quant=kernel.quant))
+        apply_router_weight_on_input=on_input, quant=kernel.quant,
+        a1_scale=getattr(weights.w13, "input_scale", None)))
   s = shared() if shared is not None else None
   outs = []
   for recv in receivers:

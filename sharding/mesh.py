@@ -296,5 +296,11 @@ def shard_tokens(x, parallel: ParallelConfig):
 def shard_expert_weights(w, parallel: ParallelConfig, name: str = "w13"):
   """device_put an expert weight in jmoe's layout sharded over the expert axis (dim 0).
 
-  The tensor-axis split of N happens inside the EP entry point (it needs gate/up split)."""
-  return jax.device_put(w, NamedSharding(parallel.mesh, P(parallel.expert_axis)))
+  The tensor-axis split of N happens inside the EP entry point (it needs gate/up split).
+  QuantizedWeights: every [E, ...] part so; a static input_scale (one per tensor) replicated."""
+  experts = NamedSharding(parallel.mesh, P(parallel.expert_axis))
+  if getattr(w, "input_scale", None) is None:
+    return jax.device_put(w, experts)
+  shardings = jax.tree.map(lambda _: experts, w)
+  shardings = dataclasses.replace(shardings, input_scale=NamedSharding(parallel.mesh, P()))
+  return jax.device_put(w, shardings)

@@ -110,26 +110,31 @@ class EPPrepareFinalize(PrepareFinalize):
     return (self.dispatch_dtype == "fp8" and self.ep > 1
             and (quant is None or not quant.is_quantized))
 
-  def _quantize_for_send(self, a, quant):
+  def _quantize_for_send(self, a, quant, a1_scale=None):
     """(rows to send, their scales or None): the experts' own activation quantization, else
-    the fp8 wire format, else the rows as they are."""
+    the fp8 wire format, else the rows as they are. A static scale does not travel: every
+    rank holds it (`_arrived` puts it back)."""
     if self._fp8_wire(quant):
       return quantize_rows_fp8(a)
-    return quantize_activations(a, quant)
+    q, scale = quantize_activations(a, quant, static_scale=a1_scale)
+    return (q, None) if _static(quant) else (q, scale)
 
-  def _arrived(self, a, scale, quant, dtype):
-    """(activations, scales) for the experts from what arrived: fp8 wire rows dequantized."""
+  def _arrived(self, a, scale, quant, dtype, a1_scale=None):
+    """(activations, scales) for the experts from what arrived: fp8 wire rows dequantized,
+    a static scale as [1, 1]."""
     if self._fp8_wire(quant):
       return dequantize_rows_fp8(a, scale, dtype), None
+    if _static(quant):
+      return a, jnp.reshape(a1_scale.astype(jnp.float32), (1, 1))
     return a, scale
 
   def _routed_slots(self, x, topk_weights, topk_ids, num_local_experts,
-                    apply_router_weight_on_input, quant):
+                    apply_router_weight_on_input, quant, a1_scale=None):
     """The dispatch's common start: the router-weight hook, activation quantization, and the
     [T, k] slots' validity, destination rank and index among that rank's experts (ep for
     destination and -1 for local index where the slot is empty)."""
     x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
-    a1q, a1_scale = self._quantize_for_send(x, quant)
+    a1q, send_scale = self._quantize_for_send(x, quant, a1_scale)
     e = num_local_experts * self.ep
     pl = self.placement(num_local_experts)
     ids = topk_ids.astype(jnp.int32)
@@ -137,7 +142,12 @@ class EPPrepareFinalize(PrepareFinalize):
     safe = jnp.clip(ids, 0, e - 1)
     dest = jnp.where(valid, jnp.asarray(pl.owner)[safe], self.ep)
     lidx = jnp.where(valid, jnp.asarray(pl.local_index)[safe], -1)
-    return a1q, a1_scale, topk_weights, valid, dest, lidx
+    return a1q, send_scale, topk_weights, valid, dest, lidx
+
+
+def _static(quant) -> bool:
+  """Whether `quant` quantizes activations with one static scale (act_scale static_tensor)."""
+  return quant is not None and quant.is_quantized and quant.act_scale == "static_tensor"
 
 
 def _resolve(wr: TopKWeightAndReduce, default: TopKWeightAndReduce) -> TopKWeightAndReduce:
@@ -168,15 +178,15 @@ class AllGather(EPPrepareFinalize):
     return jax.lax.all_gather(v, self.expert_axis, tiled=True)
 
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
-                    apply_router_weight_on_input, quant):
+                    apply_router_weight_on_input, quant, a1_scale=None):
     x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
-    a1q, a1_scale = self._quantize_for_send(x, quant)  # quantize before sending
-    a, scale = self._gather(a1q), self._gather(a1_scale)
+    a1q, send_scale = self._quantize_for_send(x, quant, a1_scale)  # quantize before sending
+    a, scale = self._gather(a1q), self._gather(send_scale)
     w, ids = self._gather(topk_weights), self._gather(topk_ids.astype(jnp.int32))
     self.last_dropped = jnp.int32(0)
 
     def receive():
-      a_, scale_ = self._arrived(a, scale, quant, x.dtype)
+      a_, scale_ = self._arrived(a, scale, quant, x.dtype, a1_scale)
       return ExpertsInput(a=a_, a_scale=scale_, topk_weights=w, topk_ids=ids,
                           format=ActivationFormat.Standard)
     return receive
@@ -216,7 +226,7 @@ class AllGatherBatched(AllGather):
     return self.capacity
 
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
-                    apply_router_weight_on_input, quant):
+                    apply_router_weight_on_input, quant, a1_scale=None):
     inner = AllGather.prepare_async(
         self, x, topk_weights, topk_ids, num_local_experts=num_local_experts, expert_map=None,
         apply_router_weight_on_input=apply_router_weight_on_input, quant=None)
@@ -230,9 +240,9 @@ class AllGatherBatched(AllGather):
       src_slot, num_tokens, slot_pos, dropped = batched_layout(local, num_local_experts, cap)
       tok = jnp.where(src_slot >= 0, src_slot // k, 0)
       a = jnp.where((src_slot >= 0)[..., None], g.a[tok], jnp.zeros((), g.a.dtype))
-      a1q, a1_scale = quantize_activations(a, quant)
+      a1q, a1_scale_ = quantize_activations(a, quant, static_scale=a1_scale)
       self.last_dropped = self._count_dropped(dropped)
-      return ExpertsInput(a=a1q, a_scale=a1_scale, topk_weights=g.topk_weights,
+      return ExpertsInput(a=a1q, a_scale=a1_scale_, topk_weights=g.topk_weights,
                           topk_ids=g.topk_ids, expert_num_tokens=num_tokens,
                           slot_expert=jnp.clip(local, 0, num_local_experts - 1),
                           slot_pos=slot_pos, dropped=self.last_dropped,
@@ -269,12 +279,12 @@ class RaggedA2A(EPPrepareFinalize):
     return self.ep * min(num_local_experts * self.capacity_for(t, k), t * k)
 
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
-                    apply_router_weight_on_input, quant):
+                    apply_router_weight_on_input, quant, a1_scale=None):
     t, k = topk_ids.shape
     el, ep = num_local_experts, self.ep
     nkeys = ep * el
-    a1q, a1_scale, topk_weights, valid, dest, lidx = self._routed_slots(
-        x, topk_weights, topk_ids, el, apply_router_weight_on_input, quant)
+    a1q, send_scale, topk_weights, valid, dest, lidx = self._routed_slots(
+        x, topk_weights, topk_ids, el, apply_router_weight_on_input, quant, a1_scale)
     valid, dest = valid.reshape(-1), dest.reshape(-1)
     raw_key = dest * el + jnp.maximum(lidx.reshape(-1), 0)  # nkeys for slots that go nowhere
     # position of each slot within its (destination, local expert) group; past C: dropped
@@ -308,10 +318,10 @@ class RaggedA2A(EPPrepareFinalize):
           v, collectives.receive_buffer((r,) + v.shape[1:], v.dtype), in_off[me], cnt[me],
           out_off[me], cnt[:, me], axis_name=self.expert_axis, impl=self.ragged_impl)
 
-    if a1_scale is None:
+    if send_scale is None:
       recv, scale = send(a1q[src]), None
     else:  # per-token scales (fp8 dispatch) ride in the same rows: one collective
-      wire, layout = collectives.pack_rows(a1q[src], a1_scale[src])
+      wire, layout = collectives.pack_rows(a1q[src], send_scale[src])
       recv, scale = collectives.unpack_rows(send(wire), layout)
     self.last_dropped = self._count_dropped(jnp.sum(valid & ~kept).astype(jnp.int32))
     dropped = self.last_dropped
@@ -324,7 +334,7 @@ class RaggedA2A(EPPrepareFinalize):
       rle = jnp.where(seg_id < ep * el, seg_id % el, -1).astype(jnp.int32)
       plan = dict(order=order, cnt=cnt, in_off=in_off, out_off=out_off, ids=topk_ids,
                   weights=topk_weights, kept=kept.reshape(t, k))
-      a, a_scale = self._arrived(recv, scale, quant, x.dtype)
+      a, a_scale = self._arrived(recv, scale, quant, x.dtype, a1_scale)
       return ExpertsInput(a=a, a_scale=a_scale, topk_weights=jnp.ones((r, 1), jnp.float32),
                           topk_ids=rle[:, None], dropped=dropped, extra=plan,
                           format=ActivationFormat.Standard)
@@ -394,12 +404,13 @@ class RaggedDedupA2A(EPPrepareFinalize):
     return row_bytes >= DEDUP_DIRECT_MIN_ROW_BYTES
 
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
-                    apply_router_weight_on_input, quant):
+                    apply_router_weight_on_input, quant, a1_scale=None):
     t, k = topk_ids.shape
     ep = self.ep
     n = ep * t
-    a1q, a1_scale, topk_weights, _, dest, lidx = self._routed_slots(
-        x, topk_weights, topk_ids, num_local_experts, apply_router_weight_on_input, quant)
+    a1q, send_scale, topk_weights, _, dest, lidx = self._routed_slots(
+        x, topk_weights, topk_ids, num_local_experts, apply_router_weight_on_input, quant,
+        a1_scale)
     hit = jnp.any(dest[:, None, :] == jnp.arange(ep, dtype=jnp.int32)[None, :, None], axis=-1)
     # (rank, token) pairs in rank-major order; the send buffer packs the hit ones in that order
     hit_rt = hit.T.reshape(-1).astype(jnp.int32)  # [ep * t]
@@ -410,9 +421,9 @@ class RaggedDedupA2A(EPPrepareFinalize):
     # 70 µs of the 440 µs dispatch (deepseek-v3, 4096 tokens, 2 H200s)
     ends = incl[t - 1::t] if t else jnp.zeros((ep,), jnp.int32)
     sent = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    fp8 = a1_scale is not None
+    fp8 = send_scale is not None
     if fp8:  # fp8 dispatch: each row travels with its scales
-      rows, layout = collectives.pack_rows(a1q, a1_scale)
+      rows, layout = collectives.pack_rows(a1q, send_scale)
     else:
       rows, layout = a1q, None
     direct = self._direct(rows)
@@ -462,7 +473,7 @@ class RaggedDedupA2A(EPPrepareFinalize):
 
     def receive():
       plan = dict(cnt=cnt, in_off=in_off, out_off=out_off, hit=hit, pos=pos)
-      a, a_scale = self._arrived(recv, scale, quant, x.dtype)
+      a, a_scale = self._arrived(recv, scale, quant, x.dtype, a1_scale)
       return ExpertsInput(a=a, a_scale=a_scale, topk_weights=recv_w, topk_ids=recv_ids,
                           dropped=dropped, extra=plan, format=ActivationFormat.Standard)
     return receive
@@ -509,7 +520,7 @@ class PaddedA2A(EPPrepareFinalize):
     return jax.lax.all_to_all(v, self.expert_axis, 0, 0, tiled=True)
 
   def prepare_async(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
-                    apply_router_weight_on_input, quant):
+                    apply_router_weight_on_input, quant, a1_scale=None):
     x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
     t, k = topk_ids.shape
     el, ep = num_local_experts, self.ep
@@ -522,11 +533,11 @@ class PaddedA2A(EPPrepareFinalize):
     src_slot, num_tokens, slot_pos, dropped = batched_layout(phys, e, cap)
     tok = jnp.where(src_slot >= 0, src_slot // k, 0)
     send = jnp.where((src_slot >= 0)[..., None], x[tok], jnp.zeros((), x.dtype))  # [E, C, H]
-    a1q, a1_scale = self._quantize_for_send(send, quant)
+    a1q, send_scale = self._quantize_for_send(send, quant, a1_scale)
     recv = self._a2a(a1q.reshape((ep, el, cap) + a1q.shape[2:]))  # [src, el, C, H]
     scale = None
-    if a1_scale is not None:
-      scale = self._a2a(a1_scale.reshape((ep, el, cap) + a1_scale.shape[2:]))
+    if send_scale is not None:
+      scale = self._a2a(send_scale.reshape((ep, el, cap) + send_scale.shape[2:]))
     recv_counts = self._a2a(num_tokens.reshape(ep, el))  # [src, el]
     self.last_dropped = self._count_dropped(dropped)
 
@@ -548,7 +559,7 @@ class PaddedA2A(EPPrepareFinalize):
                          jnp.zeros((), v.dtype))
       plan = dict(recv_counts=recv_counts, starts=starts)
       a, a_scale = self._arrived(compact(recv), None if scale is None else compact(scale),
-                                 quant, x.dtype)
+                                 quant, x.dtype, a1_scale)
       return ExpertsInput(
           a=a, a_scale=a_scale,
           topk_weights=topk_weights, topk_ids=topk_ids,

@@ -269,6 +269,13 @@ def quantize_rows(a, dtype_name: str, group: Optional[int], *, e8m0: bool = Fals
   return (_to_type(blocks / scale, dtype_name) * f64(scale)).reshape(a.shape)
 
 
+def quantize_static(a, dtype_name: str, scale: float):
+  """Static per-tensor activation quantization of a with a fixed scale (saturating) ->
+  dequantized float64."""
+  s = np.float32(scale)
+  return _to_type(np.asarray(a, np.float32) / s, dtype_name) * f64(s)
+
+
 # ---------------------------------------------------------------------------------------------
 # comparisons
 

@@ -173,7 +173,7 @@ def test_incompatible_pair_raises(pair):
 
 
 SCHEMES = ("fp8_tensor", "fp8_channel", "fp8_block", "int8", "w8a16", "mxfp8", "w4a16",
-           "mxfp4", "nvfp4")
+           "mxfp4", "nvfp4", "fp8_channel_static")
 QUANT_TRIPLES = [(p, s) for p in COMPATIBLE for s in SCHEMES]
 
 
@@ -205,7 +205,7 @@ def _interpreted(pair) -> bool:
 def test_quantized_triple_matches_reference(pair, scheme, rng):
   """Every triple that claims support runs and matches ReferenceExperts on the same quantized
   weights (empty slots and an expert_map included)."""
-  from jmoe.quant import quantize_weights
+  from jmoe.quant import calibrate_input_scales, quantize_weights
   _skip_unavailable(pair[2])
   quant = jmoe.QuantConfig(scheme)
   kernel = ModularKernel(pair[1](), pair[2](), quant)
@@ -216,8 +216,12 @@ def test_quantized_triple_matches_reference(pair, scheme, rng):
     if p["expert_map"] is not None and not pair[2].supports_expert_map and \
         kernel.prepare_finalize.activation_format == ActivationFormat.Standard:
       continue
-    p["weights"] = ExpertWeights(w13=quantize_weights(p["weights"].w13, quant),
-                                 w2=quantize_weights(p["weights"].w2, quant))
+    s13 = s2 = None
+    if quant.act_scale == "static_tensor":
+      s13, s2 = calibrate_input_scales(p["x"], p["weights"].w13, p["weights"].w2,
+                                       p["topk_ids"], quant)
+    p["weights"] = ExpertWeights(w13=quantize_weights(p["weights"].w13, quant, input_scale=s13),
+                                 w2=quantize_weights(p["weights"].w2, quant, input_scale=s2))
     p["x"] = p["x"].astype(dtype)
     out = kernel(**p)
     ref = ModularKernel(NoEP(), ReferenceExperts(), quant)(**p)

@@ -592,6 +592,59 @@ def test_fp8_checkpoint_stays_quantized(case, scale_kind):
   assert rel_err(_block_jit(x2, dense, config=config), want) <= RTOL
 
 
+def test_fp8_static_checkpoint_runs_its_input_scales():
+  """A per-tensor FP8 export with activation_scheme "static" (every expert linear has an
+  `input_scale`, each expert its own) loads as fp8_channel_static with one input scale per
+  GEMM, the largest over the experts (and over gate / up): the block matches a float64
+  oracle that quantizes with exactly those scales, and the transformers block holding the
+  dequantized weights within fp8 activation rounding."""
+  import oracle_np as onp
+  from jmoe.quant import QuantizedWeights
+  h, n, e = 256, 128, 4
+  names = ("w1", "w3", "w2")
+  hf_config, block, x = build("mixtral", hidden_size=h, intermediate_size=n, num_local_experts=e)
+  g = torch.Generator().manual_seed(8)
+  sd, deq = _fp8_experts(block, e, names, [(n, h), (n, h), (h, n)], "tensor", g)
+  amax_x = float(x.abs().max())
+  s1 = {i: amax_x / 448 * (0.9 + 0.1 * i) for i in range(e)}  # expert 3 calibrated widest
+  inter = max(float(((x.reshape(-1, h) @ deq[f"experts.{i}.w1"].T).sigmoid()
+                      * (x.reshape(-1, h) @ deq[f"experts.{i}.w1"].T)
+                      * (x.reshape(-1, h) @ deq[f"experts.{i}.w3"].T)).abs().max())
+              for i in range(e))  # every token through every expert: the widest range
+  s2 = {i: inter / 448 * (1.0 + 0.05 * (i % 3)) for i in range(e)}
+  for i in range(e):
+    sd[f"experts.{i}.w1.input_scale"] = torch.tensor(s1[i])
+    sd[f"experts.{i}.w3.input_scale"] = torch.tensor(s1[i] * 0.95)
+    sd[f"experts.{i}.w2.input_scale"] = torch.tensor(s2[i])
+  _load_dequantized_into(block, deq, e, names)
+  prefix = "model.layers.0.block_sparse_moe."
+  sd = {prefix + k: v for k, v in {**sd, "gate.weight": block.gate.weight.detach()}.items()}
+  config, params = hf.from_hf_state_dict("mixtral", hf_config, sd, prefix, dtype="float32")
+  assert isinstance(params.w13, QuantizedWeights) and params.w13.scheme.name == \
+      "fp8_channel_static"
+  want_s13, want_s2 = np.float32(max(s1.values())), np.float32(max(s2.values()))
+  assert float(params.w13.input_scale[0]) == want_s13
+  assert float(params.w2.input_scale[0]) == want_s2
+  x2 = np.asarray(x.reshape(-1, h).numpy())
+  tw, ids = onp.random_topk(np.random.default_rng(3), x2.shape[0], e, 2)
+  got = jmoe.fused_moe(jnp.asarray(x2), params.w13, params.w2, jnp.asarray(tw),
+                       jnp.asarray(ids))
+  d13, d2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (params.w13, params.w2))
+  ref = onp.fused_moe(onp.quantize_static(x2, "float8_e4m3fn", want_s13), d13, d2, tw, ids,
+                      requant=lambda a: onp.quantize_static(a, "float8_e4m3fn", want_s2))
+  onp.assert_rel_close(np.asarray(got, np.float32), ref, 1e-5, "static fp8 vs oracle")
+  block_out = _block_jit(jnp.asarray(x2), params, config=config)
+  assert rel_err(block_out, hf_forward(block, x)) <= 6e-2
+  dynamic = dict(hf_config.to_dict(), quantization_config={"quant_method": "fp8",
+                                                            "activation_scheme": "dynamic"})
+  _, dyn = hf.from_hf_state_dict("mixtral", type(hf_config)(**dynamic), sd, prefix,
+                                 dtype="float32")
+  assert dyn.w13.scheme.name == "fp8_channel" and dyn.w13.input_scale is None
+  partial = {k: v for k, v in sd.items() if not k.endswith("experts.2.w2.input_scale")}
+  with pytest.raises(ValueError, match="11 of 12 expert linears have an input_scale"):
+    hf.from_hf_state_dict("mixtral", hf_config, partial, prefix)
+
+
 def test_fp8_checkpoint_bad_scales_name_the_tensor():
   hf_config, block, x = build("mixtral", hidden_size=256, intermediate_size=128,
                               num_local_experts=2)

@@ -1,4 +1,6 @@
 """The flax.nnx MoE layer: same values as the functional block, trainable under nnx.jit."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,21 +132,37 @@ def test_load_params_round_trip():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("scheme,size", [("fp8_channel", 16), ("int8", 16), ("fp8_block", 128)])
+@pytest.mark.parametrize("scheme,size", [("fp8_channel", 16), ("int8", 16), ("fp8_block", 128),
+                                         ("fp8_channel_static", 16)])
 def test_quantized_layer_forward(scheme, size):
   cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=size, intermediate_size=size)
-  layer = MoE(cfg, rngs=nnx.Rngs(0), quant=scheme, runner_backend="xla")
+  scales = None
+  if scheme.endswith("_static"):
+    scales = (1.0, 1.0)  # replaced below by scales calibrated on the layer's own weights
+    with pytest.raises(ValueError, match="input_scales=None with quant=QuantConfig"):
+      MoE(cfg, rngs=nnx.Rngs(0), quant=scheme)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), quant=scheme, input_scales=scales, runner_backend="xla")
   assert not nnx.state(layer, nnx.Param).get("w13_values")
   q = nnx.state(layer, QuantizedWeight)
   assert "w13_values" in q and "w2_scale" in q
   x = jax.random.normal(jax.random.key(1), (6, size))
   p = layer.params()
+  if scales is not None:  # load_params takes the calibrated scales
+    _, ids = jmoe.select_experts(x, jmoe.router_logits(x, p), cfg.top_k)
+    scales = jmoe.quant.calibrate_input_scales(x, p.w13, p.w2, ids, scheme)
+    p = dataclasses.replace(p, w13=dataclasses.replace(p.w13, input_scale=scales[0]),
+                            w2=dataclasses.replace(p.w2, input_scale=scales[1]))
+    layer.load_params(p)
+    q = nnx.state(layer, QuantizedWeight)
   dense = jmoe.MoEParams(router_w=p.router_w, w13=p.w13.dequantize(), w2=p.w2.dequantize())
   ref = jmoe.moe_block(x, dense, cfg, runner_backend="reference")
   rel = float(jnp.linalg.norm(layer(x) - ref) / jnp.linalg.norm(ref))
   assert rel < 0.08, rel  # activation quantization error only
   specs = nnx.get_partition_spec(q)
   assert _spec(specs["w13_values"]) == P("expert", None, None)
+  if scales is not None:  # held, replicated, and given back by params()
+    assert float(layer.params().w2.input_scale[0]) == float(scales[1][0])
+    assert _spec(specs["w2_input_scale"]) == P(None)
 
 
 def test_partition_specs_without_mesh():

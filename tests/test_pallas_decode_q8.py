@@ -78,6 +78,31 @@ def test_decode_q8_one_token_all_schemes(scheme, rng):
   onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, quant), TOL, f"{scheme} T=1")
 
 
+def test_static_scheme_decodes_with_its_token_scale(rng, monkeypatch):
+  """fp8_tensor_static at one token takes the decode kernel through fused_moe: the token
+  quantized with w13's static input_scale, the intermediate per 128 columns (the kernel's own,
+  finer than w2's static scale)."""
+  monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
+  quant = jmoe.QuantConfig("fp8_tensor_static")
+  t, h, n, e, k = 1, 256, 256, 8, 2
+  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
+  w13 = jnp.asarray(rng.standard_normal((e, h, 2 * n)) / np.sqrt(h), jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((e, n, h)) / np.sqrt(n), jnp.float32)
+  tw, ids = onp.random_topk(rng, t, e, k)
+  s13 = float(jnp.max(jnp.abs(x.astype(jnp.float32)))) / 448 * 0.5  # the largest saturate
+  q13 = quantize_weights(w13, quant, input_scale=s13)
+  q2 = quantize_weights(w2, quant, input_scale=1.0)  # unused by the decode kernel
+  assert pmoe.quantized_layout(t, k, e, h, n, as_activation("silu"), quant) == "decode"
+  out = jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                       runner_backend="pallas_mosaic")
+  assert not _compat.races_found()
+  d13, d2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (q13, q2))
+  xq = onp.quantize_static(np.asarray(x, np.float32), quant.act_dtype, np.float32(s13))
+  requant = lambda a: onp.quantize_rows(a, quant.act_dtype, decode_q8.BN)  # noqa: E731
+  ref = onp.fused_moe(xq, d13, d2, tw, ids, requant=requant)
+  onp.assert_rel_close(np.asarray(out, np.float32), ref, TOL, "fp8_tensor_static decode")
+
+
 def test_quantized_block_takes_the_decode_kernel_and_refuses_bad_input():
   """The layout rule (decode where slots rarely share an expert and the scheme's scales are
   constant along K), the explicit layout's errors, and the kernel's shape checks."""

@@ -189,24 +189,47 @@ def _block_problem(rng, quant, t, h, n, e, k):
 def _block_oracle(x, q13, q2, tw, ids, quant, activation="silu"):
   w13, w2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (q13, q2))
   group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
-  requant = lambda a: onp.quantize_rows(a, quant.act_dtype, group)  # noqa: E731
-  xq = onp.quantize_rows(np.asarray(x, np.float32), quant.act_dtype, group)
+  if quant.act_scale == "static_tensor":
+    s13, s2 = (float(w.input_scale[0]) for w in (q13, q2))
+    requant = lambda a: onp.quantize_static(a, quant.act_dtype, s2)  # noqa: E731
+    xq = onp.quantize_static(np.asarray(x, np.float32), quant.act_dtype, s13)
+  else:
+    requant = lambda a: onp.quantize_rows(a, quant.act_dtype, group)  # noqa: E731
+    xq = onp.quantize_rows(np.asarray(x, np.float32), quant.act_dtype, group)
   return onp.fused_moe(xq, w13, w2, tw, ids, activation=activation, requant=requant)
 
 
-@pytest.mark.parametrize("scheme", (pytest.param("fp8_block", marks=pytest.mark.slow), "int8"))
+def _static_scales(x, w13, w2, ids, quant, squeeze: float = 1.0):
+  """Calibrated static input scales; squeeze < 1 narrows GEMM2's so its largest inputs
+  saturate (the epilogue must clamp them as the scheme does, never NaN)."""
+  from jmoe.quant import calibrate_input_scales
+  s13, s2 = calibrate_input_scales(x, jnp.asarray(w13, jnp.float32),
+                                   jnp.asarray(w2, jnp.float32), jnp.asarray(ids), quant)
+  return s13, s2 * squeeze
+
+
+@pytest.mark.parametrize("scheme", (pytest.param("fp8_block", marks=pytest.mark.slow), "int8",
+                                    "int8_static", "fp8_tensor_static",
+                                    pytest.param("fp8_channel_static", marks=pytest.mark.slow)))
 def test_pallas_experts_match_oracle(scheme, rng):  # fp8_channel: int8's path, fp8 dtype
+  """The static schemes' GEMM1 writes GEMM2's 8-bit input itself (scaled by 1 / w2's
+  input_scale, rounded and clamped in the epilogue); fp8_tensor_static's scale is narrowed
+  so a part of the intermediate saturates."""
   quant = jmoe.QuantConfig(scheme)
   t, h, n, e, k = 9, 128, 128, 4, 2
   x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
   w13 = rng.standard_normal((e, h, 2 * n)) / np.sqrt(h)
   w2 = rng.standard_normal((e, n, h)) / np.sqrt(n)
-  q13 = quantize_weights(jnp.asarray(w13, jnp.float32), quant)
-  q2 = quantize_weights(jnp.asarray(w2, jnp.float32), quant)
   tw, ids = onp.random_topk(rng, t, e, k)
   ids[::3, 1] = -1  # empty slots
   ids[:, 0] = np.where(ids[:, 0] == 3, 2, ids[:, 0])  # expert 3: at most the second slots
   ids[:, 1] = np.where(ids[:, 1] == 3, -1, ids[:, 1])  # and none: an empty expert
+  s13 = s2 = None
+  if quant.act_scale == "static_tensor":
+    s13, s2 = _static_scales(x, w13, w2, ids, quant, 0.25 if scheme == "fp8_tensor_static"
+                             else 1.0)
+  q13 = quantize_weights(jnp.asarray(w13, jnp.float32), quant, input_scale=s13)
+  q2 = quantize_weights(jnp.asarray(w2, jnp.float32), quant, input_scale=s2)
   assert PallasExperts().quant_support(quant) is None
   out = jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
                        runner_backend="pallas_mosaic")
@@ -269,6 +292,8 @@ def _kernels(fn, *shapes) -> set:
 
 
 @pytest.mark.parametrize("scheme,m,ctas", [("fp8_channel", 4096, None), ("int8", 4096, None),
+                                           ("fp8_tensor_static", 4096, None),
+                                           ("int8_static", 4096, None),
                                            ("fp8_block", 4096, None), ("fp8_block", 8, None),
                                            ("fp8_block", 4096, 1), ("fp8_block", 4096, "ws")])
 def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
@@ -281,15 +306,18 @@ def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
 
   def qw(n_out, n_in):
     ts = {"tensor": (1, 1), "channel": (n_out, 1), "block": (n_out // 128, n_in // 128)}
+    static = quant.act_scale == "static_tensor"
     return jmoe.quant.QuantizedWeights(
         values=S((e, n_out, n_in), dt), scale=S((e, *ts[quant.weight_scale]), jnp.float32),
-        scheme=quant)
+        input_scale=S((1,), jnp.float32) if static else None, scheme=quant)
 
   g = h // 128 if quant.weight_scale == "block" else 1
+  rows = 1 if quant.act_scale == "static_tensor" else m
   cfg = {None: None, 1: q8.BlockQ8Config(), "ws": q8.BlockQ8Config(
       block_m=128, warp_specialized=True)}[ctas]  # None: the default (ws prefill, 2 CTAs decode)
   found = _kernels(lambda x, s, w13, w2, tw, ti: pmoe.fused_experts_quantized(
-      x, s, w13, w2, tw, ti, config1=cfg), S((m, h), dt), S((m, g), jnp.float32), qw(2 * n, h), qw(h, n),
+      x, s, w13, w2, tw, ti, config1=cfg), S((m, h), dt), S((rows, g), jnp.float32),
+      qw(2 * n, h), qw(h, n),
       S((m, k), jnp.float32), S((m, k), jnp.int32))
   if quant.weight_scale == "block":
     tail = {None: "_ws" if m * k > 64 * e else "_2cta", 1: "", "ws": "_ws"}[ctas]

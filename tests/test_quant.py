@@ -239,16 +239,27 @@ def test_moe_block_runs_quantized_weights(rng):
 @pytest.mark.parametrize("scheme,a2a", [pytest.param("fp8_block", "allgather", marks=pytest.mark.slow),
                                         pytest.param("fp8_block", "ragged_dedup",
                                                      marks=pytest.mark.slow),
-                                        ("int8", "ragged_a2a"), ("fp8_channel", "padded_a2a")])
+                                        ("int8", "ragged_a2a"), ("fp8_channel", "padded_a2a"),
+                                        ("fp8_channel_static", "ragged_a2a"),
+                                        pytest.param("int8_static", "allgather",
+                                                     marks=pytest.mark.slow),
+                                        pytest.param("fp8_tensor_static", "padded_a2a",
+                                                     marks=pytest.mark.slow)])
 def test_quantized_weights_shard_over_the_expert_axis(scheme, a2a, rng):
   """EP on 8 simulated devices (data 2 x expert 4): quantized rows and their scales ride the
-  dispatch and the experts take them as they arrive; equal to the one-device quantized block."""
+  dispatch and the experts take them as they arrive (a static scheme's rows travel without
+  scales: every rank holds the replicated input_scale); equal to the one-device block."""
   from jmoe import sharding
+  from jmoe.quant import calibrate_input_scales
   t, h, n, e, k = 16, 128, 128, 8, 2
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
-  q13 = quantize_weights(jnp.asarray(_weights(rng, e, h, 2 * n)), scheme)
-  q2 = quantize_weights(jnp.asarray(_weights(rng, e, n, h)), scheme)
+  w13, w2 = jnp.asarray(_weights(rng, e, h, 2 * n)), jnp.asarray(_weights(rng, e, n, h))
   tw, ids = (jnp.asarray(a) for a in onp.random_topk(rng, t, e, k))
+  s13 = s2 = None
+  if jmoe.QuantConfig(scheme).act_scale == "static_tensor":
+    s13, s2 = calibrate_input_scales(x, w13, w2, ids, scheme)
+  q13 = quantize_weights(w13, scheme, input_scale=s13)
+  q2 = quantize_weights(w2, scheme, input_scale=s2)
   ref = jmoe.fused_moe(x, q13, q2, tw, ids)
   par = sharding.make_parallel(data=2, expert=4)
   f = jax.jit(lambda *a: jmoe.fused_moe(*a, parallel=par, a2a_backend=a2a))
@@ -303,9 +314,10 @@ def test_oracle_walks_candidates_with_reasons(no_backend_env):
       jmoe.QuantConfig("custom", weight_dtype="float4_e2m1fn", weight_scale="group",
                        group_size=32, act_dtype="float8_e4m3fn", act_scale="dynamic_group",
                        act_group_size=32))
-  static = jmoe.QuantConfig("fp8_tensor", act_scale="static_tensor")
-  with pytest.raises(ValueError, match=r"cannot run with runner_backend='xla'.*static per-tensor"):
-    jmoe.select_backend(quant=static)
+  for scheme in ("fp8_tensor_static", "fp8_channel_static", "int8_static"):  # both take them
+    _, experts, why = jmoe.select_backend(quant=jmoe.QuantConfig(scheme))
+    assert experts.name == "xla" and f"for QuantConfig({scheme})" in why
+    assert pallas_quant_support(jmoe.QuantConfig(scheme)) is None
 
 
 def _dense_and_quantized(rng, scheme="fp8_block", e=4, h=256, n=128):

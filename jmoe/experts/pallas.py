@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.config import QuantConfig
-from jmoe.quant.activations import ROW_SCALES
+from jmoe.quant.activations import K_CONSTANT_SCALES, ROW_SCALES
 from jmoe.quant.weights import is_packed
 from jmoe.experts._common import check_weights_for_activation, narrow_to_touched, weights_quant
 from jmoe.modular import (ActivationFormat, BatchedExperts, Experts, ExpertsInput, ExpertWeights,
@@ -43,7 +43,7 @@ def runs_weight_only(quant: QuantConfig) -> bool:
 def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   """Why the Pallas kernels cannot run `quant` (None: they can): W8A8 with scales that factor
   out of K (fp8_tensor / fp8_channel / int8, per-token or per-tensor dynamic activation
-  scales), fp8_block (128 x 128 weight blocks, 1 x 128 activation groups), and every
+  scales, and their static forms: fp8_tensor_static, ...), fp8_block (128 x 128 weight blocks, 1 x 128 activation groups), and every
   weight-only format (jmoe.kernels.moe.fused_experts_weight_only: the decode kernels or the
   grouped GEMMs on the codes where they apply, else the weights dequantized per call into the
   bf16 kernels), and 4-bit codes with fp8 tokens (mxfp4_fp8, nvfp4_fp8, w4afp8: mxfp4 past
@@ -68,9 +68,10 @@ def pallas_quant_support(quant: Optional[QuantConfig]) -> Optional[str]:
   if quant.scale_dtype != "float32":
     return f"{name}: {quant.scale_dtype} scales (the Pallas kernels take float32 scales)"
   if quant.weight_scale in ("tensor", "channel"):
-    if quant.act_scale not in ROW_SCALES:
+    if quant.act_scale not in K_CONSTANT_SCALES:
       return (f"{name}: act_scale={quant.act_scale!r} with {quant.weight_scale} weight scales "
-              "(the Pallas kernels take per-token or per-tensor dynamic activation scales)")
+              "(the Pallas kernels take per-token or per-tensor dynamic, or static per-tensor, "
+              "activation scales)")
     return None
   if quant.weight_scale == "block":
     if (quant.weight_dtype != "float8_e4m3fn" or tuple(quant.block_shape) != (128, 128)

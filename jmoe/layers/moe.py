@@ -47,6 +47,8 @@ class MoE(nnx.Module):
       "auto"); `parallel=ParallelConfig(mesh=...)` runs the experts expert-parallel.
     quant: a scheme name / QuantConfig: the expert weights are drawn, quantized and held as
       non-trainable `QuantizedWeight` variables (forward only: no gradient reaches them).
+    input_scales: (w13's, w2's) static input scale, for the static schemes (fp8_tensor_static,
+      ...) and only those: `jmoe.quant.calibrate_input_scales`; `load_params` replaces them.
     prepare_for_kernels: also hold the operands the Pallas kernels derive from quantized
       weights (`jmoe.quant.prepare_for_kernels`: the prefill GEMMs' scale layouts), made at
       construction and on `load_params` instead of on every call; they cost memory (nvfp4:
@@ -78,6 +80,7 @@ class MoE(nnx.Module):
                param_dtype=jnp.float32, runner_backend: Optional[str] = None,
                a2a_backend: str = "auto", parallel: Optional[ParallelConfig] = None,
                quant: Union[str, QuantConfig, None] = None,
+               input_scales: Optional[tuple[Any, Any]] = None,
                prepare_for_kernels: Optional[bool] = None,
                kernel_init: Initializer = expert_init_default,
                router_init: Initializer = dense_init_default,
@@ -103,6 +106,11 @@ class MoE(nnx.Module):
       quant = QuantConfig(quant)
     if quant is not None and not quant.is_quantized:
       quant = None
+    static = quant is not None and quant.act_scale == "static_tensor"
+    if static != (input_scales is not None):
+      raise ValueError(f"input_scales={input_scales!r} with quant={quant}: a static scheme "
+                       "takes (w13's, w2's) input scale (jmoe.quant.calibrate_input_scales, or "
+                       "a checkpoint's), the other schemes none")
     self.config = config
     self.dtype = dtype
     self.param_dtype = param_dtype
@@ -121,14 +129,16 @@ class MoE(nnx.Module):
     self.capacity_factor = capacity_factor
     self.sow_aux = sow_aux
     self.axes, mesh, own_mesh = resolve_axes(parallel, expert_axis, tensor_axis)
-    self._init_variables(rngs, kernel_init, router_init, bias_init, mesh, own_mesh)
+    self._init_variables(rngs, kernel_init, router_init, bias_init, mesh, own_mesh,
+                         input_scales)
     # forked after the draws, so a layer's initial values do not depend on its jitter
     self.rngs = rngs.fork() if router_jitter > 0 else None
 
   # ------------------------------------------------------------------------------------------
   # variables
 
-  def _init_variables(self, rngs, kernel_init, router_init, bias_init, mesh, own_mesh) -> None:
+  def _init_variables(self, rngs, kernel_init, router_init, bias_init, mesh, own_mesh,
+                      input_scales) -> None:
     c, pdt, ax = self.config, self.param_dtype, self.axes
     e, h, n = c.num_experts, c.hidden_size, c.intermediate_size
     gated = c.act.is_gated
@@ -143,8 +153,10 @@ class MoE(nnx.Module):
     w13 = kernel_init(rngs.params(), (e, h, c.w13_out), pdt)
     w2 = kernel_init(rngs.params(), (e, n, h), pdt)
     if self.quant is not None:
-      self._store_quantized(quantize_weights(w13, self.quant, argname="w13"),
-                            quantize_weights(w2, self.quant, argname="w2"), mesh, own_mesh)
+      s13, s2 = input_scales or (None, None)
+      self._store_quantized(quantize_weights(w13, self.quant, input_scale=s13, argname="w13"),
+                            quantize_weights(w2, self.quant, input_scale=s2, argname="w2"),
+                            mesh, own_mesh)
       self.w13 = self.w2 = None
     elif gated:
       self.w13 = param(w13.reshape(e, h, 2, n), "expert", None, None, "tensor")

@@ -23,7 +23,8 @@ def variable(kind, value, names: tuple, mesh, own_mesh: bool = False) -> nnx.Var
 
 class QuantizedSlot:
   """One quantized weight (w13 or w2) spread over plain variables of `module`:
-  `<name>_values`, `<name>_scale`, `<name>_zero` / `_global_scale` / `_perm` (or None), and
+  `<name>_values`, `<name>_scale`, `<name>_zero` / `_global_scale` / `_perm` and the
+  replicated `<name>_input_scale` of a static scheme (or None), and
   one `<name>_prepared_<key>` per prepared kernel operand (`jmoe.quant.prepare_for_kernels`;
   their keys in `<name>_prepared_keys`); the scheme and orientation are static Python
   attributes."""
@@ -40,6 +41,9 @@ class QuantizedSlot:
     for part in _OPTIONAL_PARTS:  # None, or [E, ...] sharded like the values
       a = getattr(w, part)
       setattr(module, f"{name}_{part}", None if a is None else put(a))
+    s = w.input_scale  # one per tensor: replicated
+    setattr(module, f"{name}_input_scale",
+            None if s is None else variable(QuantizedWeight, s, (None,) * s.ndim, mesh, own_mesh))
     for key in getattr(module, f"{name}_prepared_keys", ()):
       delattr(module, _prepared_attr(name, key))
     prepared = w.prepared or {}
@@ -51,7 +55,7 @@ class QuantizedSlot:
   @staticmethod
   def load(module: nnx.Module, name: str) -> QuantizedWeights:
     scheme, k_major = getattr(module, f"{name}_scheme")
-    parts = {p: getattr(module, f"{name}_{p}", None) for p in _OPTIONAL_PARTS}
+    parts = {p: getattr(module, f"{name}_{p}", None) for p in (*_OPTIONAL_PARTS, "input_scale")}
     keys = getattr(module, f"{name}_prepared_keys", ())
     prepared = {k: getattr(module, _prepared_attr(name, k))[...] for k in keys}
     return QuantizedWeights(values=getattr(module, f"{name}_values")[...],

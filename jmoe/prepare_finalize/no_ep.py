@@ -32,9 +32,9 @@ class NoEP(PrepareFinalize):
   supports_residual = True  # finalize adds it inside the reduce (PrepareFinalize.finalize)
 
   def prepare(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
-              apply_router_weight_on_input, quant):
+              apply_router_weight_on_input, quant, a1_scale=None):
     x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
-    a1q, a1_scale = quantize_activations(x, quant)
+    a1q, a1_scale = quantize_activations(x, quant, static_scale=a1_scale)
     return ExpertsInput(a=a1q, a_scale=a1_scale, topk_weights=topk_weights,
                         topk_ids=topk_ids.astype(self.topk_indices_dtype),
                         format=ActivationFormat.Standard)
@@ -94,7 +94,7 @@ class NoEPBatched(PrepareFinalize):
     return self.max_tokens_per_expert
 
   def prepare(self, x, topk_weights, topk_ids, *, num_local_experts, expert_map,
-              apply_router_weight_on_input, quant):
+              apply_router_weight_on_input, quant, a1_scale=None):
     t, k = topk_ids.shape
     x, topk_weights = apply_weight_on_input(x, topk_weights, apply_router_weight_on_input)
     capacity = self.max_tokens_per_expert or t
@@ -102,7 +102,7 @@ class NoEPBatched(PrepareFinalize):
     src_slot, num_tokens, slot_pos, dropped = batched_layout(local, num_local_experts, capacity)
     tok = jnp.where(src_slot >= 0, src_slot // k, 0)
     a = jnp.where((src_slot >= 0)[..., None], x[tok], jnp.zeros((), x.dtype))
-    a1q, a1_scale = quantize_activations(a, quant)
+    a1q, a1_scale = quantize_activations(a, quant, static_scale=a1_scale)
     return ExpertsInput(a=a1q, a_scale=a1_scale, topk_weights=topk_weights,
                         topk_ids=topk_ids.astype(self.topk_indices_dtype),
                         expert_num_tokens=num_tokens,

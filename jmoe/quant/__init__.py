@@ -9,7 +9,9 @@ accepted wherever `w13` / `w2` are::
     y = jmoe.fused_moe(x, w13q, w2q, topk_weights, topk_ids)
 
 `dequantize` is the reference. `quantize_activations` is what `prepare` does to GEMM1's input
-and the experts do to GEMM2's.
+and the experts do to GEMM2's. The static schemes (fp8_tensor_static, fp8_channel_static,
+int8_static) quantize both with scales fixed in advance: each weight's `input_scale`, from
+its checkpoint or `calibrate_input_scales`.
 
 The 4-bit formats (w4a16, mxfp4, nvfp4) pack two codes per uint8 along K (`packing`; the
 layouts are in `weights`' docstring); `int4_checkpoints` reads GPTQ / AWQ tensors, and
@@ -24,12 +26,14 @@ from jmoe.quant.activations import (dequantize_activations, fake_quantize,
 from jmoe.quant.dispatch import (FP8_DISPATCH_BLOCK, FP8_DISPATCH_DTYPE, dequantize_rows_fp8,
                                  quantize_rows_fp8)
 from jmoe.quant import int4_checkpoints, packing
+from jmoe.quant.calibration import calibrate_input_scales
 from jmoe.quant.kernel_layout import prepare_for_kernels
 from jmoe.quant.weights import (QuantizedWeights, check_quantized, dequantize, from_qwix,
                                 is_quantized, quantize_weights, weight_bytes)
 
 __all__ = [
-    "FP8_DISPATCH_BLOCK", "FP8_DISPATCH_DTYPE", "QuantizedWeights", "check_quantized",
+    "FP8_DISPATCH_BLOCK", "FP8_DISPATCH_DTYPE", "QuantizedWeights", "calibrate_input_scales",
+    "check_quantized",
     "dequantize", "dequantize_activations", "dequantize_rows_fp8", "fake_quantize",
     "from_qwix", "int4_checkpoints", "is_quantized", "packing", "prepare_for_kernels",
     "quantize_activations", "quantize_rows_fp8",

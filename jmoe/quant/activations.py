@@ -23,6 +23,9 @@ from jmoe.quant.weights import QMAX
 # dynamic scales constant along K (one per row, or one per call): a GEMM applies them once,
 # after its contraction -- what the Pallas 8-bit decode kernels take
 ROW_SCALES = ("dynamic_token", "dynamic_tensor")
+# ... and with the static per-tensor scale: every activation scale a W8A8 GEMM applies after
+# its contraction (the 8-bit grouped GEMMs and decode_q8 take these)
+K_CONSTANT_SCALES = (*ROW_SCALES, "static_tensor")
 
 
 def act_scale_shape(quant: QuantConfig, rows_shape: tuple[int, ...], h: int) -> tuple[int, ...]:

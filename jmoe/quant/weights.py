@@ -249,7 +249,7 @@ def _e8m0_scale(amax: jax.Array, qmax: float) -> jax.Array:
 
 
 def quantize_weights(w: jax.Array, scheme: "QuantConfig | str", *, k_major: bool = True,
-                     argname: str = "w") -> QuantizedWeights:
+                     input_scale: Any = None, argname: str = "w") -> QuantizedWeights:
   """Quantize expert weights w [E, K, N] (jmoe's layout, any float dtype) to `scheme`.
 
   Scales map each tile's max |w| onto the value type's largest finite value (448 for e4m3,
@@ -259,6 +259,10 @@ def quantize_weights(w: jax.Array, scheme: "QuantConfig | str", *, k_major: bool
   maps onto the full integer range (int4: 0..15, as GPTQ / AWQ). nvfp4 (e4m3 block scales)
   first takes a per-expert global scale max |w| / (6 * 448), as NVIDIA ModelOpt does, so the
   block scales use e4m3's range. The packed types come out as uint8, two codes a byte along K.
+
+  input_scale: the static per-tensor scale of this GEMM's input (a scalar; schemes with
+  act_scale="static_tensor" need one: a checkpoint's `input_scale`, or
+  `jmoe.quant.calibrate_input_scales`), stored as float32 [1].
 
   Returns QuantizedWeights with K-major values [E, N, K] (packed: [E, N, K/2]) unless
   k_major=False. Raises naming `argname` when a tile does not divide [K, N] or K is odd for
@@ -278,7 +282,32 @@ def quantize_weights(w: jax.Array, scheme: "QuantConfig | str", *, k_major: bool
     raise ValueError(f"{argname}: {scheme.name} packs two 4-bit values per byte along K, so K "
                      f"must be even, got [K, N] = [{k}, {n}]")
   out = _quantize(w, scheme, tn, tk)
+  if input_scale is not None:
+    out = dataclasses.replace(out, input_scale=as_input_scale(input_scale,
+                                                              argname=f"{argname}.input_scale"))
+  check_static_scale(out, argname=argname)
   return out if k_major else out.with_k_major(False)
+
+
+def as_input_scale(scale: Any, *, argname: str) -> jax.Array:
+  """A static activation scale as QuantizedWeights holds it: float32 [1], positive where
+  concrete (raises naming `argname` otherwise)."""
+  a = jnp.asarray(scale, jnp.float32)
+  if a.size != 1:
+    raise ValueError(f"{argname} must be one per-tensor scale, got shape {tuple(a.shape)}")
+  a = a.reshape(1)
+  if not isinstance(a, jax.core.Tracer) and not float(a[0]) > 0:
+    raise ValueError(f"{argname} must be a positive scale, got {float(a[0])}")
+  return a
+
+
+def check_static_scale(w: "QuantizedWeights", *, argname: str) -> None:
+  """A static-activation scheme's weights carry the static scale of their GEMM's input."""
+  if w.scheme.act_scale == "static_tensor" and w.input_scale is None:
+    raise ValueError(f"{argname}.input_scale: {w.scheme.name} quantizes this GEMM's input with "
+                     "one static per-tensor scale, and none is given (pass input_scale= to "
+                     "quantize_weights, load it from the checkpoint, or use "
+                     "jmoe.quant.calibrate_input_scales)")
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))  # one compiled graph when called eagerly
@@ -436,6 +465,7 @@ def check_quantized(w: QuantizedWeights, *, argname: str) -> None:
   if w.input_scale is not None and math.prod(w.input_scale.shape) != 1:
     raise ValueError(f"{argname}.input_scale must be one per-tensor scale, got shape "
                      f"{tuple(w.input_scale.shape)}")
+  check_static_scale(w, argname=argname)
   if s.scale_dtype == "float8_e4m3fn" and w.global_scale is None:
     raise ValueError(f"{argname}.global_scale: {s.name}'s e4m3 block scales are relative to a "
                      "float32 global scale [E, S] (ModelOpt's weight_scale_2); got None")

@@ -495,27 +495,93 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
                      gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,
                      interpret=interpret)
   else:
-    w13_cols = q8.column_scale_matrix(w13.scale, e, n13, argname="w13.scale")
-    if quant.act_scale == "static_tensor":
-      # GEMM2's input scale is known before the call (w2.input_scale): GEMM1's epilogue
-      # multiplies by its inverse and writes the 8-bit rows (saturating), no bf16 round trip
-      s2 = w2.input_scale.astype(jnp.float32).reshape(())
-      hq = q8.q8_run(xs, w13.values, group_sizes, xs_scale[:, 0], w13_cols, act=act,
-                     gated=act.is_gated, bias=w13_bias, row_scale=jnp.full((m_alloc,), 1 / s2),
-                     out_dtype=w2.values.dtype, config=cfg1, interpret=interpret,
-                     meta=metas[cfg1.block_m], keep_rows=True)
-      hs = s2
-    else:
-      h = q8.q8_run(xs, w13.values, group_sizes, xs_scale[:, 0], w13_cols, act=act,
-                    gated=act.is_gated, bias=w13_bias, out_dtype=jnp.bfloat16, config=cfg1,
-                    interpret=interpret, meta=metas[cfg1.block_m], keep_rows=True)
-      live = jnp.arange(m_alloc) < jnp.sum(group_sizes)
-      hq, hs = _requant_rows(h, live, quant)
-    y = q8.q8_run(hq, w2.values, group_sizes, q8.row_scale_vector(hs, m_alloc),
-                  q8.column_scale_matrix(w2.scale, e, hdim, argname="w2.scale"), act=None,
-                  gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,
-                  interpret=interpret, meta=metas[cfg2.block_m], keep_rows=True)
+    live = jnp.arange(m_alloc) < jnp.sum(group_sizes)
+    y = _factored_q8_mlp(xs, xs_scale[:, 0], w13, w2, group_sizes, metas[cfg1.block_m],
+                         metas[cfg2.block_m], live, act=act, w13_bias=w13_bias,
+                         w2_bias=w2_bias, out_dtype=out_dtype, config1=cfg1, config2=cfg2,
+                         interpret=interpret)
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=out_dtype)
+
+
+def _factored_q8_mlp(xs, xs_scale, w13, w2, group_sizes, meta1, meta2, live, *, act,
+                     w13_bias, w2_bias, out_dtype, config1, config2, interpret):
+  """GEMM1 -> the intermediate in 8 bits -> GEMM2 on grouped_gemm_q8, for the schemes whose
+  scales factor out of K (fp8_tensor / fp8_channel / int8 and their static forms). xs [R, H]
+  8-bit kernel rows, xs_scale [R] f32, meta1 / meta2 the two GEMMs' task lists over those rows,
+  live [R] the rows a task computes. Returns all R rows of GEMM2's output (rows no task
+  computes unwritten)."""
+  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  quant = w13.scheme
+  r = xs.shape[0]
+  e, n13, hdim = w13.values.shape
+  w13_cols = q8.column_scale_matrix(w13.scale, e, n13, argname="w13.scale")
+  if quant.act_scale == "static_tensor":
+    # GEMM2's input scale is known before the call (w2.input_scale): GEMM1's epilogue
+    # multiplies by its inverse and writes the 8-bit rows (saturating), no bf16 round trip
+    s2 = w2.input_scale.astype(jnp.float32).reshape(())
+    hq = q8.q8_run(xs, w13.values, group_sizes, xs_scale, w13_cols, act=act,
+                   gated=act.is_gated, bias=w13_bias, row_scale=jnp.full((r,), 1 / s2),
+                   out_dtype=w2.values.dtype, config=config1, interpret=interpret,
+                   meta=meta1, keep_rows=True)[:r]
+    hs = s2
+  else:
+    h = q8.q8_run(xs, w13.values, group_sizes, xs_scale, w13_cols, act=act,
+                  gated=act.is_gated, bias=w13_bias, out_dtype=jnp.bfloat16, config=config1,
+                  interpret=interpret, meta=meta1, keep_rows=True)[:r]
+    hq, hs = _requant_rows(h, live, quant)
+  return q8.q8_run(hq, w2.values, group_sizes, q8.row_scale_vector(hs, r),
+                   q8.column_scale_matrix(w2.scale, e, hdim, argname="w2.scale"), act=None,
+                   gated=False, bias=w2_bias, out_dtype=out_dtype, config=config2,
+                   interpret=interpret, meta=meta2, keep_rows=True)[:r]
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "interpret", "config1",
+                                             "config2"))
+def fused_experts_quantized_batched(a_q: jax.Array, a_scale: jax.Array,
+                                    expert_num_tokens: jax.Array, w13, w2, *,
+                                    activation: Activation | str = "silu",
+                                    w13_bias: jax.Array | None = None,
+                                    w2_bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
+                                    interpret: Any = False, config1=None,
+                                    config2=None) -> jax.Array:
+  """The batched (masked) format of fused_experts_quantized: each expert's own rows.
+
+  a_q [E, C, H] 8-bit (prepare's quantized rows, expert e's first expert_num_tokens[e] rows
+  live), a_scale per row [E, C, 1] or per tensor [1, 1] (dynamic or static) f32; w13 / w2
+  K-major QuantizedWeights of a scheme whose scales factor out of K (fp8_tensor, fp8_channel,
+  int8 and their static forms). Both GEMMs run on grouped_gemm_q8 over task lists aligned to
+  each expert's rows: row tiles past an expert's count are never scheduled (an empty expert
+  reads no weights); the intermediate is quantized as in fused_experts_quantized (static: in
+  GEMM1's epilogue). Returns [E, C, H] out_dtype, rows past the counts zero (the batched
+  finalize weights and gathers the live ones).
+  """
+  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  act = as_activation(activation)
+  quant = w13.scheme
+  if quant.weight_scale not in ("tensor", "channel") or quant.act_dtype is None:
+    raise ValueError(f"fused_experts_quantized_batched takes per-tensor / per-channel W8A8 "
+                     f"weights (fp8_tensor, fp8_channel, int8, their static forms), got {quant}")
+  if a_q.ndim != 3 or expert_num_tokens.shape != (a_q.shape[0],):
+    raise ValueError(f"a_q must be [E, C, H] and expert_num_tokens [E], got {a_q.shape} and "
+                     f"{expert_num_tokens.shape}")
+  e, cap, hdim = a_q.shape
+  n13 = w13.values.shape[1]
+  n = n13 // 2 if act.is_gated else n13
+  m = e * cap
+  dt = w13.values.dtype
+  cfg1 = config1 or q8.q8_config(m, n, hdim, e, gated=act.is_gated, dtype=dt)
+  cfg2 = config2 or q8.q8_config(m, hdim, n, e, gated=False, dtype=dt)
+  counts = jnp.clip(expert_num_tokens.astype(jnp.int32), 0, cap)
+  starts = jnp.arange(e, dtype=jnp.int32) * cap
+  metas = {bm: gg.tile_metadata_from_bounds(starts, starts + counts, bm, e * -(-cap // bm))
+           for bm in {cfg1.block_m, cfg2.block_m}}
+  live = (jnp.arange(cap)[None, :] < counts[:, None]).reshape(m)
+  xs_scale = a_scale.reshape(-1, 1) if a_scale.size != 1 else a_scale
+  y = _factored_q8_mlp(a_q.reshape(m, hdim), q8.row_scale_vector(xs_scale, m), w13, w2, counts,
+                       metas[cfg1.block_m], metas[cfg2.block_m], live, act=act,
+                       w13_bias=w13_bias, w2_bias=w2_bias, out_dtype=out_dtype, config1=cfg1,
+                       config2=cfg2, interpret=interpret)
+  return jnp.where(live[:, None], y, jnp.zeros((), y.dtype)).reshape(e, cap, hdim)
 
 
 # grouped_gemm_wq (one warpgroup; what sizes 128 does not divide and e4m3 codes run) beats

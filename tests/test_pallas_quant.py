@@ -199,6 +199,25 @@ def _block_oracle(x, q13, q2, tw, ids, quant, activation="silu"):
   return onp.fused_moe(xq, w13, w2, tw, ids, activation=activation, requant=requant)
 
 
+def _ragged_block_problem(rng, quant, squeeze: float = 1.0):
+  """9 bf16 tokens, 4 experts, top 2, H = N = 128: every third token's second slot empty,
+  expert 3 given no slot; the weights quantized to `quant` (a static scheme's scales
+  calibrated, GEMM2's narrowed by `squeeze`). -> x, q13, q2, tw, ids."""
+  t, h, n, e, k = 9, 128, 128, 4, 2
+  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
+  w13 = rng.standard_normal((e, h, 2 * n)) / np.sqrt(h)
+  w2 = rng.standard_normal((e, n, h)) / np.sqrt(n)
+  tw, ids = onp.random_topk(rng, t, e, k)
+  ids[::3, 1] = -1  # empty slots
+  ids[:, :] = np.where(ids == 3, -1, ids)  # an empty expert
+  s13 = s2 = None
+  if quant.act_scale == "static_tensor":
+    s13, s2 = _static_scales(x, w13, w2, ids, quant, squeeze)
+  q13 = quantize_weights(jnp.asarray(w13, jnp.float32), quant, input_scale=s13)
+  q2 = quantize_weights(jnp.asarray(w2, jnp.float32), quant, input_scale=s2)
+  return x, q13, q2, tw, ids
+
+
 def _static_scales(x, w13, w2, ids, quant, squeeze: float = 1.0):
   """Calibrated static input scales; squeeze < 1 narrows GEMM2's so its largest inputs
   saturate (the epilogue must clamp them as the scheme does, never NaN)."""
@@ -216,20 +235,9 @@ def test_pallas_experts_match_oracle(scheme, rng):  # fp8_channel: int8's path, 
   input_scale, rounded and clamped in the epilogue); fp8_tensor_static's scale is narrowed
   so a part of the intermediate saturates."""
   quant = jmoe.QuantConfig(scheme)
-  t, h, n, e, k = 9, 128, 128, 4, 2
-  x = jnp.asarray(2 * rng.standard_normal((t, h)), jnp.bfloat16)
-  w13 = rng.standard_normal((e, h, 2 * n)) / np.sqrt(h)
-  w2 = rng.standard_normal((e, n, h)) / np.sqrt(n)
-  tw, ids = onp.random_topk(rng, t, e, k)
-  ids[::3, 1] = -1  # empty slots
-  ids[:, 0] = np.where(ids[:, 0] == 3, 2, ids[:, 0])  # expert 3: at most the second slots
-  ids[:, 1] = np.where(ids[:, 1] == 3, -1, ids[:, 1])  # and none: an empty expert
-  s13 = s2 = None
-  if quant.act_scale == "static_tensor":
-    s13, s2 = _static_scales(x, w13, w2, ids, quant, 0.25 if scheme == "fp8_tensor_static"
-                             else 1.0)
-  q13 = quantize_weights(jnp.asarray(w13, jnp.float32), quant, input_scale=s13)
-  q2 = quantize_weights(jnp.asarray(w2, jnp.float32), quant, input_scale=s2)
+  x, q13, q2, tw, ids = _ragged_block_problem(rng, quant, 0.25 if scheme == "fp8_tensor_static"
+                                              else 1.0)
+  t, h = x.shape
   assert PallasExperts().quant_support(quant) is None
   out = jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
                        runner_backend="pallas_mosaic")
@@ -240,6 +248,36 @@ def test_pallas_experts_match_oracle(scheme, rng):  # fp8_channel: int8's path, 
                        f"{scheme} pallas vs oracle")
   xla = jmoe.fused_moe(x, q13, q2, jnp.asarray(tw), jnp.asarray(ids), runner_backend="xla")
   onp.assert_rel_close(out, np.asarray(xla, np.float32), TOL, f"{scheme} pallas vs xla")
+
+
+@pytest.mark.parametrize("scheme", ("int8", "fp8_channel_static",
+                                    pytest.param("fp8_tensor", marks=pytest.mark.slow)))
+def test_pallas_batched_experts_match_oracle(scheme, rng):
+  """The batched format's quantized experts (fused_experts_quantized_batched): capacity 9 per
+  expert (experts start off the 8-row grid), an empty expert, empty slots; against the float64
+  oracle and XLA's batched experts. Rows past an expert's count start as NaN in the
+  interpreter: the result must not see them."""
+  from jmoe.experts.pallas import PallasBatchedExperts
+  from jmoe.experts.xla_batched import XlaBatchedExperts
+  from jmoe.modular import ExpertWeights, ModularKernel
+  from jmoe.prepare_finalize import NoEPBatched
+  quant = jmoe.QuantConfig(scheme)
+  x, q13, q2, tw, ids = _ragged_block_problem(rng, quant)
+  t, h = x.shape
+  weights = ExpertWeights(q13, q2)
+  assert PallasBatchedExperts().quant_support(quant) is None
+  args = (x, weights, jnp.asarray(tw), jnp.asarray(ids))
+  out = ModularKernel(NoEPBatched(), PallasBatchedExperts(), quant)(
+      *args, activation=as_activation("silu"))
+  assert not _compat.races_found()
+  out = np.asarray(out, np.float32)
+  assert out.shape == (t, h) and np.isfinite(out).all()
+  onp.assert_rel_close(out, _block_oracle(x, weights.w13, weights.w2, tw, ids, quant), TOL,
+                       f"{scheme} batched pallas vs oracle")
+  xla = ModularKernel(NoEPBatched(), XlaBatchedExperts(), quant)(
+      *args, activation=as_activation("silu"))
+  # xla_batched dequantizes to the tokens' dtype (bf16 weights and intermediate): looser
+  onp.assert_rel_close(out, np.asarray(xla, np.float32), 2 * TOL, f"{scheme} batched vs xla")
 
 
 @pytest.fixture(autouse=True)
@@ -259,7 +297,11 @@ def test_quant_support_names_what_is_missing():
   assert "zero points" in pallas_quant_support(jmoe.QuantConfig("int8", zero_point=True))
   assert "128 x 128" in pallas_quant_support(jmoe.QuantConfig("fp8_block", block_shape=(128, 64)))
   from jmoe.experts.pallas import PallasBatchedExperts
-  assert "batched" in PallasBatchedExperts().quant_support(jmoe.QuantConfig("fp8_block"))
+  batched = PallasBatchedExperts()
+  assert "per-tensor / per-channel W8A8" in batched.quant_support(jmoe.QuantConfig("fp8_block"))
+  assert "per-tensor / per-channel W8A8" in batched.quant_support(jmoe.QuantConfig("mxfp4"))
+  for name in ("fp8_tensor", "fp8_channel", "int8", "fp8_channel_static", "int8_static"):
+    assert batched.quant_support(jmoe.QuantConfig(name)) is None, name
 
 
 def test_bad_input_names_the_argument(rng):
@@ -327,6 +369,28 @@ def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
     gemms = {f"jmoe_gg_gated_ws_rt_{tag}", f"jmoe_gg_ws_rt_{tag}"}
   # from 1024 slots the 8-bit rows move by the TMA row scatter (as 4-byte words)
   assert found == gemms | ({"jmoe_scatter_rows"} if m * k >= 1024 else set()), found
+
+
+@pytest.mark.parametrize("scheme", ("fp8_channel", "int8_static"))
+def test_batched_quantized_block_lowers_for_gpu(scheme, monkeypatch):
+  """The batched format's quantized block at qwen3-30b-a3b's sizes (capacity 256 an expert)."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET")
+  from jmoe.kernels import moe as pmoe
+  quant = jmoe.QuantConfig(scheme)
+  e, cap, h, n = 128, 256, 2048, 768
+  dt = jnp.dtype(quant.weight_dtype)
+  static = quant.act_scale == "static_tensor"
+
+  def qw(n_out, n_in):
+    return jmoe.quant.QuantizedWeights(
+        values=S((e, n_out, n_in), dt), scale=S((e, n_out, 1), jnp.float32),
+        input_scale=S((1,), jnp.float32) if static else None, scheme=quant)
+
+  found = _kernels(lambda x, s, c, w13, w2: pmoe.fused_experts_quantized_batched(
+      x, s, c, w13, w2), S((e, cap, h), dt), S((1, 1) if static else (e, cap, 1), jnp.float32),
+      S((e,), jnp.int32), qw(2 * n, h), qw(h, n))
+  tag = dt.name.split("_")[0]
+  assert {f"jmoe_gg_gated_ws_rt_{tag}", f"jmoe_gg_ws_rt_{tag}"} <= found, found
 
 
 @pytest.mark.slow

@@ -305,12 +305,34 @@ class PallasBatchedExperts(BatchedExperts, PallasExperts):
   name = "pallas_mosaic_batched"
 
   def quant_support(self, quant):
+    """The W8A8 schemes whose scales factor out of K (fp8_tensor, fp8_channel, int8 and
+    their static forms: `fused_experts_quantized_batched`); fp8_block and the weight-only
+    formats have no batched kernels (the standard format runs them)."""
     if quant is None or not quant.is_quantized:
       return None
-    return (f"{quant.name}: the batched format has no quantized Pallas kernels yet (the "
-            "standard format has)")
+    why = pallas_quant_support(quant)
+    if why is not None:
+      return why
+    if runs_weight_only(quant) or quant.weight_scale not in ("tensor", "channel"):
+      return (f"{quant.name}: the batched format's quantized kernels take per-tensor / "
+              "per-channel W8A8 weights (fp8_tensor, fp8_channel, int8 and their static "
+              "forms); the standard format runs this scheme")
+    return None
 
   def apply(self, inp, weights, *, activation, expert_map, out_dtype):
+    quant = weights_quant(weights)
+    if quant is not None:
+      why = self.quant_support(quant)
+      if why is not None:
+        raise ValueError(f"runner_backend='pallas_mosaic' (batched) cannot run {why}")
+      _check_quantized_problem(inp, weights, activation)
+      from jmoe.kernels.moe import fused_experts_quantized_batched  # noqa: PLC0415
+      dt = jnp.dtype(out_dtype)
+      out = fused_experts_quantized_batched(
+          inp.a, inp.a_scale, inp.expert_num_tokens, weights.w13, weights.w2,
+          activation=activation, w13_bias=weights.w13_bias, w2_bias=weights.w2_bias,
+          out_dtype=dt if dt in _DTYPES else jnp.dtype(jnp.bfloat16), interpret=self.interpret)
+      return out.astype(out_dtype)
     self._check(inp, weights, activation)
     out = _batched_block(activation, self.interpret, inp.a, inp.expert_num_tokens, weights.w13,
                          weights.w2, weights.w13_bias, weights.w2_bias)

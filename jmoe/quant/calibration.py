@@ -66,17 +66,21 @@ def calibrate_input_scales(x: jax.Array, w13, w2, topk_ids: jax.Array,
 
 @jax.jit(static_argnums=(4,))
 def _observed_ranges(x, w13, b13, topk_ids, act):
-  """(max |x| over routed tokens, max |act(GEMM1)| over routed slots), float32 scalars."""
-  from jmoe.experts._common import add_bias, sort_slots_by_expert  # noqa: PLC0415 (a cycle)
+  """(max |x| over routed tokens, max |act(GEMM1)| over routed slots), float32 scalars.
+
+  One expert at a time over every token, masked to its routed ones (lax.map: memory of one
+  [T, 2N] product; XLA's GPU ragged_dot would expand densely over all experts at once)."""
   e = w13.shape[0]
-  t, k = topk_ids.shape
-  local = jnp.where((topk_ids >= 0) & (topk_ids < e), topk_ids, e)
-  order, _, group_sizes = sort_slots_by_expert(local, e)
-  expert_of_row = local.reshape(-1)[order]
-  live = (expert_of_row < e)[:, None]
-  xs = jnp.where(live, x[order // k], 0).astype(w13.dtype)
-  h = jax.lax.ragged_dot(xs, w13, group_sizes, preferred_element_type=jnp.float32)
-  h = act(add_bias(h, b13, expert_of_row))
-  amax1 = jnp.max(jnp.where(live, jnp.abs(x[order // k].astype(jnp.float32)), 0.0))
-  amax2 = jnp.max(jnp.where(live, jnp.abs(h), 0.0))
+  routed = jnp.any(topk_ids[:, :, None] == jnp.arange(e, dtype=topk_ids.dtype), axis=1)  # [T, E]
+  xf = x.astype(jnp.float32)
+  amax1 = jnp.max(jnp.where(jnp.any(routed, axis=1, keepdims=True), jnp.abs(xf), 0.0))
+  bias = jnp.zeros((e, w13.shape[2]), jnp.float32) if b13 is None else b13.astype(jnp.float32)
+  xw = x.astype(w13.dtype)
+
+  def expert_amax(args):
+    w, b, mask = args
+    h = act(jnp.dot(xw, w, preferred_element_type=jnp.float32) + b)
+    return jnp.max(jnp.where(mask[:, None], jnp.abs(h), 0.0))
+
+  amax2 = jnp.max(jax.lax.map(expert_amax, (w13, bias, routed.T)))
   return amax1, amax2

@@ -296,13 +296,13 @@ class _Reader:
                     f"keys under prefix {self.prefix!r}: {near}")
 
   def linear(self, key: str) -> np.ndarray:
-    """`key` names a torch Linear weight [out, in]; FP8 ones (block, tensor or channel
-    scales) are dequantized."""
+    """`key` names a torch Linear weight [out, in]; 8-bit ones (FP8 with block, tensor or
+    channel scales; int8 with tensor or channel scales) are dequantized."""
     w = self.raw(key)
-    if not _is_fp8(w):
+    if not _is_8bit(w):
       return w
     block = _block_size(self.hf_config)
-    w, scale, kind = _fp8_linear(self, key, block)
+    w, scale, kind = _q8_linear(self, key, block)
     if kind == "block":
       return _dequant_fp8_block(w, scale, block)
     return w.astype(np.float32) * scale
@@ -428,15 +428,24 @@ def _is_fp8(a: np.ndarray) -> bool:
   return a.dtype == np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-def _fp8_linear(r: _Reader, key: str, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, str]:
-  """An FP8 torch Linear `key` [out, in] as (values [out, in] e4m3, scale, granularity):
-  `weight_scale_inv` per (block[0] x block[1]) tile (DeepSeek) -> scale [out/b0, in/b1],
-  "block"; `weight_scale` per tensor or per output channel (llm-compressor / vLLM fp8
-  exports) -> scale [out, 1], "channel" (a per-tensor scale repeated over its channels: exact,
-  and gate and up keep their own)."""
+def _is_8bit(a: np.ndarray) -> bool:
+  """FP8 e4m3 or int8 weights (W8A8 checkpoints: vLLM / ModelOpt FP8, compressed-tensors)."""
+  return _is_fp8(a) or a.dtype == np.dtype(np.int8)
+
+
+def _q8_linear(r: _Reader, key: str, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, str]:
+  """An 8-bit torch Linear `key` [out, in] as (values [out, in] e4m3 / int8, scale,
+  granularity): `weight_scale_inv` per (block[0] x block[1]) tile (DeepSeek FP8) -> scale
+  [out/b0, in/b1], "block"; `weight_scale` per tensor or per output channel (llm-compressor /
+  vLLM / ModelOpt FP8, compressed-tensors int8 exports) -> scale [out, 1], "channel" (a
+  per-tensor scale repeated over its channels: exact, and gate and up keep their own).
+  Asymmetric weights (`weight_zero_point`) raise."""
   w = r.raw(key)
   base = key[:-len(".weight")] if key.endswith(".weight") else key
-  if r.has(key + "_scale_inv"):
+  if r.has(base + ".weight_zero_point"):
+    raise ValueError(f"{r.prefix}{base}.weight_zero_point: asymmetric 8-bit weights are not "
+                     "loaded (symmetric W8A8 only); pass quantized='dequantize'")
+  if r.has(key + "_scale_inv") and _is_fp8(w):
     s = r.raw(key + "_scale_inv").astype(np.float32)
     want = (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
     if s.shape != want:
@@ -451,21 +460,23 @@ def _fp8_linear(r: _Reader, key: str, block: tuple[int, int]) -> tuple[np.ndarra
       return w, s.reshape(w.shape[0], 1), "channel"
     raise ValueError(f"{r.prefix}{base}.weight_scale has shape {s.shape}: neither one scale nor "
                      f"one per output channel of {r.prefix}{key} {w.shape}")
-  raise r.missing(f"the scale of FP8 weight {key}", [key + "_scale_inv", base + ".weight_scale"])
+  kind = "FP8" if _is_fp8(w) else "int8"
+  raise r.missing(f"the scale of {kind} weight {key}", [key + "_scale_inv", base + ".weight_scale"])
 
 
-def _per_expert_fp8(r: _Reader, e: int, h: int, n: int):
-  """Per-expert FP8 linears kept quantized: (w13, w2) QuantizedWeights in jmoe's K-major
-  layout (values [E, 2N, H] = gate | up as stored, [E, H, N]); None when the checkpoint's
-  experts are not FP8."""
+def _per_expert_8bit(r: _Reader, e: int, h: int, n: int):
+  """Per-expert 8-bit linears (FP8 or int8) kept quantized: (w13, w2) QuantizedWeights in
+  jmoe's K-major layout (values [E, 2N, H] = gate | up as stored, [E, H, N]); None when the
+  checkpoint's experts are not 8-bit."""
   from jmoe.config import QuantConfig  # noqa: PLC0415
   from jmoe.quant.weights import QuantizedWeights, check_quantized  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
   names = next(((g, u, d) for g, u, d in _PER_EXPERT_NAMES if r.has(f"experts.0.{g}.weight")),
                None)
-  if names is None or not _is_fp8(r.raw(f"experts.0.{names[0]}.weight")):
+  if names is None or not _is_8bit(r.raw(f"experts.0.{names[0]}.weight")):
     return None
+  int8 = not _is_fp8(r.raw(f"experts.0.{names[0]}.weight"))
   block = _block_size(r.hf_config)
   w13v, w13s, w2v, w2s, kinds = [], [], [], [], set()
   inputs = {0: [], 1: []}  # static input scales of GEMM1 (gate, up) and GEMM2 (down)
@@ -477,7 +488,7 @@ def _per_expert_fp8(r: _Reader, e: int, h: int, n: int):
         raise r.missing(f"expert {i}", [key])
       if r.has(f"experts.{i}.{nm}.input_scale"):
         inputs[j // 2].append(_input_scale(r, f"experts.{i}.{nm}.input_scale"))
-      w, sc, kind = _fp8_linear(r, key, block)
+      w, sc, kind = _q8_linear(r, key, block)
       if w.shape != want:
         raise ValueError(f"{r.prefix}{key} has shape {w.shape}, expected {want} (out, in) for "
                          f"H={h}, N={n}")
@@ -498,10 +509,10 @@ def _per_expert_fp8(r: _Reader, e: int, h: int, n: int):
                        "quantized='dequantize'")
     scheme = QuantConfig("fp8_block", block_shape=(block[1], block[0]))
   else:
-    scheme = QuantConfig("fp8_channel")
+    scheme = QuantConfig("int8" if int8 else "fp8_channel")
   statics = _static_input_scales(r, inputs, 3 * e, kind)
   if statics[0] is not None:
-    scheme = QuantConfig("fp8_channel_static")
+    scheme = QuantConfig("int8_static" if int8 else "fp8_channel_static")
   q = [QuantizedWeights(values=jnp.asarray(np.stack(v)), scale=jnp.asarray(np.stack(sc)),
                         input_scale=None if st is None else jnp.asarray(st), scheme=scheme)
        for v, sc, st in ((w13v, w13s, statics[0]), (w2v, w2s, statics[1]))]
@@ -710,10 +721,10 @@ def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Ma
     quantized: "keep" (default): FP8 expert weights load as `jmoe.quant.QuantizedWeights`,
       their values and scales as stored — DeepSeek's `weight_scale_inv` 128x128 blocks as
       fp8_block, per-tensor / per-channel `weight_scale` exports as fp8_channel (a tensor's
-      scale repeated over its channels) — and run W8A8 with dynamic activation scales, or,
-      where every expert linear has a static `input_scale` (activation_scheme "static"), as
-      fp8_channel_static with one input scale per GEMM (the largest over the experts, as
-      vLLM); gpt-oss MXFP4 as mxfp4, GPTQ / AWQ
+      scale repeated over its channels), int8 ones (compressed-tensors W8A8) as int8 — and
+      run W8A8 with dynamic activation scales, or, where every expert linear has a static
+      `input_scale` (activation_scheme "static"), as fp8_channel_static / int8_static with one
+      input scale per GEMM (the largest over the experts, as vLLM); gpt-oss MXFP4 as mxfp4, GPTQ / AWQ
       int4 as w4a16, ModelOpt nvfp4 as nvfp4 (values and scales as stored; the XLA experts
       dequantize them in the graph, no Pallas kernel takes them yet). "dequantize": bfloat16
       weights (or `dtype`).
@@ -737,7 +748,7 @@ def from_hf_state_dict(model_type: Optional[str], hf_config: Any, state_dict: Ma
     raise ValueError(f"quantized={quantized!r}: 'keep' or 'dequantize'")
   kept = None
   if _fused_gate_up_key(r) is None:
-    kept = _per_expert_fp8(r, e, h, n) if quantized == "keep" else None
+    kept = _per_expert_8bit(r, e, h, n) if quantized == "keep" else None
     kept = kept or _per_expert_int4(r, e, h, n) or _per_expert_nvfp4(r, e, h, n)
   elif quantized == "keep" and r.has("experts.gate_up_proj_blocks"):
     kept = _gpt_oss_mxfp4(r, e, h, n)

@@ -513,13 +513,17 @@ def test_deepseek_fp8_block_checkpoint():
   assert rel_err(got, want) <= RTOL
 
 
-def _fp8_experts(block, e, names, shapes, scale_kind, g):
-  """Random e4m3 expert linears with their scales as a checkpoint stores them (per-expert
-  keys), the block loaded with the dequantized weights; -> (state dict part, dequantized)."""
+def _fp8_experts(block, e, names, shapes, scale_kind, g, dtype="fp8"):
+  """Random e4m3 (dtype "int8": int8) expert linears with their scales as a checkpoint stores
+  them (per-expert keys), the block loaded with the dequantized weights; -> (state dict part,
+  dequantized)."""
   sd, deq = {}, {}
   for i in range(e):
     for nm, (out, inn) in zip(names, shapes):
-      w8 = (torch.randn(out, inn, generator=g) * 2).to(torch.float8_e4m3fn)
+      if dtype == "int8":
+        w8 = torch.randint(-127, 128, (out, inn), generator=g, dtype=torch.int32).to(torch.int8)
+      else:
+        w8 = (torch.randn(out, inn, generator=g) * 2).to(torch.float8_e4m3fn)
       key = f"experts.{i}.{nm}"
       if scale_kind == "block":
         s = torch.rand(out // 128, inn // 128, generator=g) * 0.05 + 0.01
@@ -592,26 +596,34 @@ def test_fp8_checkpoint_stays_quantized(case, scale_kind):
   assert rel_err(_block_jit(x2, dense, config=config), want) <= RTOL
 
 
-def test_fp8_static_checkpoint_runs_its_input_scales():
+@pytest.mark.parametrize("dtype", ["fp8", "int8"])
+def test_static_checkpoint_runs_its_input_scales(dtype):
   """A per-tensor FP8 export with activation_scheme "static" (every expert linear has an
-  `input_scale`, each expert its own) loads as fp8_channel_static with one input scale per
-  GEMM, the largest over the experts (and over gate / up): the block matches a float64
-  oracle that quantizes with exactly those scales, and the transformers block holding the
-  dequantized weights within fp8 activation rounding."""
+  `input_scale`, each expert its own; int8: compressed-tensors' static W8A8 with per-channel
+  weight scales) loads as fp8_channel_static / int8_static with one input scale per GEMM, the
+  largest over the experts (and over gate / up): the block matches a float64 oracle that
+  quantizes with exactly those scales, and the transformers block holding the dequantized
+  weights within 8-bit activation rounding. Without the input scales: the dynamic scheme."""
   import oracle_np as onp
   from jmoe.quant import QuantizedWeights
   h, n, e = 256, 128, 4
   names = ("w1", "w3", "w2")
+  act_dtype, qmax = ("int8", 127.0) if dtype == "int8" else ("float8_e4m3fn", 448.0)
   hf_config, block, x = build("mixtral", hidden_size=h, intermediate_size=n, num_local_experts=e)
   g = torch.Generator().manual_seed(8)
-  sd, deq = _fp8_experts(block, e, names, [(n, h), (n, h), (h, n)], "tensor", g)
+  sd, deq = _fp8_experts(block, e, names, [(n, h), (n, h), (h, n)],
+                         "channel" if dtype == "int8" else "tensor", g, dtype=dtype)
+  if dtype == "int8":  # int8 codes span 127 levels: smaller scales keep the weights' size
+    for key in [k for k in sd if k.endswith(".weight_scale")]:
+      sd[key] = sd[key] * 0.05
+      deq[key[:-len(".weight_scale")]] = sd[key[:-len("_scale")]].float() * sd[key]
   amax_x = float(x.abs().max())
-  s1 = {i: amax_x / 448 * (0.9 + 0.1 * i) for i in range(e)}  # expert 3 calibrated widest
+  s1 = {i: amax_x / qmax * (0.9 + 0.1 * i) for i in range(e)}  # expert 3 calibrated widest
   inter = max(float(((x.reshape(-1, h) @ deq[f"experts.{i}.w1"].T).sigmoid()
                       * (x.reshape(-1, h) @ deq[f"experts.{i}.w1"].T)
                       * (x.reshape(-1, h) @ deq[f"experts.{i}.w3"].T)).abs().max())
               for i in range(e))  # every token through every expert: the widest range
-  s2 = {i: inter / 448 * (1.0 + 0.05 * (i % 3)) for i in range(e)}
+  s2 = {i: inter / qmax * (1.0 + 0.05 * (i % 3)) for i in range(e)}
   for i in range(e):
     sd[f"experts.{i}.w1.input_scale"] = torch.tensor(s1[i])
     sd[f"experts.{i}.w3.input_scale"] = torch.tensor(s1[i] * 0.95)
@@ -620,8 +632,8 @@ def test_fp8_static_checkpoint_runs_its_input_scales():
   prefix = "model.layers.0.block_sparse_moe."
   sd = {prefix + k: v for k, v in {**sd, "gate.weight": block.gate.weight.detach()}.items()}
   config, params = hf.from_hf_state_dict("mixtral", hf_config, sd, prefix, dtype="float32")
-  assert isinstance(params.w13, QuantizedWeights) and params.w13.scheme.name == \
-      "fp8_channel_static"
+  static_name = "int8_static" if dtype == "int8" else "fp8_channel_static"
+  assert isinstance(params.w13, QuantizedWeights) and params.w13.scheme.name == static_name
   want_s13, want_s2 = np.float32(max(s1.values())), np.float32(max(s2.values()))
   assert float(params.w13.input_scale[0]) == want_s13
   assert float(params.w2.input_scale[0]) == want_s2
@@ -630,16 +642,17 @@ def test_fp8_static_checkpoint_runs_its_input_scales():
   got = jmoe.fused_moe(jnp.asarray(x2), params.w13, params.w2, jnp.asarray(tw),
                        jnp.asarray(ids))
   d13, d2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (params.w13, params.w2))
-  ref = onp.fused_moe(onp.quantize_static(x2, "float8_e4m3fn", want_s13), d13, d2, tw, ids,
-                      requant=lambda a: onp.quantize_static(a, "float8_e4m3fn", want_s2))
-  onp.assert_rel_close(np.asarray(got, np.float32), ref, 1e-5, "static fp8 vs oracle")
+  ref = onp.fused_moe(onp.quantize_static(x2, act_dtype, want_s13), d13, d2, tw, ids,
+                      requant=lambda a: onp.quantize_static(a, act_dtype, want_s2))
+  onp.assert_rel_close(np.asarray(got, np.float32), ref, 1e-5, f"static {dtype} vs oracle")
   block_out = _block_jit(jnp.asarray(x2), params, config=config)
   assert rel_err(block_out, hf_forward(block, x)) <= 6e-2
   dynamic = dict(hf_config.to_dict(), quantization_config={"quant_method": "fp8",
                                                             "activation_scheme": "dynamic"})
   _, dyn = hf.from_hf_state_dict("mixtral", type(hf_config)(**dynamic), sd, prefix,
                                  dtype="float32")
-  assert dyn.w13.scheme.name == "fp8_channel" and dyn.w13.input_scale is None
+  assert dyn.w13.scheme.name == ("int8" if dtype == "int8" else "fp8_channel")
+  assert dyn.w13.input_scale is None
   partial = {k: v for k, v in sd.items() if not k.endswith("experts.2.w2.input_scale")}
   with pytest.raises(ValueError, match="11 of 12 expert linears have an input_scale"):
     hf.from_hf_state_dict("mixtral", hf_config, partial, prefix)
@@ -660,6 +673,9 @@ def test_fp8_checkpoint_bad_scales_name_the_tensor():
   del bad["experts.1.w3.weight_scale_inv"]
   with pytest.raises(KeyError, match=r"the scale of FP8 weight experts.1.w3.weight"):
     hf.from_hf_state_dict("mixtral", hf_config, bad, "")
+  asym = dict(sd, **{"experts.0.w1.weight_zero_point": torch.zeros(128, 1)})
+  with pytest.raises(ValueError, match=r"experts.0.w1.weight_zero_point: asymmetric 8-bit"):
+    hf.from_hf_state_dict("mixtral", hf_config, asym, "")
 
 
 def test_whole_model_safetensors(tmp_path):

@@ -323,3 +323,30 @@ def test_torch_module_takes_packed_weights(scheme):
     y = mod(x).numpy()
   want = np.asarray(_block_jit(jnp.asarray(x.numpy()), p, cfg))
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_module_takes_static_input_scales():
+  """JmoeMoE with a static scheme: each weight's input_scale crosses as a buffer and the
+  module computes what jmoe does with it (changing the buffer changes the result)."""
+  import dataclasses
+  from jmoe.interop.torch_bridge import JmoeMoE
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128,
+                       dtype="float32")
+  p = jmoe.init_params(cfg, jax.random.key(0))
+  p = dataclasses.replace(
+      p, w13=jmoe.quant.quantize_weights(p.w13, "fp8_channel_static", input_scale=4.0 / 448),
+      w2=jmoe.quant.quantize_weights(p.w2, "fp8_channel_static", input_scale=1.0 / 448))
+  mod = JmoeMoE(cfg, p)
+  assert float(dict(mod.named_buffers())["w2_input_scale"][0]) == np.float32(1.0 / 448)
+  x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+  with torch.no_grad():
+    y = mod(x).numpy()
+  want = np.asarray(_block_jit(jnp.asarray(x.numpy()), p, cfg))
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+  with torch.no_grad():
+    mod.w2_input_scale.mul_(4.0)  # seen by the bridge (version counter): a coarser grid
+    y4 = mod(x).numpy()
+  p4 = dataclasses.replace(p, w2=dataclasses.replace(p.w2, input_scale=p.w2.input_scale * 4))
+  np.testing.assert_allclose(y4, np.asarray(_block_jit(jnp.asarray(x.numpy()), p4, cfg)),
+                             rtol=1e-5, atol=1e-6)
+  assert not np.allclose(y4, y)

@@ -137,6 +137,9 @@ def fused_moe(
     expert_map: [global_E] int, global id -> local id on this device, -1 = not local
       (those slots contribute nothing).
     quant_config: the scheme; None takes it from quantized w13 / w2 (given, it must match).
+      With dense w13 / w2: quantized training -- each call quantizes them to the scheme and
+      runs the quantized forward; the backward is the dense block's at the dequantized
+      weights (straight-through; `jmoe.quant.training`).
     runner_backend: "auto" (the oracle), "reference", "xla", "xla_batched", "pallas_mosaic".
     a2a_backend, parallel: expert parallelism over a mesh (see `sharding`).
     residual: [T, H] floating (e.g. the residual stream h): return residual + the experts'
@@ -156,6 +159,16 @@ def fused_moe(
     w13, w2 = as_quantized(w13, w2, quant_config)
     quant_config = None  # the converted weights carry it (its activation format included)
   _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act)
+  if (quant_config is not None and quant_config.is_quantized
+      and not isinstance(w13, QuantizedWeights) and not isinstance(w2, QuantizedWeights)):
+    # dense (master) weights with a scheme: quantized training (jmoe.quant.training)
+    from jmoe.quant.training import quantized_training_moe  # noqa: PLC0415
+    return quantized_training_moe(
+        hidden_states, w13, w2, topk_weights, topk_ids, quant_config, w13_bias=w13_bias,
+        w2_bias=w2_bias, expert_map=expert_map, residual=residual, activation=act,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        global_num_experts=global_num_experts, runner_backend=runner_backend,
+        a2a_backend=a2a_backend, parallel=parallel)
   quant_config = resolve_quant(w13, w2, quant_config)
   if quant_config is not None:
     check_act_groups(quant_config, w13.shape[1], argname="hidden_states (H)")

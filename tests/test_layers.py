@@ -165,6 +165,31 @@ def test_quantized_layer_forward(scheme, size):
     assert _spec(specs["w2_input_scale"]) == P(None)
 
 
+def test_quantized_training_layer():
+  """quant_training: dense Params, the forward quantized per call (the quantized block on the
+  layer's own weights), straight-through gradients reach the expert weights and the router;
+  the combinations it cannot take are refused by name."""
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), quant_training="fp8_channel", runner_backend="xla")
+  x = jax.random.normal(jax.random.key(3), (6, cfg.hidden_size))
+  p = layer.params()
+  q = dataclasses.replace(p, w13=jmoe.quant.quantize_weights(p.w13, "fp8_channel"),
+                          w2=jmoe.quant.quantize_weights(p.w2, "fp8_channel"))
+  ref = jmoe.moe_block(x, q, cfg, runner_backend="xla")
+  np.testing.assert_allclose(layer(x), ref, rtol=1e-5, atol=1e-6)
+  loss, grads = nnx.jit(lambda m, x: nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m))(
+      layer, x)
+  g = nnx.state(grads, nnx.Param)
+  for name in ("w13", "w2", "router_w"):
+    assert np.isfinite(np.asarray(g[name][...])).all() and float(jnp.abs(g[name][...]).sum()) > 0
+  with pytest.raises(ValueError, match="not both"):
+    MoE(cfg, rngs=nnx.Rngs(0), quant="fp8_channel", quant_training="fp8_channel")
+  with pytest.raises(ValueError, match="calibrated input scales are for inference"):
+    MoE(cfg, rngs=nnx.Rngs(0), quant_training="fp8_channel_static")
+  with pytest.raises(ValueError, match="capacity paths"):
+    MoE(cfg, rngs=nnx.Rngs(0), quant_training="int8", capacity_factor=1.25)
+
+
 def test_partition_specs_without_mesh():
   cfg = jmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8,
                        expert_bias=True, num_shared_experts=1)

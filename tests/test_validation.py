@@ -295,8 +295,10 @@ def test_quant_and_parallel_config_bad_fields():
 
 
 def test_quantized_format_refused_before_kernel(no_kernel, no_backend_env):
-  with pytest.raises(ValueError, match=r"fp8_tensor"):
-    _call(quant_config=jmoe.QuantConfig(format="fp8_tensor"))
+  """Dense weights with a scheme (quantized training) whose tiles do not fit them: the error
+  names the weight before any kernel runs."""
+  with pytest.raises(ValueError, match=r"w13: fp8_block .* do not divide"):
+    _call(quant_config=jmoe.QuantConfig(format="fp8_block"))
 
 
 # ---------------------------------------------------------------------------------------------

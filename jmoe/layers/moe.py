@@ -49,6 +49,10 @@ class MoE(nnx.Module):
       non-trainable `QuantizedWeight` variables (forward only: no gradient reaches them).
     input_scales: (w13's, w2's) static input scale, for the static schemes (fp8_tensor_static,
       ...) and only those: `jmoe.quant.calibrate_input_scales`; `load_params` replaces them.
+    quant_training: a scheme to train in: the expert weights stay dense `nnx.Param`s, each
+      call runs the forward on them quantized to the scheme and the backward as the dense
+      block's at the dequantized weights (straight-through; `jmoe.quant.training`). Not with
+      `quant`, a static scheme, or the capacity paths.
     prepare_for_kernels: also hold the operands the Pallas kernels derive from quantized
       weights (`jmoe.quant.prepare_for_kernels`: the prefill GEMMs' scale layouts), made at
       construction and on `load_params` instead of on every call; they cost memory (nvfp4:
@@ -81,6 +85,7 @@ class MoE(nnx.Module):
                a2a_backend: str = "auto", parallel: Optional[ParallelConfig] = None,
                quant: Union[str, QuantConfig, None] = None,
                input_scales: Optional[tuple[Any, Any]] = None,
+               quant_training: Union[str, QuantConfig, None] = None,
                prepare_for_kernels: Optional[bool] = None,
                kernel_init: Initializer = expert_init_default,
                router_init: Initializer = dense_init_default,
@@ -106,6 +111,24 @@ class MoE(nnx.Module):
       quant = QuantConfig(quant)
     if quant is not None and not quant.is_quantized:
       quant = None
+    if isinstance(quant_training, str):
+      quant_training = QuantConfig(quant_training)
+    if quant_training is not None and not quant_training.is_quantized:
+      quant_training = None
+    if quant_training is not None:
+      if quant is not None:
+        raise ValueError(f"quant={quant} and quant_training={quant_training}: a layer holds "
+                         "quantized weights (inference) or trains dense ones quantized per "
+                         "call, not both")
+      if quant_training.act_scale == "static_tensor":
+        raise ValueError(f"quant_training={quant_training}: a static scheme's calibrated input "
+                         "scales are for inference; train with its dynamic twin")
+      if capacity_factor is not None or (parallel is not None
+                                         and parallel.dispatch_capacity is not None):
+        raise ValueError("quant_training runs through fused_moe's dropless paths; the capacity "
+                         "paths (capacity_factor, ParallelConfig.dispatch_capacity) do not "
+                         "take it")
+    self.quant_training = quant_training
     static = quant is not None and quant.act_scale == "static_tensor"
     if static != (input_scales is not None):
       raise ValueError(f"input_scales={input_scales!r} with quant={quant}: a static scheme "
@@ -372,7 +395,7 @@ class MoE(nnx.Module):
       out = fused_moe(x, w13, w2, weights, ids, activation=c.act, w13_bias=b13, w2_bias=b2,
                       apply_router_weight_on_input=c.apply_router_weight_on_input,
                       runner_backend=runner, a2a_backend=self.a2a_backend, parallel=par,
-                      residual=residual)
+                      residual=residual, quant_config=self.quant_training)
     if shared is not None:
       out = (out.astype(jnp.float32) + shared.astype(jnp.float32)).astype(x.dtype)
     return out, dropped

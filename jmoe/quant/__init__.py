@@ -11,7 +11,9 @@ accepted wherever `w13` / `w2` are::
 `dequantize` is the reference. `quantize_activations` is what `prepare` does to GEMM1's input
 and the experts do to GEMM2's. The static schemes (fp8_tensor_static, fp8_channel_static,
 int8_static) quantize both with scales fixed in advance: each weight's `input_scale`, from
-its checkpoint or `calibrate_input_scales`.
+its checkpoint or `calibrate_input_scales`. Dense weights with a scheme
+(`fused_moe(..., quant_config=...)`) train through the quantized forward with a
+straight-through bf16 backward (`training`).
 
 The 4-bit formats (w4a16, mxfp4, nvfp4) pack two codes per uint8 along K (`packing`; the
 layouts are in `weights`' docstring); `int4_checkpoints` reads GPTQ / AWQ tensors, and

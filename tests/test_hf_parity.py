@@ -596,7 +596,7 @@ def test_fp8_checkpoint_stays_quantized(case, scale_kind):
   assert rel_err(_block_jit(x2, dense, config=config), want) <= RTOL
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", ["fp8", pytest.param("int8", marks=pytest.mark.slow)])
 def test_static_checkpoint_runs_its_input_scales(dtype):
   """A per-tensor FP8 export with activation_scheme "static" (every expert linear has an
   `input_scale`, each expert its own; int8: compressed-tensors' static W8A8 with per-channel

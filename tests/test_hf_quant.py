@@ -325,6 +325,7 @@ def test_torch_module_takes_packed_weights(scheme):
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_torch_module_takes_static_input_scales():
   """JmoeMoE with a static scheme: each weight's input_scale crosses as a buffer and the
   module computes what jmoe does with it (changing the buffer changes the result)."""

@@ -99,7 +99,7 @@ def quantize_for(p, w13, w2, scheme):
   """(w13, w2) quantized to `scheme`; a static scheme's input scales calibrated on
   CALIBRATION_TOKENS random tokens routed at random (another seed than the timed inputs)."""
   s13 = s2 = None
-  if jmoe.QuantConfig(scheme).act_scale == "static_tensor":
+  if jmoe.QuantConfig(scheme).static_activations:
     x, _, ids = make_inputs(p, CALIBRATION_TOKENS, jax.random.key(7))
     s13, s2 = calibrate_input_scales(x, w13, w2, ids, scheme)
   return quantize_chunked(w13, scheme, input_scale=s13), quantize_chunked(w2, scheme,
@@ -232,7 +232,7 @@ def quantized_reference(x, tw, ti, q13, q2, inter_group=None) -> np.ndarray:
   router-weighted sum. Independent of the device's conversions."""
   quant = q13.scheme
   group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
-  if quant.act_scale == "static_tensor":
+  if quant.static_activations:
     s2 = np.asarray(jax.device_get(q2.input_scale))
     xd = _np_quantize_static(np.asarray(x, np.float64), quant.act_dtype,
                              jax.device_get(q13.input_scale))

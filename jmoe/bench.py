@@ -282,7 +282,7 @@ def quantized_problems(problems, scheme: str, cfg: MoEConfig, prepare: bool = Fa
   out = []
   for (x, w13, w2, tw, ti), touched in problems:
     s13 = s2 = None
-    if QuantConfig(scheme).act_scale == "static_tensor":  # calibrated on the problem's tokens
+    if QuantConfig(scheme).static_activations:  # calibrated on the problem's tokens
       s13, s2 = calibrate_input_scales(x, w13, w2, ti, scheme, activation=cfg.act)
     q13 = quantize_weights(w13, scheme, input_scale=s13, argname="w13")
     q2 = quantize_weights(w2, scheme, input_scale=s2, argname="w2")

@@ -185,6 +185,12 @@ class QuantConfig:
     return self.format is not None
 
   @property
+  def static_activations(self) -> bool:
+    """Activations quantized with calibrated scales fixed in advance (act_scale
+    "static_tensor": QuantizedWeights.input_scale), not per call."""
+    return self.is_quantized and self.act_scale == "static_tensor"
+
+  @property
   def weight_only(self) -> bool:
     """Activations stay in the model dtype (w8a16, w4a16, mxfp4 with bf16 activations)."""
     return self.is_quantized and self.act_dtype is None

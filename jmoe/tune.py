@@ -308,7 +308,7 @@ def tune_quantized(num_experts: int, top_k: int, hidden: int, intermediate: int,
 
   tables = quant_problems(scheme)
   quant = QuantConfig(scheme)
-  if quant.act_scale == "static_tensor":  # the same GEMMs and tables as the per-token twin
+  if quant.static_activations:  # the same GEMMs and tables as the per-token twin
     quant = quant.replace(act_scale="dynamic_token")
   act = as_activation(activation)
   e, h, n = num_experts, hidden, intermediate

@@ -515,7 +515,7 @@ def _factored_q8_mlp(xs, xs_scale, w13, w2, group_sizes, meta1, meta2, live, *, 
   r = xs.shape[0]
   e, n13, hdim = w13.values.shape
   w13_cols = q8.column_scale_matrix(w13.scale, e, n13, argname="w13.scale")
-  if quant.act_scale == "static_tensor":
+  if quant.static_activations:
     # GEMM2's input scale is known before the call (w2.input_scale): GEMM1's epilogue
     # multiplies by its inverse and writes the 8-bit rows (saturating), no bf16 round trip
     s2 = w2.input_scale.astype(jnp.float32).reshape(())

@@ -117,14 +117,14 @@ class EPPrepareFinalize(PrepareFinalize):
     if self._fp8_wire(quant):
       return quantize_rows_fp8(a)
     q, scale = quantize_activations(a, quant, static_scale=a1_scale)
-    return (q, None) if _static(quant) else (q, scale)
+    return (q, None) if (quant is not None and quant.static_activations) else (q, scale)
 
   def _arrived(self, a, scale, quant, dtype, a1_scale=None):
     """(activations, scales) for the experts from what arrived: fp8 wire rows dequantized,
     a static scale as [1, 1]."""
     if self._fp8_wire(quant):
       return dequantize_rows_fp8(a, scale, dtype), None
-    if _static(quant):
+    if quant is not None and quant.static_activations:
       return a, jnp.reshape(a1_scale.astype(jnp.float32), (1, 1))
     return a, scale
 
@@ -143,11 +143,6 @@ class EPPrepareFinalize(PrepareFinalize):
     dest = jnp.where(valid, jnp.asarray(pl.owner)[safe], self.ep)
     lidx = jnp.where(valid, jnp.asarray(pl.local_index)[safe], -1)
     return a1q, send_scale, topk_weights, valid, dest, lidx
-
-
-def _static(quant) -> bool:
-  """Whether `quant` quantizes activations with one static scale (act_scale static_tensor)."""
-  return quant is not None and quant.is_quantized and quant.act_scale == "static_tensor"
 
 
 def _resolve(wr: TopKWeightAndReduce, default: TopKWeightAndReduce) -> TopKWeightAndReduce:

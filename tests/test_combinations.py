@@ -217,7 +217,7 @@ def test_quantized_triple_matches_reference(pair, scheme, rng):
         kernel.prepare_finalize.activation_format == ActivationFormat.Standard:
       continue
     s13 = s2 = None
-    if quant.act_scale == "static_tensor":
+    if quant.static_activations:
       s13, s2 = calibrate_input_scales(p["x"], p["weights"].w13, p["weights"].w2,
                                        p["topk_ids"], quant)
     p["weights"] = ExpertWeights(w13=quantize_weights(p["weights"].w13, quant, input_scale=s13),

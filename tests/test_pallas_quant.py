@@ -189,7 +189,7 @@ def _block_problem(rng, quant, t, h, n, e, k):
 def _block_oracle(x, q13, q2, tw, ids, quant, activation="silu"):
   w13, w2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (q13, q2))
   group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
-  if quant.act_scale == "static_tensor":
+  if quant.static_activations:
     s13, s2 = (float(w.input_scale[0]) for w in (q13, q2))
     requant = lambda a: onp.quantize_static(a, quant.act_dtype, s2)  # noqa: E731
     xq = onp.quantize_static(np.asarray(x, np.float32), quant.act_dtype, s13)
@@ -211,7 +211,7 @@ def _ragged_block_problem(rng, quant, squeeze: float = 1.0):
   ids[::3, 1] = -1  # empty slots
   ids[:, :] = np.where(ids == 3, -1, ids)  # an empty expert
   s13 = s2 = None
-  if quant.act_scale == "static_tensor":
+  if quant.static_activations:
     s13, s2 = _static_scales(x, w13, w2, ids, quant, squeeze)
   q13 = quantize_weights(jnp.asarray(w13, jnp.float32), quant, input_scale=s13)
   q2 = quantize_weights(jnp.asarray(w2, jnp.float32), quant, input_scale=s2)
@@ -348,13 +348,13 @@ def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
 
   def qw(n_out, n_in):
     ts = {"tensor": (1, 1), "channel": (n_out, 1), "block": (n_out // 128, n_in // 128)}
-    static = quant.act_scale == "static_tensor"
+    static = quant.static_activations
     return jmoe.quant.QuantizedWeights(
         values=S((e, n_out, n_in), dt), scale=S((e, *ts[quant.weight_scale]), jnp.float32),
         input_scale=S((1,), jnp.float32) if static else None, scheme=quant)
 
   g = h // 128 if quant.weight_scale == "block" else 1
-  rows = 1 if quant.act_scale == "static_tensor" else m
+  rows = 1 if quant.static_activations else m
   cfg = {None: None, 1: q8.BlockQ8Config(), "ws": q8.BlockQ8Config(
       block_m=128, warp_specialized=True)}[ctas]  # None: the default (ws prefill, 2 CTAs decode)
   found = _kernels(lambda x, s, w13, w2, tw, ti: pmoe.fused_experts_quantized(
@@ -379,7 +379,7 @@ def test_batched_quantized_block_lowers_for_gpu(scheme, monkeypatch):
   quant = jmoe.QuantConfig(scheme)
   e, cap, h, n = 128, 256, 2048, 768
   dt = jnp.dtype(quant.weight_dtype)
-  static = quant.act_scale == "static_tensor"
+  static = quant.static_activations
 
   def qw(n_out, n_in):
     return jmoe.quant.QuantizedWeights(

@@ -257,7 +257,7 @@ def test_quantized_weights_shard_over_the_expert_axis(scheme, a2a, rng):
   w13, w2 = jnp.asarray(_weights(rng, e, h, 2 * n)), jnp.asarray(_weights(rng, e, n, h))
   tw, ids = (jnp.asarray(a) for a in onp.random_topk(rng, t, e, k))
   s13 = s2 = None
-  if jmoe.QuantConfig(scheme).act_scale == "static_tensor":
+  if jmoe.QuantConfig(scheme).static_activations:
     s13, s2 = calibrate_input_scales(x, w13, w2, ids, scheme)
   q13 = quantize_weights(w13, scheme, input_scale=s13)
   q2 = quantize_weights(w2, scheme, input_scale=s2)

@@ -120,7 +120,7 @@ class MoE(nnx.Module):
         raise ValueError(f"quant={quant} and quant_training={quant_training}: a layer holds "
                          "quantized weights (inference) or trains dense ones quantized per "
                          "call, not both")
-      if quant_training.act_scale == "static_tensor":
+      if quant_training.static_activations:
         raise ValueError(f"quant_training={quant_training}: a static scheme's calibrated input "
                          "scales are for inference; train with its dynamic twin")
       if capacity_factor is not None or (parallel is not None
@@ -129,7 +129,7 @@ class MoE(nnx.Module):
                          "paths (capacity_factor, ParallelConfig.dispatch_capacity) do not "
                          "take it")
     self.quant_training = quant_training
-    static = quant is not None and quant.act_scale == "static_tensor"
+    static = quant is not None and quant.static_activations
     if static != (input_scales is not None):
       raise ValueError(f"input_scales={input_scales!r} with quant={quant}: a static scheme "
                        "takes (w13's, w2's) input scale (jmoe.quant.calibrate_input_scales, or "

@@ -57,7 +57,7 @@ def quantize_activations(a: jax.Array, quant: Optional[QuantConfig], *,
   check_act_groups(quant, h, argname="activations")
   qmax = QMAX[quant.act_dtype]
   x = a.astype(jnp.float32)
-  if quant.act_scale == "static_tensor":
+  if quant.static_activations:
     if static_scale is None:
       raise ValueError(f"{quant.name} with act_scale='static_tensor' needs the calibrated "
                        "input_scale (QuantizedWeights.input_scale)")

@@ -54,7 +54,7 @@ def quantized_training_moe(hidden_states: jax.Array, w13: jax.Array, w2: jax.Arr
     scheme = QuantConfig(scheme)
   if not isinstance(scheme, QuantConfig) or not scheme.is_quantized:
     raise ValueError(f"scheme must be a quantized QuantConfig, got {scheme!r}")
-  if scheme.act_scale == "static_tensor":
+  if scheme.static_activations:
     raise ValueError(f"quant_config={scheme} with dense w13 / w2 (quantized training): a static "
                      "scheme's calibrated input scales are for inference; train with its "
                      "dynamic twin (e.g. fp8_channel) and calibrate afterwards")

@@ -303,7 +303,7 @@ def as_input_scale(scale: Any, *, argname: str) -> jax.Array:
 
 def check_static_scale(w: "QuantizedWeights", *, argname: str) -> None:
   """A static-activation scheme's weights carry the static scale of their GEMM's input."""
-  if w.scheme.act_scale == "static_tensor" and w.input_scale is None:
+  if w.scheme.static_activations and w.input_scale is None:
     raise ValueError(f"{argname}.input_scale: {w.scheme.name} quantizes this GEMM's input with "
                      "one static per-tensor scale, and none is given (pass input_scale= to "
                      "quantize_weights, load it from the checkpoint, or use "

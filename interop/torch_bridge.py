@@ -6,7 +6,9 @@ tensors handed across zero-copy through DLPack.
 
 Per call, only the activations cross: parameters are converted to JAX once and again only when
 they change (`_TensorCache`: keyed on the tensor object, checked against its data pointer and
-torch's in-place version counter, so an optimizer step is seen by the next call). Three paths:
+torch's in-place version counter, so an optimizer step is seen by the next call); so are the
+operands the Pallas kernels derive from weight-only quantized weights (`prepare_for_kernels`:
+made on the JAX side when the module's weights convert, not inside every call). Three paths:
 
 * forward-only (`torch.no_grad()`, or nothing differentiable requires grad): the jitted
   forward alone; no VJP, no residuals, no autograd node.
@@ -243,7 +245,8 @@ def view_packed_4bit(a: jax.Array, dtype: str = "int4") -> jax.Array:
   import jax.numpy as jnp  # noqa: PLC0415
   if a.dtype != jnp.uint8:
     raise TypeError(f"a must be packed uint8, got {a.dtype}")
-  out = jax.lax.bitcast_convert_type(a, jnp.dtype(dtype))  # [..., n, 2]
+  from jmoe.quant.packing import view_4bit  # noqa: PLC0415
+  out = view_4bit(a, jnp.dtype(dtype))  # [..., n, 2]
   return out.reshape(*a.shape[:-1], 2 * a.shape[-1])
 
 
@@ -384,25 +387,35 @@ def _convert(spec: BridgeSpec, tensors: Sequence[torch.Tensor],
 
 class WeightGroup:
   """One module's weights as JAX arrays, checked with one pass over (object, data pointer,
-  version) per call instead of a `CACHE` lookup per tensor; a change goes through `CACHE`."""
+  version) per call instead of a `CACHE` lookup per tensor; a change goes through `CACHE`.
 
-  __slots__ = ("_tensors", "_state", "_arrays")
+  derive: `derive(arrays) -> more arrays` appended after the converted ones, made again only
+  when a weight changes (the kernels' prepared operands, `JmoeMoE(prepare_for_kernels=)`)."""
 
-  def __init__(self) -> None:
+  __slots__ = ("_tensors", "_state", "_arrays", "_derive")
+
+  def __init__(self, derive: Optional[Callable[[list], list]] = None) -> None:
     self._tensors: tuple = ()
     self._state: Optional[list] = None
     self._arrays: list[jax.Array] = []
+    self._derive = derive
 
   def arrays(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
     try:
       state = [(t.data_ptr(), t._version) for t in tensors]
     except RuntimeError:  # inference-mode tensors keep no version counter: CACHE decides
-      return [CACHE.get(t) for t in tensors]
+      return self._with_derived([CACHE.get(t) for t in tensors])
     if state == self._state and all(map(operator.is_, tensors, self._tensors)):
       return self._arrays
-    self._arrays = [CACHE.get(t) for t in tensors]
+    self._arrays = self._with_derived([CACHE.get(t) for t in tensors])
     self._tensors, self._state = tuple(tensors), state
     return self._arrays
+
+  def _with_derived(self, arrays: list) -> list:
+    if self._derive is None:
+      return arrays
+    STATS["derivations"] += 1
+    return arrays + list(self._derive(arrays))
 
 
 def _needs_grad(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> bool:
@@ -443,7 +456,7 @@ def run(key: str, tensors: Sequence[torch.Tensor],
     return torch.ops.jmoe.fused_moe(list(tensors), key)
   spec, jitted = _resolve(key)
   if torch.is_grad_enabled() and _needs_grad(spec, tensors):
-    return _BridgeFunction.apply(spec, *tensors)
+    return _BridgeFunction.apply(spec, weights, *tensors)
   STATS["forwards"] += 1
   return _out(jitted.forward(*_convert(spec, tensors, weights)), tensors[0])
 
@@ -452,9 +465,9 @@ class _BridgeFunction(torch.autograd.Function):
   """Eager training path: the VJP closure (residuals) lives in ctx until backward."""
 
   @staticmethod
-  def forward(ctx, spec: BridgeSpec, *tensors):
+  def forward(ctx, spec: BridgeSpec, weights: Optional[WeightGroup], *tensors):
     STATS["vjp_forwards"] += 1
-    out, vjp_fn = _jitted(spec).forward_vjp(*_convert(spec, tensors))
+    out, vjp_fn = _jitted(spec).forward_vjp(*_convert(spec, tensors, weights))
     y = _out(out, tensors[0])
     ctx.spec, ctx.vjp_fn = spec, vjp_fn
     ctx.save_for_backward(y)  # version guard only (see `run`)
@@ -465,7 +478,7 @@ class _BridgeFunction(torch.autograd.Function):
     ctx.saved_tensors  # noqa: B018  raises if the output was modified in place
     grads = iter(_jitted(ctx.spec).backward(ctx.vjp_fn, to_jax(g)))
     ctx.vjp_fn = None  # residuals freed now, not when the graph goes
-    return (None, *[_out(next(grads), g) if d else None for d in ctx.spec.diff])
+    return (None, None, *[_out(next(grads), g) if d else None for d in ctx.spec.diff])
 
 
 # --------------------------------------------------------------------------------------------
@@ -531,15 +544,19 @@ torch.library.register_autograd("jmoe::fused_moe", _op_backward, setup_context=_
 
 @dataclasses.dataclass(frozen=True)
 class _BlockFn:
-  """x [T, H], *values -> moe_block(x) [T, H]; values named by `names` ("w13.values" for the
-  parts of a quantized weight, rebuilt with `quant`'s (field, scheme, k_major))."""
+  """x [T, H], *values[, *prepared] -> moe_block(x) [T, H]; values named by `names`
+  ("w13.values" for the parts of a quantized weight, rebuilt with `quant`'s (field, scheme,
+  k_major)); where more arrays follow them, they are the quantized weights' prepared kernel
+  operands named by `prepared`'s (field, key) (without them the kernels make those per call)."""
 
   config: MoEConfig
   names: tuple[str, ...]
   quant: tuple[tuple[str, Any, bool], ...]
   runner_backend: Optional[str]
+  prepared: tuple[tuple[str, str], ...] = ()
 
-  def __call__(self, x, *values):
+  def params(self, values: Sequence[Any]) -> MoEParams:
+    """The MoEParams the arrays `values` (in this function's argument order) make."""
     from jmoe.quant.weights import QuantizedWeights  # noqa: PLC0415
 
     fields: dict[str, Any] = {}
@@ -550,9 +567,45 @@ class _BlockFn:
         parts[field][part] = v
       else:
         fields[n] = v
+    kept: dict[str, dict] = collections.defaultdict(dict)
+    for (field, key), v in zip(self.prepared, values[len(self.names):]):
+      kept[field][key] = v
     for field, scheme, k_major in self.quant:
-      fields[field] = QuantizedWeights(**parts[field], scheme=scheme, k_major=k_major)
-    return moe_block(x, MoEParams(**fields), self.config, runner_backend=self.runner_backend)
+      fields[field] = QuantizedWeights(**parts[field], scheme=scheme, k_major=k_major,
+                                       prepared=kept.get(field))
+    return MoEParams(**fields)
+
+  def derive_prepared(self, values: Sequence[Any]) -> list:
+    """The prepared kernel operands of the quantized weights in `values` (the names' arrays),
+    in `prepared`'s order (`jmoe.quant.prepare_for_kernels`)."""
+    p = self.params(values)
+    made = dict(zip(("w13", "w2"), _prepared(self.config, p.w13, p.w2)))
+    return [made[field][key] for field, key in self.prepared]
+
+  def __call__(self, x, *values):
+    return moe_block(x, self.params(values), self.config, runner_backend=self.runner_backend)
+
+
+def _prepared(config: MoEConfig, w13, w2) -> tuple[dict, dict]:
+  """The prepared kernel operands ({key: array}) of quantized w13 / w2 for an MoE of
+  `config`'s activation and token dtype (`jmoe.quant.prepare_for_kernels`)."""
+  from jmoe.quant import prepare_for_kernels  # noqa: PLC0415
+
+  dt = config.dtype if config.dtype in ("bfloat16", "float16") else "bfloat16"
+  w13, w2 = (dataclasses.replace(w, prepared=None) for w in (w13, w2))
+  w13, w2 = prepare_for_kernels(w13, w2, activation=config.activation, dtype=dt)
+  return w13.prepared or {}, w2.prepared or {}
+
+
+def _prepared_keys(config: MoEConfig, params: MoEParams) -> tuple[tuple[str, str], ...]:
+  """(field, key) of every operand `_prepared` keeps for params' quantized w13 / w2 (none for
+  the W8A8 schemes, whose kernels read the stored arrays), from shapes only."""
+  from jmoe.quant import is_quantized  # noqa: PLC0415
+
+  if not (is_quantized(params.w13) and is_quantized(params.w2)):
+    return ()
+  made = jax.eval_shape(functools.partial(_prepared, config), params.w13, params.w2)
+  return tuple((field, key) for field, kept in zip(("w13", "w2"), made) for key in sorted(kept))
 
 
 def _from_jax(value) -> torch.Tensor:
@@ -573,10 +626,18 @@ class JmoeMoE(torch.nn.Module):
       arrays plus scales, and are not trained).
     runner_backend: force a jmoe backend (default: the config's, i.e. the oracle's choice).
     device: where the parameters live (torch device).
+    prepare_for_kernels: for weight-only / microscaling weights, also keep the operands the
+      Pallas kernels derive from them (`jmoe.quant.prepare_for_kernels`: the prefill GEMMs'
+      scale layouts, decode's padded byte scales) on the JAX side, made with the first call
+      and again only when a quantized buffer changes, instead of inside every call (eager
+      calls; the `torch.compile` op makes them per call). They cost memory (nvfp4: a copy of
+      its scales in the token dtype). None: on CUDA where the runner may be Pallas (auto or
+      pallas_mosaic).
   """
 
   def __init__(self, config: MoEConfig, params: MoEParams, *,
-               runner_backend: Optional[str] = None, device=None):
+               runner_backend: Optional[str] = None, device=None,
+               prepare_for_kernels: Optional[bool] = None):
     super().__init__()
     from jmoe.quant.weights import is_quantized  # noqa: PLC0415
 
@@ -606,10 +667,17 @@ class JmoeMoE(torch.nn.Module):
         setattr(self, name, torch.nn.Parameter(t))
       attrs.append(name), names.append(name), diff.append(name != "correction_bias")
     self._attrs = tuple(attrs)
-    self._spec = BridgeSpec(_BlockFn(config, tuple(names), tuple(quant), runner_backend),
-                            tuple(diff))
+    fn = _BlockFn(config, tuple(names), tuple(quant), runner_backend)
+    if prepare_for_kernels is None:
+      on_cuda = torch.device(device).type == "cuda" if device is not None else False
+      prepare_for_kernels = on_cuda and (runner_backend or config.runner_backend) in (
+          None, "auto", "pallas_mosaic")
+    keys = _prepared_keys(config, params) if prepare_for_kernels and quant else ()
+    if keys:
+      fn = dataclasses.replace(fn, prepared=keys)
+    self._spec = BridgeSpec(fn, tuple(diff))
     self._op_key = register_spec(self._spec)
-    self._weights = WeightGroup()
+    self._weights = WeightGroup(fn.derive_prepared if keys else None)
 
   @classmethod
   def from_hf(cls, hf_block, hf_config=None, *, dtype=None, runner_backend=None) -> "JmoeMoE":

@@ -1,10 +1,13 @@
 """The functional entry point: `fused_moe`."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmoe import oracle
 from jmoe._validate import (check_distinct_ids, check_expert_map, check_floating,
@@ -51,18 +54,55 @@ def resolve_quant(w13, w2, quant_config: Optional[QuantConfig]) -> Optional[Quan
   return w13.scheme
 
 
-@jax.custom_vjp
-def _forward_only(tree):
-  """Identity that refuses differentiation: quantized experts have no backward yet."""
-  return tree
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """fused_moe's non-array arguments after validation (static to the frozen-weights VJP)."""
+
+  act: Activation
+  apply_router_weight_on_input: bool
+  global_num_experts: Optional[int]
+  quant_config: Optional[QuantConfig]
+  runner_backend: str
+  a2a_backend: str
+  parallel: Optional[ParallelConfig]
+
+  def __call__(self, x, w13, w2, tw, ids, b13, b2, emap, residual, *, dense: bool = False):
+    return _run_experts(x, w13, w2, tw, ids, self.act, b13, b2,
+                        self.apply_router_weight_on_input, self.global_num_experts, emap,
+                        None if dense else self.quant_config, self.runner_backend,
+                        self.a2a_backend, self.parallel, residual)
 
 
-def _forward_only_fwd(tree):
-  raise ValueError("gradients through quantized experts are not supported yet: the quantized "
-                   "forward has no backward; train with dense (bf16) weights")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _frozen_quantized(call: _Call, x, q13, q2, tw, ids, b13, b2, emap, residual):
+  """The quantized block on frozen QuantizedWeights. Its VJP is the dense block's at the
+  dequantized weights for x, the router weights, the biases and the residual (straight
+  through the activation quantization); the weights get none (frozen: a LoRA / QLoRA-style
+  fine-tune trains what is around them)."""
+  return call(x, q13, q2, tw, ids, b13, b2, emap, residual)
 
 
-_forward_only.defvjp(_forward_only_fwd, lambda _, g: (g,))
+def _frozen_fwd(call, x, q13, q2, tw, ids, b13, b2, emap, residual):
+  out = _frozen_quantized(call, x, q13, q2, tw, ids, b13, b2, emap, residual)
+  return out, (x, q13, q2, tw, ids, b13, b2, emap, residual)
+
+
+def _frozen_bwd(call, res, g):
+  from jmoe.quant.weights import dequantize  # noqa: PLC0415
+  x, q13, q2, tw, ids, b13, b2, emap, residual = res
+  # the dequantized experts exist only in this backward (a dense copy of the weights here)
+  d13, d2 = dequantize(q13, x.dtype), dequantize(q2, x.dtype)
+
+  def dense(x, tw, b13, b2, residual):
+    return call(x, d13, d2, tw, ids, b13, b2, emap, residual, dense=True)
+
+  _, vjp = jax.vjp(dense, x, tw, b13, b2, residual)
+  dx, dtw, db13, db2, dres = vjp(g)
+  zero_int = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+  return dx, None, None, dtw, zero_int(ids), db13, db2, zero_int(emap), dres
+
+
+_frozen_quantized.defvjp(_frozen_fwd, _frozen_bwd)
 
 
 def _check_weights(hidden_states, w13, w2, w13_bias, w2_bias, act: Activation,
@@ -125,7 +165,9 @@ def fused_moe(
     hidden_states: [T, H] activations (bf16/f16/f32).
     w13: [E, H, 2N] gate (`[..., :N]`) and up (`[..., N:]`) projections; [E, H, N] for the
       non-gated `*_no_mul` activations. Or `jmoe.quant.QuantizedWeights` of that logical
-      shape (w13 and w2 both, one scheme): the call then runs that scheme.
+      shape (w13 and w2 both, one scheme): the call then runs that scheme, and they are
+      frozen (under `jax.grad`, the other arguments get the dense block's VJP at the
+      dequantized weights; the weights get none).
     w2: [E, N, H] down projection (dense or quantized, as w13).
     topk_weights: [T, k] router weights (from `select_experts`).
     topk_ids: [T, k] int expert ids in global numbering; -1 marks an empty slot.
@@ -173,7 +215,21 @@ def fused_moe(
   if quant_config is not None:
     check_act_groups(quant_config, w13.shape[1], argname="hidden_states (H)")
     check_act_groups(quant_config, w2.shape[1], argname="w2 (the intermediate N)")
-    hidden_states, w13, w2 = _forward_only((hidden_states, w13, w2))
+    call = _Call(act, apply_router_weight_on_input, global_num_experts, quant_config,
+                 runner_backend, a2a_backend, parallel)
+    return _frozen_quantized(call, hidden_states, w13, w2, topk_weights, topk_ids, w13_bias,
+                             w2_bias, expert_map, residual)
+  return _run_experts(hidden_states, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias,
+                      apply_router_weight_on_input, global_num_experts, expert_map, None,
+                      runner_backend, a2a_backend, parallel, residual)
+
+
+def _run_experts(hidden_states, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias,
+                 w2_bias, apply_router_weight_on_input: bool, global_num_experts, expert_map,
+                 quant_config: Optional[QuantConfig], runner_backend: str, a2a_backend: str,
+                 parallel: Optional[ParallelConfig], residual):
+  """fused_moe after its weights and scheme are checked: routing checks, then the EP path or
+  the oracle's (prepare/finalize, experts) pair."""
   t = hidden_states.shape[0]
   k = check_topk(topk_weights, topk_ids, t)
   e_local = w13.shape[0]

@@ -73,6 +73,7 @@ from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile, e4m3_tile, fp8_codes_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import FP8_MAX
 from jmoe.kernels.permute import touched_experts
+from jmoe.quant.packing import view_4bit
 from jmoe.kernels.prepared import Operand, operand
 from jmoe.quant.activations import ROW_SCALES
 from jmoe.quant.weights import check_quantized
@@ -936,7 +937,7 @@ def _codes(w, code) -> jax.Array:
   low nibble first, as jmoe.quant.packing stores them)."""
   if code == jnp.dtype(jnp.int4):
     e, r, half = w.values.shape
-    return lax.bitcast_convert_type(w.values, jnp.int4).reshape(e, r, 2 * half)
+    return view_4bit(w.values).reshape(e, r, 2 * half)
   return w.values
 
 

@@ -44,6 +44,7 @@ from jmoe.kernels.e2m1 import (SHIFT_BIAS, e4m3_shift_bytes, e4m3_shifted_tile,
                                e4m3_shifted_values)
 from jmoe.kernels.grouped_gemm_q8 import row_scale_vector
 from jmoe.kernels.prepared import Operand, operand
+from jmoe.quant.packing import view_4bit
 
 BK = ws.BK  # the K step: one 128-byte swizzle row of fp8 tokens
 GROUP = 32  # mxfp4's scale group along K
@@ -107,7 +108,7 @@ def fp8_codes(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array
   w_scale [E, N]); values * w_scale[..., None] is mxfp4's dequantization up to the flushed
   groups."""
   e, n, half = values.shape
-  codes = lax.bitcast_convert_type(values, jnp.int4).reshape(e, n, 2 * half)
+  codes = view_4bit(values).reshape(e, n, 2 * half)
   shift, w_scale = _mx_shifts(scale)
   return e4m3_shifted_values(codes, jnp.repeat(shift, GROUP, axis=2)), w_scale
 

@@ -129,7 +129,7 @@ def test_bench_weights_llm_changes_the_accuracy_not_the_scale(tmp_path):
   errs = {}
   for dist in bench.WEIGHT_DISTS:
     js = tmp_path / f"{dist}.json"
-    assert cli.main(["bench", "--preset", "qwen3-30b-a3b", "--tokens", "4", "--backends", "xla",
+    assert cli.main(["bench", "--preset", "mixtral-8x7b", "--tokens", "4", "--backends", "xla",
                      "--quant", "w4a16", "--repeats", "1", "--weights", dist,
                      "--json", str(js)]) == 0
     rows = {r["backend"]: r for r in json.loads(js.read_text())["rows"]}

@@ -671,10 +671,9 @@ def test_per_slot_layout_property(t, k, seed):
     (1, 2, None, jnp.bfloat16),
     pytest.param(3, 2, None, jnp.float16,  # an empty slot, an expert twice; swigluoai, biases
                  marks=pytest.mark.slow),
-    # the shallowest ring: every step waits for its own load
+    # the shallowest ring (every step waits for its own load), tokens past the first 8 rows,
+    # EP-remote slots
     pytest.param(9, 2, 2, jnp.bfloat16, marks=pytest.mark.slow),
-    # 60 slots, tokens past the first 8 rows, EP-remote slots (50 s in interpret mode)
-    pytest.param(20, 3, 3, jnp.bfloat16, marks=pytest.mark.slow),
 ])
 def test_fused_decode_kernel(rng, t, k, stages, dtype):
   """The one-kernel decode block against the f32 reference: the CTA walks every item in turn
@@ -689,8 +688,8 @@ def test_fused_decode_kernel(rng, t, k, stages, dtype):
   ti = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
   if t > 1:
     ti = ti.at[1, 0].set(-1).at[2, 0].set(ti[2, 1])
-  if t > 9:
-    ti = ti.at[11, 1].set(e).at[15, 2].set(e + 3)  # EP-remote ids (>= E) stream nothing
+  if t > 8:
+    ti = ti.at[5, 1].set(e).at[8, 0].set(e + 3)  # EP-remote ids (>= E) stream nothing
   config = dc.DecodeConfig(stages=stages)
   act = "swigluoai" if t == 3 else "silu"  # gpt-oss's activation, with both biases
   bias = dict(w13_bias=b13, w2_bias=b2) if t == 3 else {}

@@ -364,12 +364,38 @@ def test_bad_quantized_input_names_the_argument(rng, no_backend_env):
     call(w13g, w2g)
 
 
-def test_gradients_through_quantized_experts_refused(rng):
-  """QuantizedWeights have no gradient (train dense weights with quant_config instead)."""
-  _, _, q13, q2 = _dense_and_quantized(rng)
-  tw, ids = jnp.full((3, 2), 0.5), jnp.asarray([[0, 1], [2, 3], [1, 2]], jnp.int32)
-  with pytest.raises(ValueError, match="gradients through quantized experts are not supported"):
-    jax.grad(lambda x: jmoe.fused_moe(x, q13, q2, tw, ids).sum())(jnp.ones((3, 256)))
+@pytest.mark.parametrize("scheme", ["fp8_block", "mxfp4"])
+def test_gradients_around_frozen_quantized_experts(scheme, rng):
+  """QuantizedWeights are frozen: the VJP of the quantized block is the dense block's at the
+  dequantized weights for x, the router weights, the biases and the residual (straight
+  through the activation quantization), and the weights get none."""
+  _, _, q13, q2 = _dense_and_quantized(rng, scheme)
+  t, h, e = 3, 256, 4
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  res = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  tw = jnp.asarray(rng.random((t, 2)), jnp.float32)
+  ids = jnp.asarray([[0, 1], [2, -1], [1, 2]], jnp.int32)
+  b13 = jnp.asarray(0.1 * rng.standard_normal((e, 256)), jnp.float32)
+  b2 = jnp.asarray(0.1 * rng.standard_normal((e, h)), jnp.float32)
+
+  def block(x, a, b, tw, b13, b2, res):
+    return jmoe.fused_moe(x, a, b, tw, ids, w13_bias=b13, w2_bias=b2, residual=res)
+
+  y, vjp = jax.vjp(jax.jit(lambda x, tw, b13, b2, res: block(x, q13, q2, tw, b13, b2, res)),
+                   x, tw, b13, b2, res)
+  onp.assert_rel_close(np.asarray(y), np.asarray(block(x, q13, q2, tw, b13, b2, res)), 1e-6,
+                       f"{scheme} forward (jit vs eager)")
+  d13, d2 = dequantize(q13, jnp.float32), dequantize(q2, jnp.float32)
+  _, dense_vjp = jax.vjp(lambda x, tw, b13, b2, res: block(x, d13, d2, tw, b13, b2, res),
+                         x, tw, b13, b2, res)
+  g = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)
+  names = ("x", "topk_weights", "w13_bias", "w2_bias", "residual")
+  for name, got, want in zip(names, vjp(g), dense_vjp(g)):
+    onp.assert_rel_close(np.asarray(got), np.asarray(want), 1e-5, f"{scheme} d{name}")
+  if scheme == "fp8_block":  # (float32 scales) frozen: a zero cotangent
+    _, wvjp = jax.vjp(lambda s: block(x, dataclasses.replace(q13, scale=s), q2, tw, b13, b2,
+                                      res), q13.scale)
+    assert float(jnp.abs(wvjp(g)[0]).max()) == 0.0
 
 
 @pytest.mark.parametrize("scheme", ["fp8_channel", "int8", "fp8_block", "w4a16"])
@@ -435,3 +461,22 @@ def test_quantized_training_refuses_static_schemes(rng):
                                        "inference"):
     jmoe.fused_moe(jnp.ones((3, 256)), w13, w2, tw, ids,
                    quant_config=jmoe.QuantConfig("fp8_channel_static"))
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "mxfp4"])
+def test_packed_weights_closed_over_by_jit_unpack_as_eager(scheme, rng):
+  """4-bit weights captured by a jitted function become HLO constants, which XLA's constant
+  folding would unpack wrongly through a bitcast to a 4-bit type (jmoe.quant.packing.view_4bit
+  keeps the bitcast out of its reach): the jitted block equals the eager one."""
+  from jmoe.quant.packing import view_4bit
+  packed = jnp.asarray(rng.integers(0, 256, (16, 64)), jnp.uint8)
+  lo_hi = np.stack([np.asarray(packed) & 0xF, np.asarray(packed) >> 4], -1).astype(np.int32)
+  want = np.where(lo_hi > 7, lo_hi - 16, lo_hi)  # signed nibbles
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda: view_4bit(packed))(), np.int32), want)
+  _, _, q13, q2 = _dense_and_quantized(rng, scheme)
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+  tw, ids = jnp.full((3, 2), 0.5), jnp.asarray([[0, 1], [2, -1], [1, 2]], jnp.int32)
+  eager = jmoe.fused_moe(x, q13, q2, tw, ids)
+  jitted = jax.jit(lambda x: jmoe.fused_moe(x, q13, q2, tw, ids))(x)
+  onp.assert_rel_close(np.asarray(jitted, np.float32), np.asarray(eager, np.float32), 1e-2,
+                       f"{scheme} jitted on constant weights vs eager")

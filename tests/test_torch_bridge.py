@@ -342,3 +342,65 @@ def test_fp8_checkpoint_params_run_forward():
   np.testing.assert_allclose(y.reshape(-1, h).numpy(), want, rtol=1e-5, atol=1e-5)
   ref = hf_forward(block, x)
   assert np.linalg.norm(want - ref) / np.linalg.norm(ref) <= 6e-2  # W8A8 rounding
+
+
+# --------------------------------------------------------------------------------------------
+# weight-only weights: the kernels' prepared operands made once, on the JAX side
+
+
+def _mxfp4_block(prepare: bool, runner: str):
+  """A JmoeMoE of mxfp4 experts, H = 512, N = 256 (w2's e8m0 byte-scale rows 8 bytes, so the
+  decode kernel reads them padded to 16: a prepared operand), 8 experts, top-2."""
+  import jax
+  import jmoe
+  config = jmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=512, intermediate_size=256,
+                          dtype="bfloat16")
+  p = jmoe.init_params(config, jax.random.key(3), dtype=jax.numpy.bfloat16)
+  q = jmoe.MoEParams(router_w=p.router_w, w13=jmoe.quant.quantize_weights(p.w13, "mxfp4"),
+                     w2=jmoe.quant.quantize_weights(p.w2, "mxfp4"))
+  return JmoeMoE(config, q, runner_backend=runner, prepare_for_kernels=prepare), config, q
+
+
+def test_prepared_operands_are_made_once_and_again_when_a_buffer_changes():
+  from jmoe.interop import torch_bridge as tb
+  from jmoe.quant import prepare_for_kernels
+  ours, config, q = _mxfp4_block(True, "xla")
+  plain, _, _ = _mxfp4_block(False, "xla")
+  assert ("w2", "decode_wq.w2_scale_bytes") in ours._spec.fn.prepared
+  assert not plain._spec.fn.prepared
+  x = torch.randn(2, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+  before = tb.STATS["derivations"]
+  with torch.no_grad():  # (quantized experts have no backward)
+    ys, want = [ours(x) for _ in range(3)], plain(x)
+  assert tb.STATS["derivations"] - before == 1  # with the first call only
+  torch.testing.assert_close(ys[0], want, rtol=0, atol=0)  # (XLA ignores them)
+  kept = ours._weights.arrays(ours._tensors())
+  want13, want2 = prepare_for_kernels(q.w13, q.w2, activation=config.activation)
+  made = {("w13", k): a for k, a in want13.prepared.items()}
+  made.update({("w2", k): a for k, a in want2.prepared.items()})
+  assert set(made) == set(ours._spec.fn.prepared)
+  for name, a in zip(ours._spec.fn.prepared, kept[len(ours._attrs):]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(made[name]), err_msg=str(name))
+  with torch.no_grad():
+    ours.w2_scale.copy_(plain.w2_scale.flip(0))  # an in-place change: derived again
+    plain.w2_scale.copy_(plain.w2_scale.flip(0))
+    y, want = ours(x), plain(x)
+  assert tb.STATS["derivations"] - before == 2
+  torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_decode_kernel_reads_the_bridge_prepared_operands(monkeypatch):
+  """Pallas (interpret) decode block through the bridge: the same output with and without
+  prepared operands, and a different one when the kept w2 byte scales are poisoned."""
+  monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
+  ours, _, _ = _mxfp4_block(True, "pallas_mosaic")
+  plain, _, _ = _mxfp4_block(False, "pallas_mosaic")
+  x = torch.randn(2, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+  with torch.no_grad():
+    y = ours(x)
+    torch.testing.assert_close(y, plain(x), rtol=0, atol=0)
+    i = len(ours._attrs) + ours._spec.fn.prepared.index(("w2", "decode_wq.w2_scale_bytes"))
+    arrays = ours._weights._arrays
+    arrays[i] = arrays[i] * 0  # (e8m0 byte 0: 2^-127, every w2 column scaled to ~0)
+    assert _rel(ours(x).float(), y.float()) > 0.5

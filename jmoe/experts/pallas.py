@@ -217,7 +217,7 @@ class PallasExperts(Experts):
     return out.astype(out_dtype)
 
   def _apply_quantized(self, inp, weights, quant, activation, expert_map, out_dtype):
-    """Forward only (the API refuses gradients through quantized experts)."""
+    """Forward only (fused_moe's frozen-weights VJP runs the dense block for gradients)."""
     why = pallas_quant_support(quant)
     if why is not None:
       raise ValueError(f"runner_backend='pallas_mosaic' cannot run {why}")

@@ -9,9 +9,9 @@ from jmoe.quant import QuantizedWeights
 
 
 class QuantizedWeight(nnx.Variable):
-  """Values / scales / zero points of quantized expert weights: not trained (the quantized
-  forward has no backward), so not an `nnx.Param`; `nnx.state(model, QuantizedWeight)`
-  selects them."""
+  """Values / scales / zero points of quantized expert weights: frozen (gradients flow around
+  them, not into them), so not an `nnx.Param`; `nnx.state(model, QuantizedWeight)` selects
+  them."""
 
 
 def variable(kind, value, names: tuple, mesh, own_mesh: bool = False) -> nnx.Variable:

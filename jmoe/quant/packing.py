@@ -53,6 +53,16 @@ def unpack_nibbles(packed: jax.Array, axis: int = -1) -> jax.Array:
   return jnp.moveaxis(codes, -1, axis)
 
 
+def view_4bit(packed: jax.Array, dtype=jnp.int4) -> jax.Array:
+  """uint8 [..., n] -> `dtype` (int4 / uint4 / float4_e2m1fn) [..., n, 2], the same bytes read
+  as their nibbles (low first): a bitcast, free inside jit.
+
+  Behind an optimization barrier: XLA's constant folding gets bitcasts to 4-bit types wrong
+  (jaxlib 0.10: the nibbles come out reordered), so weights closed over by a jitted function
+  (HLO constants) would otherwise be unpacked into garbage."""
+  return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(packed), dtype)
+
+
 def e2m1_decode(codes: jax.Array) -> jax.Array:
   """e2m1 codes (0..15) -> their float32 values (a 16-entry table lookup)."""
   return jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]

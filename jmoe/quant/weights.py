@@ -48,7 +48,7 @@ import numpy as np
 
 from jmoe.config import QuantConfig
 from jmoe.quant.packing import (E2M1_MAX, INT4_SIGN_FLIP, INT4_SYMMETRIC_ZERO, e2m1_encode,
-                                pack_nibbles)
+                                pack_nibbles, view_4bit)
 
 # largest finite value of each value type (the scale maps a tile's max |w| onto it; int4:
 # symmetric codes -7..7 around the implicit zero 8)
@@ -174,7 +174,7 @@ def centered_values(w: QuantizedWeights) -> jax.Array:
   jmoe.quant.packing stores them), which XLA unpacks in the converting fusion itself."""
   if not w.packed:
     return w.values.astype(jnp.float32)
-  nib = jax.lax.bitcast_convert_type(w.values, jnp.int4)  # [E, a, b, 2]
+  nib = view_4bit(w.values)  # [E, a, b, 2]
   e, a, b, _ = nib.shape
   if not w.k_major:  # packed along axis 1: the pair goes next to it
     nib = jnp.swapaxes(nib, 2, 3)

@@ -135,3 +135,48 @@ def test_gradients_on_a_side_stream():
   torch.testing.assert_close(x2.grad, want_x, rtol=1e-4, atol=1e-4)
   torch.testing.assert_close(ours.w13.grad, want_w, rtol=1e-4, atol=1e-4)
   assert np.isfinite(ours.w13.grad.cpu().numpy()).all()
+
+
+def _quantized_block(scheme: str, prepare, h=1024, n=512, e=8):
+  """bf16 JmoeMoE on CUDA with quantized experts (the oracle's runner: Pallas on Hopper)."""
+  config = jmoe.MoEConfig(num_experts=e, top_k=2, hidden_size=h, intermediate_size=n,
+                          dtype="bfloat16")
+  p = jmoe.init_params(config, jax.random.PRNGKey(1), dtype=jax.numpy.bfloat16)
+  q = jmoe.MoEParams(router_w=p.router_w, w13=jmoe.quant.quantize_weights(p.w13, scheme),
+                     w2=jmoe.quant.quantize_weights(p.w2, scheme))
+  return JmoeMoE(config, q, device=DEV, prepare_for_kernels=prepare), config, q
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4"])
+def test_prepared_operands_on_cuda_change_nothing_but_the_work(scheme):
+  """Weight-only experts on CUDA prepare their kernel operands by default: made once, the
+  same output as the module that makes them inside every call, at one token and at 512."""
+  ours, _, _ = _quantized_block(scheme, None)
+  plain, _, _ = _quantized_block(scheme, False)
+  assert ours._spec.fn.prepared and not plain._spec.fn.prepared
+  before = tb.STATS["derivations"]
+  with torch.no_grad():
+    for t in (1, 512):
+      x = torch.randn(t, 1024, device=DEV, generator=torch.Generator(DEV).manual_seed(t))
+      x = x.to(torch.bfloat16)
+      torch.testing.assert_close(ours(x), plain(x), rtol=1e-2, atol=1e-2)
+  assert tb.STATS["derivations"] - before == 1
+
+
+def test_gradients_around_frozen_quantized_experts_on_cuda():
+  """fp8 experts in a training step: the tokens' and router's gradients are the dense block's
+  at the dequantized weights (the quantized weights are frozen buffers)."""
+  ours, config, q = _quantized_block("fp8_channel", None)
+  bf16 = jax.numpy.bfloat16
+  dense = JmoeMoE(config, jmoe.MoEParams(router_w=q.router_w, w13=q.w13.dequantize(bf16),
+                                         w2=q.w2.dequantize(bf16)), device=DEV)
+  x = torch.randn(256, 1024, device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+  x = x.to(torch.bfloat16)
+  r = torch.randn(256, 1024, device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+  grads = []
+  for m in (ours, dense):  # a linear loss: both backwards get the same cotangent
+    xr = x.clone().requires_grad_(True)
+    (m(xr).float() * r).sum().backward()
+    grads.append((xr.grad.float(), m.router_w.grad.float()))
+  for got, want in zip(*grads):
+    assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 5e-2

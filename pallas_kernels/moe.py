@@ -707,6 +707,62 @@ def _ws_prefill(x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, out_
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=out_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "interpret"))
+def fused_experts_weight_only_batched(x: jax.Array, expert_num_tokens: jax.Array, w13, w2, *,
+                                      activation: Activation | str = "silu",
+                                      w13_bias: jax.Array | None = None,
+                                      w2_bias: jax.Array | None = None,
+                                      out_dtype=jnp.bfloat16, interpret: Any = False,
+                                      x_scale: jax.Array | None = None) -> jax.Array:
+  """The batched (masked) format of fused_experts_weight_only: each expert's own rows.
+
+  x [E, C, H] bf16 / f16 (expert e's first expert_num_tokens[e] rows live), or the 8-bit rows
+  of a scheme with quantized tokens with their x_scale ([E, C, 1] per row, [1, 1] per tensor,
+  or per group), dequantized here into bf16 (the bf16-token kernels run them); w13 / w2
+  weight-only QuantizedWeights (logical [E, H, 2N] / [E, N, H]). Where the warp-specialized
+  weight-only GEMMs take the experts (grouped_gemm_wq_ws: a gated activation, 4-bit codes,
+  H and N multiples of 128), both GEMMs run there over task lists aligned to each expert's
+  rows (tiles past an expert's count are never scheduled: an empty expert reads no codes);
+  elsewhere the weights are dequantized in the graph into the bf16 batched kernels.
+  Returns [E, C, H] out_dtype, rows past the counts zero.
+  """
+  act = as_activation(activation)
+  if x.ndim != 3 or expert_num_tokens.shape != (x.shape[0],):
+    raise ValueError(f"x must be [E, C, H] and expert_num_tokens [E], got {x.shape} and "
+                     f"{expert_num_tokens.shape}")
+  e, cap, hdim = x.shape
+  if x_scale is not None:  # 8-bit tokens: their values times their scales, in bf16
+    s = x_scale.reshape(1, 1) if x_scale.size == 1 else x_scale.reshape(e * cap, -1)
+    x = dequantize_activations(x.reshape(e * cap, hdim), s, jnp.bfloat16).reshape(e, cap, hdim)
+  elif jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"x must be bf16 / f16 (or 8-bit with x_scale), got {x.dtype}")
+  w13, w2 = weight_only_view(w13), weight_only_view(w2)
+  n = w2.shape[1]
+  counts = jnp.clip(expert_num_tokens.astype(jnp.int32), 0, cap)
+  live = jnp.arange(cap)[None, :] < counts[:, None]
+  if _wq_ws_unsupported(hdim, n, act, w13, w2) is None:
+    m = e * cap
+    cfg1 = _wq_ws.default_config(w13, n, True, x.dtype, m)
+    cfg2 = _wq_ws.default_config(w2, hdim, False, x.dtype, m, out_dtype)
+    m_pad = max(m, cfg1.block_m, cfg2.block_m)  # (the kernels' rows: at least one tile)
+    starts = jnp.arange(e, dtype=jnp.int32) * cap
+    metas = {bm: gg.tile_metadata_from_bounds(starts, starts + counts, bm, e * -(-cap // bm))
+             for bm in {cfg1.block_m, cfg2.block_m}}
+    xs = jnp.pad(x.reshape(m, hdim), ((0, m_pad - m), (0, 0)))
+    h = _wq_ws.wq_ws_run(xs, w13, meta=metas[cfg1.block_m], act=act, gated=True,
+                         bias=w13_bias, out_dtype=x.dtype, config=cfg1, interpret=interpret)
+    y = _wq_ws.wq_ws_run(h, w2, meta=metas[cfg2.block_m], act=None, gated=False, bias=w2_bias,
+                         out_dtype=out_dtype, config=cfg2, interpret=interpret)
+    y = y[:m].reshape(e, cap, hdim)
+  else:
+    d13, d2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
+    gemm1 = gg.batched_grouped_gemm_gated if act.is_gated else gg.batched_grouped_gemm
+    h = gemm1(x, d13, counts, activation=act, bias=w13_bias, interpret=interpret)
+    y = gg.batched_grouped_gemm(h, d2, counts, bias=w2_bias, out_dtype=out_dtype,
+                                interpret=interpret)
+  return jnp.where(live[..., None], y, jnp.zeros((), y.dtype)).astype(out_dtype)
+
+
 def fp8_token_kernels(q) -> bool:
   """Whether the weight-only path takes scheme q's quantized tokens as they are: 4-bit codes
   with fp8 tokens scaled per token or per tensor (decode_wq's 8-bit MMAs, grouped_gemm_w4a8).

@@ -280,6 +280,42 @@ def test_pallas_batched_experts_match_oracle(scheme, rng):
   onp.assert_rel_close(out, np.asarray(xla, np.float32), 2 * TOL, f"{scheme} batched vs xla")
 
 
+@pytest.mark.parametrize("scheme", ("w4a16", pytest.param("mxfp4", marks=pytest.mark.slow),
+                                    "w8a16", pytest.param("mxfp4_fp8", marks=pytest.mark.slow)))
+def test_pallas_batched_weight_only_experts_match_oracle(scheme, rng):
+  """The batched format's weight-only experts (fused_experts_weight_only_batched): 4-bit
+  codes on the warp-specialized weight-only GEMMs over each expert's rows (w4a16, mxfp4),
+  8-bit codes dequantized into the bf16 batched kernels (w8a16), fp8 tokens dequantized into
+  bf16 (mxfp4_fp8); capacity 9 per expert, an empty expert, empty slots; against the float64
+  oracle on the dequantized weights (the intermediate rounded to bf16, as the kernels keep
+  it) and XLA's batched experts (which re-quantize mxfp4_fp8's intermediate to fp8: the
+  kernels keep it in bf16)."""
+  from jmoe.experts.pallas import PallasBatchedExperts
+  from jmoe.experts.xla_batched import XlaBatchedExperts
+  from jmoe.modular import ExpertWeights, ModularKernel
+  from jmoe.prepare_finalize import NoEPBatched
+  quant = jmoe.QuantConfig(scheme)
+  x, q13, q2, tw, ids = _ragged_block_problem(rng, quant)
+  weights = ExpertWeights(q13, q2)
+  args = (x, weights, jnp.asarray(tw), jnp.asarray(ids))
+  out = ModularKernel(NoEPBatched(), PallasBatchedExperts(), quant)(
+      *args, activation=as_activation("silu"))
+  assert not _compat.races_found()
+  out = np.asarray(out, np.float32)
+  assert out.shape == x.shape and np.isfinite(out).all()
+  w13, w2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (q13, q2))
+  xq = np.asarray(x, np.float32)
+  if quant.act_dtype is not None:  # prepare's tokens, as jmoe quantizes them (test_quant's)
+    from jmoe.quant.activations import dequantize_activations, quantize_activations
+    xq = np.asarray(dequantize_activations(*quantize_activations(x, quant)), np.float64)
+  bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731
+  want = onp.fused_moe(xq, w13, w2, tw, ids, requant=bf16)
+  onp.assert_rel_close(out, want, TOL, f"{scheme} batched pallas vs oracle")
+  xla = ModularKernel(NoEPBatched(), XlaBatchedExperts(), quant)(
+      *args, activation=as_activation("silu"))
+  onp.assert_rel_close(out, np.asarray(xla, np.float32), 2 * TOL, f"{scheme} batched vs xla")
+
+
 @pytest.fixture(autouse=True)
 def _interpret_env(monkeypatch):
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
@@ -299,8 +335,8 @@ def test_quant_support_names_what_is_missing():
   from jmoe.experts.pallas import PallasBatchedExperts
   batched = PallasBatchedExperts()
   assert "per-tensor / per-channel W8A8" in batched.quant_support(jmoe.QuantConfig("fp8_block"))
-  assert "per-tensor / per-channel W8A8" in batched.quant_support(jmoe.QuantConfig("mxfp4"))
-  for name in ("fp8_tensor", "fp8_channel", "int8", "fp8_channel_static", "int8_static"):
+  for name in ("fp8_tensor", "fp8_channel", "int8", "fp8_channel_static", "int8_static",
+               "w4a16", "w8a16", "mxfp4", "nvfp4", "mxfp4_fp8", "mxfp8"):
     assert batched.quant_support(jmoe.QuantConfig(name)) is None, name
 
 

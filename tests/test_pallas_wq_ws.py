@@ -160,3 +160,18 @@ def test_prefill_ws_lowers_for_the_gpu(fmt, monkeypatch):
           S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert {"jmoe_gg_wq_ws_gated", "jmoe_gg_wq_ws"} <= set(
       re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
+def test_batched_weight_only_block_lowers_for_the_gpu(fmt, monkeypatch):
+  """The batched format's weight-only block (fused_experts_weight_only_batched) at
+  qwen3-30b-a3b's sizes, capacity 256 an expert, lowers for the GPU on the warp-specialized
+  weight-only GEMMs."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  e, cap, h, n = 128, 256, 2048, 768
+  w13, w2 = _weights(fmt, e, h, n)
+  text = jax.jit(lambda x, c, w13, w2: pmoe.fused_experts_weight_only_batched(
+      x, c, w13, w2)).trace(S((e, cap, h), jnp.bfloat16), S((e,), jnp.int32), w13, w2).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert {"jmoe_gg_wq_ws_gated", "jmoe_gg_wq_ws"} <= set(
+      re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))

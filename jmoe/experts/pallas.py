@@ -306,15 +306,16 @@ class PallasBatchedExperts(BatchedExperts, PallasExperts):
 
   def quant_support(self, quant):
     """The W8A8 schemes whose scales factor out of K (fp8_tensor, fp8_channel, int8 and
-    their static forms: `fused_experts_quantized_batched`); fp8_block and the weight-only
-    formats have no batched kernels (the standard format runs them)."""
+    their static forms: `fused_experts_quantized_batched`) and the weight-only formats
+    (`fused_experts_weight_only_batched`); fp8_block has no batched kernels (the standard
+    format runs it)."""
     if quant is None or not quant.is_quantized:
       return None
     why = pallas_quant_support(quant)
     if why is not None:
       return why
-    if runs_weight_only(quant) or quant.weight_scale not in ("tensor", "channel"):
-      return (f"{quant.name}: the batched format's quantized kernels take per-tensor / "
+    if not runs_weight_only(quant) and quant.weight_scale not in ("tensor", "channel"):
+      return (f"{quant.name}: the batched format's 8-bit kernels take per-tensor / "
               "per-channel W8A8 weights (fp8_tensor, fp8_channel, int8 and their static "
               "forms); the standard format runs this scheme")
     return None
@@ -325,9 +326,11 @@ class PallasBatchedExperts(BatchedExperts, PallasExperts):
       why = self.quant_support(quant)
       if why is not None:
         raise ValueError(f"runner_backend='pallas_mosaic' (batched) cannot run {why}")
+      dt = jnp.dtype(out_dtype)
+      if runs_weight_only(quant):
+        return self._apply_weight_only_batched(inp, weights, activation, dt)
       _check_quantized_problem(inp, weights, activation)
       from jmoe.kernels.moe import fused_experts_quantized_batched  # noqa: PLC0415
-      dt = jnp.dtype(out_dtype)
       out = fused_experts_quantized_batched(
           inp.a, inp.a_scale, inp.expert_num_tokens, weights.w13, weights.w2,
           activation=activation, w13_bias=weights.w13_bias, w2_bias=weights.w2_bias,
@@ -336,6 +339,21 @@ class PallasBatchedExperts(BatchedExperts, PallasExperts):
     self._check(inp, weights, activation)
     out = _batched_block(activation, self.interpret, inp.a, inp.expert_num_tokens, weights.w13,
                          weights.w2, weights.w13_bias, weights.w2_bias)
+    return out.astype(out_dtype)
+
+
+  def _apply_weight_only_batched(self, inp, weights, activation, out_dtype):
+    check_weights_for_activation(weights, activation)
+    fp8_tokens = weights_quant(weights).act_dtype is not None
+    if not fp8_tokens and jnp.dtype(inp.a.dtype) not in _DTYPES:
+      raise ValueError(f"runner_backend='pallas_mosaic' takes bf16/f16 hidden_states with "
+                       f"weight-only {weights_quant(weights)}, got {inp.a.dtype}")
+    from jmoe.kernels.moe import fused_experts_weight_only_batched  # noqa: PLC0415
+    out = fused_experts_weight_only_batched(
+        inp.a, inp.expert_num_tokens, weights.w13, weights.w2, activation=activation,
+        w13_bias=weights.w13_bias, w2_bias=weights.w2_bias,
+        out_dtype=out_dtype if out_dtype in _DTYPES else jnp.dtype(jnp.bfloat16),
+        interpret=self.interpret, x_scale=inp.a_scale if fp8_tokens else None)
     return out.astype(out_dtype)
 
 

@@ -429,3 +429,18 @@ def test_quantized_layer_expert_parallel():
   x = jax.random.normal(jax.random.key(0), (16, 16))
   fwd = nnx.jit(lambda m, x: m(x))
   np.testing.assert_allclose(fwd(ep, x), fwd(one, x), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_layer_trains_what_is_around_its_frozen_experts():
+  """A quantized layer under nnx.grad: the router (an nnx.Param) gets the dense block's
+  gradient at the dequantized experts; the quantized experts are frozen variables, not Params."""
+  from jmoe.layers.variables import QuantizedWeight
+  cfg = jmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128)
+  layer = MoE(cfg, rngs=nnx.Rngs(0), quant="fp8_channel", runner_backend="xla")
+  x = jax.random.normal(jax.random.key(1), (8, 128))
+  grads = nnx.grad(lambda m, x: jnp.sum(m(x) ** 2))(layer, x)
+  router = [a for a in jax.tree.leaves(nnx.state(grads, nnx.Param))]
+  assert router and all(bool(jnp.isfinite(a).all()) for a in router)
+  assert any(float(jnp.abs(a).max()) > 0 for a in router)
+  assert jax.tree.leaves(nnx.state(layer, QuantizedWeight))
+  assert not jax.tree.leaves(nnx.state(grads, QuantizedWeight))

@@ -480,3 +480,27 @@ def test_packed_weights_closed_over_by_jit_unpack_as_eager(scheme, rng):
   jitted = jax.jit(lambda x: jmoe.fused_moe(x, q13, q2, tw, ids))(x)
   onp.assert_rel_close(np.asarray(jitted, np.float32), np.asarray(eager, np.float32), 1e-2,
                        f"{scheme} jitted on constant weights vs eager")
+
+
+@pytest.mark.parametrize("scheme", ["fp8_channel", pytest.param("w4a16", marks=pytest.mark.slow)])
+def test_gradients_around_frozen_quantized_experts_over_the_expert_axis(scheme, rng):
+  """Frozen QuantizedWeights sharded over the expert axis (8 simulated devices, ragged
+  all-to-all): the tokens' and router weights' gradients equal the one-device ones."""
+  from jmoe import sharding
+  t, h, n, e, k = 16, 128, 128, 8, 2
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  q13, q2 = (quantize_weights(jnp.asarray(a), scheme)
+             for a in (_weights(rng, e, h, 2 * n), _weights(rng, e, n, h)))
+  tw, ids = (jnp.asarray(a) for a in onp.random_topk(rng, t, e, k))
+  par = sharding.make_parallel(data=2, expert=4)
+
+  def loss(x, tw, a, b, **kw):
+    return jnp.sum(jmoe.fused_moe(x, a, b, tw, ids, **kw) ** 2)
+
+  want = jax.grad(loss, argnums=(0, 1))(x, tw, q13, q2)
+  got = jax.jit(jax.grad(functools.partial(loss, parallel=par, a2a_backend="ragged_a2a"),
+                         argnums=(0, 1)))(
+      sharding.shard_tokens(x, par), tw, sharding.shard_expert_weights(q13, par),
+      sharding.shard_expert_weights(q2, par))
+  for name, a, b in zip(("x", "topk_weights"), got, want):
+    onp.assert_rel_close(np.asarray(a), np.asarray(b), 1e-5, f"EP {scheme} d{name}")

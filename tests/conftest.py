@@ -16,6 +16,11 @@ import pytest
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
+# XLA:CPU's LLVM optimization off: the tests check values, not CPU speed, and a fresh clone's
+# run is mostly compiling (test_layers + test_quant from a cold cache: 130 -> 85 s on 2 cores;
+# no fast-math either way, so the numerics are the same). README blocks run without it.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 # One persistent XLA compilation cache per checkout, shared by the xdist workers and the
 # subprocesses tests start (README blocks, multi-host runs): the suite compiles many identical

@@ -364,7 +364,7 @@ def test_bad_quantized_input_names_the_argument(rng, no_backend_env):
     call(w13g, w2g)
 
 
-@pytest.mark.parametrize("scheme", ["fp8_block", "mxfp4"])
+@pytest.mark.parametrize("scheme", [pytest.param("fp8_block", marks=pytest.mark.slow), "mxfp4"])
 def test_gradients_around_frozen_quantized_experts(scheme, rng):
   """QuantizedWeights are frozen: the VJP of the quantized block is the dense block's at the
   dequantized weights for x, the router weights, the biases and the residual (straight

@@ -135,6 +135,21 @@ def test_forward_only_keeps_no_residuals():
   assert ours(x).grad_fn is not None and tb.STATS["vjp_forwards"] == vjp + 1
 
 
+def test_forward_only_call_holds_its_input_until_the_next():
+  """A forward-only call keeps its imported input (a view of torch's memory) until the next
+  call of the same block, which releases it: freed during the call, PJRT waits for the
+  computation (BENCHMARKS.md, "torch bridge")."""
+  hf_config, block, x = build("qwen3_moe")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  x2 = x * 2
+  with torch.no_grad():
+    ours(x)
+    held = tb._HELD[ours._op_key]
+    assert len(held) == 1 and held[0].unsafe_buffer_pointer() == x.data_ptr()
+    ours(x2)
+  assert tb._HELD[ours._op_key][0].unsafe_buffer_pointer() == x2.data_ptr()
+
+
 def test_output_is_not_copied_but_guarded_against_inplace_changes():
   hf_config, block, x = build("mixtral")
   ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")

@@ -389,16 +389,21 @@ class WeightGroup:
   """One module's weights as JAX arrays, checked with one pass over (object, data pointer,
   version) per call instead of a `CACHE` lookup per tensor; a change goes through `CACHE`.
 
-  derive: `derive(arrays) -> more arrays` appended after the converted ones, made again only
-  when a weight changes (the kernels' prepared operands, `JmoeMoE(prepare_for_kernels=)`)."""
+  derive: `derive(arrays) -> more arrays` appended after the converted ones (the kernels'
+  prepared operands, `JmoeMoE(prepare_for_kernels=)`), made again only when one of the arrays
+  at `derive_from` (indices into the weights) changes: a training step that updates the
+  router leaves the quantized experts' operands alone."""
 
-  __slots__ = ("_tensors", "_state", "_arrays", "_derive")
+  __slots__ = ("_tensors", "_state", "_arrays", "_derive", "_derive_from", "_derived")
 
-  def __init__(self, derive: Optional[Callable[[list], list]] = None) -> None:
+  def __init__(self, derive: Optional[Callable[[list], list]] = None,
+               derive_from: Sequence[int] = ()) -> None:
     self._tensors: tuple = ()
     self._state: Optional[list] = None
     self._arrays: list[jax.Array] = []
     self._derive = derive
+    self._derive_from = tuple(derive_from)
+    self._derived: Optional[tuple] = None  # (the source arrays, what derive made of them)
 
   def arrays(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
     try:
@@ -414,8 +419,11 @@ class WeightGroup:
   def _with_derived(self, arrays: list) -> list:
     if self._derive is None:
       return arrays
-    STATS["derivations"] += 1
-    return arrays + list(self._derive(arrays))
+    src = tuple(arrays[i] for i in self._derive_from)
+    if self._derived is None or not all(map(operator.is_, src, self._derived[0])):
+      STATS["derivations"] += 1
+      self._derived = (src, list(self._derive(arrays)))
+    return arrays + self._derived[1]
 
 
 def _needs_grad(spec: BridgeSpec, tensors: Sequence[torch.Tensor]) -> bool:
@@ -687,7 +695,8 @@ class JmoeMoE(torch.nn.Module):
       fn = dataclasses.replace(fn, prepared=keys)
     self._spec = BridgeSpec(fn, tuple(diff))
     self._op_key = register_spec(self._spec)
-    self._weights = WeightGroup(fn.derive_prepared if keys else None)
+    quantized_parts = [i for i, n in enumerate(fn.names) if "." in n]
+    self._weights = WeightGroup(fn.derive_prepared if keys else None, quantized_parts)
 
   @classmethod
   def from_hf(cls, hf_block, hf_config=None, *, dtype=None, runner_backend=None) -> "JmoeMoE":

@@ -396,6 +396,11 @@ def test_prepared_operands_are_made_once_and_again_when_a_buffer_changes():
   assert set(made) == set(ours._spec.fn.prepared)
   for name, a in zip(ours._spec.fn.prepared, kept[len(ours._attrs):]):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(made[name]), err_msg=str(name))
+  conversions = tb.STATS["conversions"]
+  with torch.no_grad():
+    ours.router_w.mul_(1.0)  # a change outside the quantized weights: converted, not derived
+    ours(x)
+  assert tb.STATS["conversions"] == conversions + 1 and tb.STATS["derivations"] - before == 1
   with torch.no_grad():
     ours.w2_scale.copy_(plain.w2_scale.flip(0))  # an in-place change: derived again
     plain.w2_scale.copy_(plain.w2_scale.flip(0))

@@ -73,9 +73,9 @@ from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile, e4m3_tile, fp8_codes_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import FP8_MAX
 from jmoe.kernels.permute import touched_experts
-from jmoe.quant.packing import view_4bit
 from jmoe.kernels.prepared import Operand, operand
 from jmoe.quant.activations import ROW_SCALES
+from jmoe.quant.packing import view_4bit
 from jmoe.quant.weights import check_quantized
 
 _N = 8  # wgmma's N: the token's (masked) rows, and the window length in steps

@@ -100,6 +100,17 @@ def _check_quantized_problem(inp, weights, activation) -> None:
                      "input's a_scale (prepare quantizes hidden_states)")
 
 
+def _weight_only_tokens(inp, weights, activation) -> bool:
+  """Trace-time checks of a weight-only call; whether its tokens come quantized (the 4-bit
+  formats with fp8 tokens, mxfp8) rather than bf16 / f16."""
+  check_weights_for_activation(weights, activation)
+  quantized_tokens = weights_quant(weights).act_dtype is not None
+  if not quantized_tokens and jnp.dtype(inp.a.dtype) not in _DTYPES:
+    raise ValueError(f"runner_backend='pallas_mosaic' takes bf16/f16 hidden_states with "
+                     f"weight-only {weights_quant(weights)}, got {inp.a.dtype}")
+  return quantized_tokens
+
+
 def _interpret_from_env() -> bool:
   return os.environ.get("JMOE_PALLAS_INTERPRET", "0") == "1"
 
@@ -240,11 +251,7 @@ class PallasExperts(Experts):
     into bf16 there): fused_experts_weight_only's, in the layout env
     JMOE_WEIGHT_ONLY_LAYOUT names (read at trace time; default "auto": see
     jmoe.kernels.moe.weight_only_layout) -- for benchmarks that compare the layouts."""
-    check_weights_for_activation(weights, activation)
-    fp8_tokens = weights_quant(weights).act_dtype is not None
-    if not fp8_tokens and jnp.dtype(inp.a.dtype) not in _DTYPES:
-      raise ValueError(f"runner_backend='pallas_mosaic' takes bf16/f16 hidden_states with "
-                       f"weight-only {weights_quant(weights)}, got {inp.a.dtype}")
+    fp8_tokens = _weight_only_tokens(inp, weights, activation)
     from jmoe.kernels.moe import fused_experts_weight_only, weight_only_layout  # noqa: PLC0415
     t, k = local.shape
     layout = weight_only_layout(t, k, weights.hidden_size, weights.intermediate_size,
@@ -341,13 +348,8 @@ class PallasBatchedExperts(BatchedExperts, PallasExperts):
                          weights.w2, weights.w13_bias, weights.w2_bias)
     return out.astype(out_dtype)
 
-
   def _apply_weight_only_batched(self, inp, weights, activation, out_dtype):
-    check_weights_for_activation(weights, activation)
-    fp8_tokens = weights_quant(weights).act_dtype is not None
-    if not fp8_tokens and jnp.dtype(inp.a.dtype) not in _DTYPES:
-      raise ValueError(f"runner_backend='pallas_mosaic' takes bf16/f16 hidden_states with "
-                       f"weight-only {weights_quant(weights)}, got {inp.a.dtype}")
+    fp8_tokens = _weight_only_tokens(inp, weights, activation)
     from jmoe.kernels.moe import fused_experts_weight_only_batched  # noqa: PLC0415
     out = fused_experts_weight_only_batched(
         inp.a, inp.expert_num_tokens, weights.w13, weights.w2, activation=activation,

@@ -5,7 +5,8 @@ checkpoints with `activation_scheme: "static"` do (their per-expert `input_scale
 one per GEMM by the max). Checkpoints bring the scales (`jmoe.interop.hf`); for weights you
 quantize yourself, `calibrate_input_scales` observes the largest |value| entering each GEMM on
 sample tokens routed as in use (the unquantized block, as calibration tools run it; GEMM1 in
-the weights' dtype with float32 accumulation), and maps it onto the activation type's largest finite value:
+the weights' dtype with float32 accumulation), and maps it onto the activation type's largest
+finite value:
 
     s13, s2 = jmoe.quant.calibrate_input_scales(x, w13, w2, topk_ids, "fp8_tensor_static")
     w13q = jmoe.quant.quantize_weights(w13, "fp8_tensor_static", input_scale=s13)
@@ -34,8 +35,8 @@ def calibrate_input_scales(x: jax.Array, w13, w2, topk_ids: jax.Array,
 
   x [T, H] calibration tokens; w13 [E, H, 2N] (gated) / [E, H, N] and w2 [E, N, H], dense or
   QuantizedWeights (w13 dequantized to bf16 here: the scales then see the stored weights; w2
-  only fixes the shapes); topk_ids [T, k] the experts each token goes to (-1: none); margin >= 1 widens the observed range
-  (headroom for tokens beyond the sample). Returns (s13, s2), float32 [1] each: max |x| over
+  only fixes the shapes); topk_ids [T, k] the experts each token goes to (-1: none); margin
+  >= 1 widens the observed range (headroom for tokens beyond the sample). Returns (s13, s2), float32 [1] each: max |x| over
   the routed tokens, and max |act(x @ w13[e] + b)| over the routed slots, each times margin /
   the largest finite value of the scheme's activation type.
   """

@@ -156,15 +156,13 @@ BLOCK_VARIANTS = ("default", "1cta", "2cta", "ws", "ws-n128")
 def variants(schemes: dict, block_variants: list[str], layouts=("auto",)):
   """(label, scheme, fp8_block GEMM1 variant or None, layout) to time: each scheme with the
   defaults once per --layouts entry, fp8_block once per --block-variants entry (GEMM2 follows
-  GEMM1's form)."""
+  GEMM1's form) and --layouts entry (a variant's configs are the sorted layout's)."""
   for scheme in schemes:
-    if scheme != "fp8_block":
+    for v in (block_variants if scheme == "fp8_block" else ["default"]):
       for lay in layouts:
-        yield (scheme if lay == "auto" else f"{scheme}/{lay}"), scheme, None, lay
-      continue
-    for v in block_variants:
-      yield (scheme if v == "default" else f"{scheme}/{v}"), scheme, (
-          None if v == "default" else v), "auto"
+        label = scheme + ("" if v == "default" else f"/{v}") + (
+            "" if lay == "auto" else f"/{lay}")
+        yield label, scheme, (None if v == "default" else v), lay
 
 
 def resolve_config(variant, p, t, gated=True):

@@ -40,9 +40,10 @@ def _problem(rng, scheme, t, h, n, e, k, bias=False):
 
 
 def _oracle(x, q13, q2, tw, ids, quant, b13=None, b2=None):
-  """float64: tokens quantized per row, the intermediate per 128 columns of each slot."""
+  """float64: tokens quantized per row (fp8_block: per 128 columns), the intermediate per 128
+  columns of each slot."""
   w13, w2 = (np.asarray(w.dequantize(jnp.float32), np.float64) for w in (q13, q2))
-  xq = onp.quantize_rows(np.asarray(x, np.float32), quant.act_dtype, None)
+  xq = onp.quantize_rows(np.asarray(x, np.float32), quant.act_dtype, quant.act_group_size)
   requant = lambda a: onp.quantize_rows(a, quant.act_dtype, decode_q8.BN)  # noqa: E731
   kw = {}
   if b13 is not None:
@@ -68,6 +69,19 @@ def test_decode_q8_matches_oracle(scheme, bias, rng):
   assert out.shape == (3, 256) and np.isfinite(out).all()
   onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, quant, b13, b2), TOL,
                        f"{scheme} decode_q8 vs oracle")
+
+
+def test_decode_q8_fp8_block_matches_oracle(rng):
+  """fp8_block (128 x 128 weight blocks, tokens per 128 columns): H = 1536 is 12 groups, one
+  whole window of 8 and a partial one; two items per slot, biases, an empty slot, T = 3."""
+  quant, x, q13, q2, tw, ids, b13, b2 = _problem(rng, "fp8_block", 3, 1536, 256, 4, 2,
+                                                 bias=True)
+  ids[1, 1] = -1
+  assert decode_q8.supports(3, 2, 1536, 256, "silu", quant)
+  out = _run(x, q13, q2, tw, ids, quant, w13_bias=b13, w2_bias=b2)
+  assert out.shape == (3, 1536) and np.isfinite(out).all()
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, quant, b13, b2), TOL,
+                       "fp8_block decode_q8 vs oracle")
 
 
 @pytest.mark.slow
@@ -110,9 +124,12 @@ def test_quantized_block_takes_the_decode_kernel_and_refuses_bad_input():
   ch, blk = jmoe.QuantConfig("fp8_channel"), jmoe.QuantConfig("fp8_block")
   assert pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, ch) == "decode"
   assert pmoe.quantized_layout(64, 8, 128, 2048, 768, silu, ch) == "sorted"
-  assert pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, blk) == "sorted"
+  assert pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, blk) == "decode"
+  blk64 = jmoe.QuantConfig("fp8_block", block_shape=(128, 64))  # blocks an item does not fit
+  assert pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, blk64) == "sorted"
+  assert not decode_q8.supports(1, 8, 1280, 768, silu, blk)  # H / 128 not a multiple of 4
   with pytest.raises(ValueError, match="does not take"):
-    pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, blk, layout="decode")
+    pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, blk64, layout="decode")
   with pytest.raises(ValueError, match="layout="):
     pmoe.quantized_layout(1, 8, 128, 2048, 768, silu, ch, layout="fast")
   qw = quantize_weights(jnp.ones((2, 256, 128), jnp.float32), ch)  # H = 256, N = 64
@@ -123,20 +140,25 @@ def test_quantized_block_takes_the_decode_kernel_and_refuses_bad_input():
                                       jnp.zeros((1, 2), jnp.int32))
 
 
-def test_decode_q8_lowers_for_gpu(monkeypatch):
-  """qwen3-30b-a3b's block at 1 token through fused_experts_quantized: one decode kernel."""
+@pytest.mark.parametrize("scheme,preset", [("fp8_channel", "qwen3-30b-a3b"),
+                                           ("fp8_block", "deepseek-v3")])
+def test_decode_q8_lowers_for_gpu(scheme, preset, monkeypatch):
+  """A preset's block at 1 token through fused_experts_quantized: one decode kernel."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
-  quant = jmoe.QuantConfig("fp8_channel")
-  e, k, h, n, t = 128, 8, 2048, 768, 1
+  quant = jmoe.QuantConfig(scheme)
+  c = jmoe.PRESETS[preset]
+  e, k, h, n, t = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, 1
   dt = jnp.float8_e4m3fn
+  block = scheme == "fp8_block"
 
   def qw(n_out, n_in):
+    scale = (n_out // 128, n_in // 128) if block else (n_out, 1)
     return jmoe.quant.QuantizedWeights(values=S((e, n_out, n_in), dt),
-                                       scale=S((e, n_out, 1), jnp.float32), scheme=quant)
+                                       scale=S((e, *scale), jnp.float32), scheme=quant)
 
   text = jax.jit(lambda x, s, w13, w2, tw, ti: pmoe.fused_experts_quantized(
       x, s, w13, w2, tw, ti)).trace(
-          S((t, h), dt), S((t, 1), jnp.float32), qw(2 * n, h), qw(h, n),
+          S((t, h), dt), S((t, h // 128 if block else 1), jnp.float32), qw(2 * n, h), qw(h, n),
           S((t, k), jnp.float32), S((t, k), jnp.int32)).lower(
               lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_q8"}

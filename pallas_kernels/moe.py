@@ -547,9 +547,11 @@ def fused_experts_quantized_batched(a_q: jax.Array, a_scale: jax.Array,
   """The batched (masked) format of fused_experts_quantized: each expert's own rows.
 
   a_q [E, C, H] 8-bit (prepare's quantized rows, expert e's first expert_num_tokens[e] rows
-  live), a_scale per row [E, C, 1] or per tensor [1, 1] (dynamic or static) f32; w13 / w2
-  K-major QuantizedWeights of a scheme whose scales factor out of K (fp8_tensor, fp8_channel,
-  int8 and their static forms). Both GEMMs run on grouped_gemm_q8 over task lists aligned to
+  live), a_scale per row [E, C, 1] or per tensor [1, 1] (dynamic or static) f32 -- fp8_block:
+  per 1 x 128 group [E, C, H / 128]; w13 / w2 K-major QuantizedWeights of a scheme whose scales
+  factor out of K (fp8_tensor, fp8_channel, int8 and their static forms) or fp8_block. Both
+  GEMMs run on grouped_gemm_q8 (fp8_block: its block kernel, GEMM1's epilogue writing GEMM2's
+  fp8 rows and their per-128 scales, as in fused_experts_quantized) over task lists aligned to
   each expert's rows: row tiles past an expert's count are never scheduled (an empty expert
   reads no weights); the intermediate is quantized as in fused_experts_quantized (static: in
   GEMM1's epilogue). Returns [E, C, H] out_dtype, rows past the counts zero (the batched
@@ -558,9 +560,11 @@ def fused_experts_quantized_batched(a_q: jax.Array, a_scale: jax.Array,
   from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
   act = as_activation(activation)
   quant = w13.scheme
-  if quant.weight_scale not in ("tensor", "channel") or quant.act_dtype is None:
+  block = quant.weight_scale == "block"
+  if (quant.weight_scale not in ("tensor", "channel", "block")) or quant.act_dtype is None:
     raise ValueError(f"fused_experts_quantized_batched takes per-tensor / per-channel W8A8 "
-                     f"weights (fp8_tensor, fp8_channel, int8, their static forms), got {quant}")
+                     f"weights (fp8_tensor, fp8_channel, int8, their static forms) or "
+                     f"fp8_block, got {quant}")
   if a_q.ndim != 3 or expert_num_tokens.shape != (a_q.shape[0],):
     raise ValueError(f"a_q must be [E, C, H] and expert_num_tokens [E], got {a_q.shape} and "
                      f"{expert_num_tokens.shape}")
@@ -568,20 +572,59 @@ def fused_experts_quantized_batched(a_q: jax.Array, a_scale: jax.Array,
   n13 = w13.values.shape[1]
   n = n13 // 2 if act.is_gated else n13
   m = e * cap
+  counts = jnp.clip(expert_num_tokens.astype(jnp.int32), 0, cap)
+  starts = jnp.arange(e, dtype=jnp.int32) * cap
+  live = (jnp.arange(cap)[None, :] < counts[:, None]).reshape(m)
+  if block:
+    y = _batched_fp8_block(a_q.reshape(m, hdim), a_scale.reshape(m, -1), w13, w2, starts,
+                           counts, cap, act=act, w13_bias=w13_bias, w2_bias=w2_bias,
+                           out_dtype=out_dtype, config1=config1, config2=config2,
+                           interpret=interpret)
+    return jnp.where(live[:, None], y, jnp.zeros((), y.dtype)).reshape(e, cap, hdim)
   dt = w13.values.dtype
   cfg1 = config1 or q8.q8_config(m, n, hdim, e, gated=act.is_gated, dtype=dt)
   cfg2 = config2 or q8.q8_config(m, hdim, n, e, gated=False, dtype=dt)
-  counts = jnp.clip(expert_num_tokens.astype(jnp.int32), 0, cap)
-  starts = jnp.arange(e, dtype=jnp.int32) * cap
   metas = {bm: gg.tile_metadata_from_bounds(starts, starts + counts, bm, e * -(-cap // bm))
            for bm in {cfg1.block_m, cfg2.block_m}}
-  live = (jnp.arange(cap)[None, :] < counts[:, None]).reshape(m)
   xs_scale = a_scale.reshape(-1, 1) if a_scale.size != 1 else a_scale
   y = _factored_q8_mlp(a_q.reshape(m, hdim), q8.row_scale_vector(xs_scale, m), w13, w2, counts,
                        metas[cfg1.block_m], metas[cfg2.block_m], live, act=act,
                        w13_bias=w13_bias, w2_bias=w2_bias, out_dtype=out_dtype, config1=cfg1,
                        config2=cfg2, interpret=interpret)
   return jnp.where(live[:, None], y, jnp.zeros((), y.dtype)).reshape(e, cap, hdim)
+
+
+def _batched_fp8_block(xs, xs_scale, w13, w2, starts, counts, cap: int, *, act, w13_bias,
+                       w2_bias, out_dtype, config1, config2, interpret):
+  """fp8_block's two block GEMMs over the batched rows xs [E * C, H] (scales [E * C, H / 128]),
+  one task list aligned to each expert's live rows [starts, starts + counts): GEMM1's epilogue
+  quantizes its output per 128 columns, GEMM2 reads those per-task scales (so both take GEMM1's
+  block_m). -> [E * C, H] out_dtype, rows past the counts unwritten."""
+  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  m, hdim = xs.shape
+  e = counts.shape[0]
+  n13 = w13.values.shape[1]
+  n = n13 // 2 if act.is_gated else n13
+  cfg1 = config1 or q8.block_config(m, n, hdim, e, gated=act.is_gated, quantize_output=True)
+  cfg1 = q8.fit_block_stages(cfg1, 2 if act.is_gated else 1, hdim)
+  if cfg1.block_n != 128:
+    raise ValueError(f"config1.block_n={cfg1.block_n}: GEMM1 quantizes its output per 128 "
+                     "columns, so its tiles are 128 wide")
+  cfg2 = config2 or q8.gemm2_block_config(cfg1, hdim)
+  cfg2 = q8.fit_block_stages(dataclasses.replace(cfg2, block_m=cfg1.block_m), 1, n)
+  bm = cfg1.block_m
+  m_pad = gg.row_alloc(m, bm)  # (a tile past the rows' end is shifted back inside m_pad)
+  if m_pad != m:
+    xs = jnp.pad(xs, ((0, m_pad - m), (0, 0)))
+    xs_scale = jnp.pad(xs_scale, ((0, m_pad - m), (0, 0)), constant_values=1.0)
+  meta = gg.tile_metadata_from_bounds(starts, starts + counts, bm, e * -(-cap // bm))
+  hq, h_tiles = q8.block_run(xs, w13.values, w13.scale, xs_scale.T, a_layout="rows", meta=meta,
+                             act=act, gated=act.is_gated, bias=w13_bias, quantize_output=True,
+                             config=cfg1, interpret=interpret)
+  y = q8.block_run(hq, w2.values, w2.scale, h_tiles, a_layout="tasks", meta=meta, act=None,
+                   gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,
+                   interpret=interpret)
+  return y[:m]
 
 
 # grouped_gemm_wq (one warpgroup; what sizes 128 does not divide and e4m3 codes run) beats

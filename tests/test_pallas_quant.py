@@ -250,12 +250,13 @@ def test_pallas_experts_match_oracle(scheme, rng):  # fp8_channel: int8's path, 
   onp.assert_rel_close(out, np.asarray(xla, np.float32), TOL, f"{scheme} pallas vs xla")
 
 
-@pytest.mark.parametrize("scheme", ("int8", "fp8_channel_static",
+@pytest.mark.parametrize("scheme", ("int8", "fp8_channel_static", "fp8_block",
                                     pytest.param("fp8_tensor", marks=pytest.mark.slow)))
 def test_pallas_batched_experts_match_oracle(scheme, rng):
-  """The batched format's quantized experts (fused_experts_quantized_batched): capacity 9 per
-  expert (experts start off the 8-row grid), an empty expert, empty slots; against the float64
-  oracle and XLA's batched experts. Rows past an expert's count start as NaN in the
+  """The batched format's quantized experts (fused_experts_quantized_batched; fp8_block on its
+  block kernels, the intermediate per 128 columns): capacity 9 per expert (experts start off
+  the 8-row grid, 36 rows padded to a 128-row tile), an empty expert, empty slots; against the
+  float64 oracle and XLA's batched experts. Rows past an expert's count start as NaN in the
   interpreter: the result must not see them."""
   from jmoe.experts.pallas import PallasBatchedExperts
   from jmoe.experts.xla_batched import XlaBatchedExperts
@@ -334,9 +335,9 @@ def test_quant_support_names_what_is_missing():
   assert "128 x 128" in pallas_quant_support(jmoe.QuantConfig("fp8_block", block_shape=(128, 64)))
   from jmoe.experts.pallas import PallasBatchedExperts
   batched = PallasBatchedExperts()
-  assert "per-tensor / per-channel W8A8" in batched.quant_support(jmoe.QuantConfig("fp8_block"))
+  assert "128 x 128" in batched.quant_support(jmoe.QuantConfig("fp8_block", block_shape=(128, 64)))
   for name in ("fp8_tensor", "fp8_channel", "int8", "fp8_channel_static", "int8_static",
-               "w4a16", "w8a16", "mxfp4", "nvfp4", "mxfp4_fp8", "mxfp8"):
+               "fp8_block", "w4a16", "w8a16", "mxfp4", "nvfp4", "mxfp4_fp8", "mxfp8"):
     assert batched.quant_support(jmoe.QuantConfig(name)) is None, name
 
 
@@ -407,7 +408,7 @@ def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
   assert found == gemms | ({"jmoe_scatter_rows"} if m * k >= 1024 else set()), found
 
 
-@pytest.mark.parametrize("scheme", ("fp8_channel", "int8_static"))
+@pytest.mark.parametrize("scheme", ("fp8_channel", "int8_static", "fp8_block"))
 def test_batched_quantized_block_lowers_for_gpu(scheme, monkeypatch):
   """The batched format's quantized block at qwen3-30b-a3b's sizes (capacity 256 an expert)."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET")
@@ -416,15 +417,21 @@ def test_batched_quantized_block_lowers_for_gpu(scheme, monkeypatch):
   e, cap, h, n = 128, 256, 2048, 768
   dt = jnp.dtype(quant.weight_dtype)
   static = quant.static_activations
+  block = scheme == "fp8_block"
 
   def qw(n_out, n_in):
+    scale = (n_out // 128, n_in // 128) if block else (n_out, 1)
     return jmoe.quant.QuantizedWeights(
-        values=S((e, n_out, n_in), dt), scale=S((e, n_out, 1), jnp.float32),
+        values=S((e, n_out, n_in), dt), scale=S((e, *scale), jnp.float32),
         input_scale=S((1,), jnp.float32) if static else None, scheme=quant)
 
+  a_scale = (1, 1) if static else (e, cap, h // 128) if block else (e, cap, 1)
   found = _kernels(lambda x, s, c, w13, w2: pmoe.fused_experts_quantized_batched(
-      x, s, c, w13, w2), S((e, cap, h), dt), S((1, 1) if static else (e, cap, 1), jnp.float32),
+      x, s, c, w13, w2), S((e, cap, h), dt), S(a_scale, jnp.float32),
       S((e,), jnp.int32), qw(2 * n, h), qw(h, n))
+  if block:
+    assert len([k for k in found if k.startswith("jmoe_gg_fp8blk")]) == 2, found
+    return
   tag = dt.name.split("_")[0]
   assert {f"jmoe_gg_gated_ws_rt_{tag}", f"jmoe_gg_ws_rt_{tag}"} <= found, found
 

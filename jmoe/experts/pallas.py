@@ -312,20 +312,12 @@ class PallasBatchedExperts(BatchedExperts, PallasExperts):
   name = "pallas_mosaic_batched"
 
   def quant_support(self, quant):
-    """The W8A8 schemes whose scales factor out of K (fp8_tensor, fp8_channel, int8 and
-    their static forms: `fused_experts_quantized_batched`) and the weight-only formats
-    (`fused_experts_weight_only_batched`); fp8_block has no batched kernels (the standard
-    format runs it)."""
+    """The W8A8 schemes (fp8_tensor, fp8_channel, int8 and their static forms, fp8_block:
+    `fused_experts_quantized_batched`) and the weight-only formats
+    (`fused_experts_weight_only_batched`): whatever the standard format's kernels run."""
     if quant is None or not quant.is_quantized:
       return None
-    why = pallas_quant_support(quant)
-    if why is not None:
-      return why
-    if not runs_weight_only(quant) and quant.weight_scale not in ("tensor", "channel"):
-      return (f"{quant.name}: the batched format's 8-bit kernels take per-tensor / "
-              "per-channel W8A8 weights (fp8_tensor, fp8_channel, int8 and their static "
-              "forms); the standard format runs this scheme")
-    return None
+    return pallas_quant_support(quant)
 
   def apply(self, inp, weights, *, activation, expert_map, out_dtype):
     quant = weights_quant(weights)

@@ -469,14 +469,7 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
         w2_bias=w2_bias, out_dtype=out_dtype, interpret=interpret)
   block = quant.weight_scale == "block"
   if block:
-    cfg1 = config1 or q8.block_config(m, n, hdim, e, gated=act.is_gated, quantize_output=True)
-    cfg1 = q8.fit_block_stages(cfg1, 2 if act.is_gated else 1, hdim)
-    if cfg1.block_n != 128:
-      raise ValueError(f"config1.block_n={cfg1.block_n}: GEMM1 quantizes its output per 128 "
-                       "columns, so its tiles are 128 wide")
-    # GEMM2 reads GEMM1's per-task scales: the same task list, so the same block_m
-    cfg2 = config2 or q8.gemm2_block_config(cfg1, hdim)
-    cfg2 = q8.fit_block_stages(dataclasses.replace(cfg2, block_m=cfg1.block_m), 1, n)
+    cfg1, cfg2 = _fp8_block_configs(m, n, hdim, e, act, config1, config2)
   else:
     dt = w13.values.dtype
     cfg1 = config1 or q8.q8_config(m, n, hdim, e, gated=act.is_gated, dtype=dt)
@@ -487,13 +480,9 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
                                                      interpret)
   metas = {bm: gg.tile_metadata(group_sizes, m_alloc, bm) for bm in bms}
   if block:
-    meta = metas[cfg1.block_m]
-    hq, h_tiles = q8.block_run(xs, w13.values, w13.scale, xs_scale.T, a_layout="rows",
-                               meta=meta, act=act, gated=act.is_gated, bias=w13_bias,
-                               quantize_output=True, config=cfg1, interpret=interpret)
-    y = q8.block_run(hq, w2.values, w2.scale, h_tiles, a_layout="tasks", meta=meta, act=None,
-                     gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,
-                     interpret=interpret)
+    y = _fp8_block_mlp(xs, xs_scale, w13, w2, metas[cfg1.block_m], act=act, w13_bias=w13_bias,
+                       w2_bias=w2_bias, out_dtype=out_dtype, config1=cfg1, config2=cfg2,
+                       interpret=interpret)
   else:
     live = jnp.arange(m_alloc) < jnp.sum(group_sizes)
     y = _factored_q8_mlp(xs, xs_scale[:, 0], w13, w2, group_sizes, metas[cfg1.block_m],
@@ -594,37 +583,53 @@ def fused_experts_quantized_batched(a_q: jax.Array, a_scale: jax.Array,
   return jnp.where(live[:, None], y, jnp.zeros((), y.dtype)).reshape(e, cap, hdim)
 
 
-def _batched_fp8_block(xs, xs_scale, w13, w2, starts, counts, cap: int, *, act, w13_bias,
-                       w2_bias, out_dtype, config1, config2, interpret):
-  """fp8_block's two block GEMMs over the batched rows xs [E * C, H] (scales [E * C, H / 128]),
-  one task list aligned to each expert's live rows [starts, starts + counts): GEMM1's epilogue
-  quantizes its output per 128 columns, GEMM2 reads those per-task scales (so both take GEMM1's
-  block_m). -> [E * C, H] out_dtype, rows past the counts unwritten."""
+def _fp8_block_configs(m: int, n: int, hdim: int, e: int, act: Activation, config1, config2):
+  """fp8_block's (GEMM1, GEMM2) BlockQ8Configs for m rows: GEMM1 quantizes its output per 128
+  columns (so its tiles are 128 wide), GEMM2 reads GEMM1's per-task scales (the same task
+  list, so the same block_m); stages fitted to shared memory."""
   from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
-  m, hdim = xs.shape
-  e = counts.shape[0]
-  n13 = w13.values.shape[1]
-  n = n13 // 2 if act.is_gated else n13
   cfg1 = config1 or q8.block_config(m, n, hdim, e, gated=act.is_gated, quantize_output=True)
   cfg1 = q8.fit_block_stages(cfg1, 2 if act.is_gated else 1, hdim)
   if cfg1.block_n != 128:
     raise ValueError(f"config1.block_n={cfg1.block_n}: GEMM1 quantizes its output per 128 "
                      "columns, so its tiles are 128 wide")
   cfg2 = config2 or q8.gemm2_block_config(cfg1, hdim)
-  cfg2 = q8.fit_block_stages(dataclasses.replace(cfg2, block_m=cfg1.block_m), 1, n)
+  return cfg1, q8.fit_block_stages(dataclasses.replace(cfg2, block_m=cfg1.block_m), 1, n)
+
+
+def _fp8_block_mlp(xs, xs_scale, w13, w2, meta, *, act, w13_bias, w2_bias, out_dtype, config1,
+                   config2, interpret):
+  """fp8_block's GEMM1 (its epilogue writing GEMM2's fp8 rows and per-task scales) and GEMM2
+  on kernel rows xs [m_pad, H] (scales [m_pad, H / 128]) over the task list meta. -> [m_pad, H]
+  (rows no task covers unwritten)."""
+  from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
+  hq, h_tiles = q8.block_run(xs, w13.values, w13.scale, xs_scale.T, a_layout="rows", meta=meta,
+                             act=act, gated=act.is_gated, bias=w13_bias, quantize_output=True,
+                             config=config1, interpret=interpret)
+  return q8.block_run(hq, w2.values, w2.scale, h_tiles, a_layout="tasks", meta=meta, act=None,
+                      gated=False, bias=w2_bias, out_dtype=out_dtype, config=config2,
+                      interpret=interpret)
+
+
+def _batched_fp8_block(xs, xs_scale, w13, w2, starts, counts, cap: int, *, act, w13_bias,
+                       w2_bias, out_dtype, config1, config2, interpret):
+  """fp8_block over the batched rows xs [E * C, H] (scales [E * C, H / 128]), one task list
+  aligned to each expert's live rows [starts, starts + counts). -> [E * C, H] out_dtype, rows
+  past the counts unwritten."""
+  m, hdim = xs.shape
+  e = counts.shape[0]
+  n13 = w13.values.shape[1]
+  cfg1, cfg2 = _fp8_block_configs(m, n13 // 2 if act.is_gated else n13, hdim, e, act, config1,
+                                  config2)
   bm = cfg1.block_m
   m_pad = gg.row_alloc(m, bm)  # (a tile past the rows' end is shifted back inside m_pad)
   if m_pad != m:
     xs = jnp.pad(xs, ((0, m_pad - m), (0, 0)))
     xs_scale = jnp.pad(xs_scale, ((0, m_pad - m), (0, 0)), constant_values=1.0)
   meta = gg.tile_metadata_from_bounds(starts, starts + counts, bm, e * -(-cap // bm))
-  hq, h_tiles = q8.block_run(xs, w13.values, w13.scale, xs_scale.T, a_layout="rows", meta=meta,
-                             act=act, gated=act.is_gated, bias=w13_bias, quantize_output=True,
-                             config=cfg1, interpret=interpret)
-  y = q8.block_run(hq, w2.values, w2.scale, h_tiles, a_layout="tasks", meta=meta, act=None,
-                   gated=False, bias=w2_bias, out_dtype=out_dtype, config=cfg2,
-                   interpret=interpret)
-  return y[:m]
+  return _fp8_block_mlp(xs, xs_scale, w13, w2, meta, act=act, w13_bias=w13_bias,
+                        w2_bias=w2_bias, out_dtype=out_dtype, config1=cfg1, config2=cfg2,
+                        interpret=interpret)[:m]
 
 
 # grouped_gemm_wq (one warpgroup; what sizes 128 does not divide and e4m3 codes run) beats

@@ -244,20 +244,22 @@ def quant_problems(scheme: str) -> tuple[str, ...]:
   from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
   from jmoe.kernels import grouped_gemm_wq_ws as wq_ws  # noqa: PLC0415
   quant = QuantConfig(scheme)
-  if _weight_only_4bit(quant):
+  if _weight_only_ws(quant):
     return wq_ws.TABLES
   if quant.act_dtype is None or jnp.dtype(quant.weight_dtype) not in q8.Q8_DTYPES:
     raise ValueError(f"--quant {scheme}: tuning covers the 8-bit W8A8 schemes the Pallas "
-                     "kernels run (fp8_tensor, fp8_channel, fp8_block, int8) and the 4-bit "
-                     "weight-only ones' prefill GEMMs (w4a16, mxfp4, nvfp4)")
+                     "kernels run (fp8_tensor, fp8_channel, fp8_block, int8) and the "
+                     "weight-only ones' prefill GEMMs (w4a16, w8a16, mxfp4, nvfp4)")
   if quant.weight_scale == "block":
     return (q8.BLOCK_TABLE,)
   return ("grouped_gemm_gated", "grouped_gemm")
 
 
-def _weight_only_4bit(quant) -> bool:
-  """4-bit codes with bf16 tokens: the schemes whose prefill runs grouped_gemm_wq_ws."""
-  return quant.act_dtype is None and quant.weight_dtype in ("int4", "float4_e2m1fn")
+def _weight_only_ws(quant) -> bool:
+  """Integer or e2m1 codes with bf16 tokens: the schemes whose prefill runs
+  grouped_gemm_wq_ws."""
+  from jmoe.kernels import grouped_gemm_wq_ws as wq_ws  # noqa: PLC0415
+  return quant.act_dtype is None and quant.weight_dtype in wq_ws.CODE_DTYPES
 
 
 def _quant_candidates(table: str, num_experts: int, m: int) -> tuple:
@@ -342,7 +344,7 @@ def tune_quantized(num_experts: int, top_k: int, hidden: int, intermediate: int,
     return jax.jit(lambda a, g, s, v, ws: q8.grouped_gemm_q8(
         a, v, g, s, ws, activation=act if gated else None, config=cfg, interpret=interpret))
 
-  if _weight_only_4bit(quant):
+  if _weight_only_ws(quant):
     return _tune_weight_only(q13, q2, act, tokens, top_k, ks[2], tables, device, iters=iters,
                              interpret=interpret, max_candidates=max_candidates,
                              progress=progress, draws=draws, report=report,

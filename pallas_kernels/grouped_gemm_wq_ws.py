@@ -1,6 +1,8 @@
 """The weight-only prefill GEMMs on the warp-specialized family (jmoe.kernels.grouped_gemm_ws):
 bf16 / f16 tokens over 4-bit codes (w4a16: int4 per channel or per 16 / 32 / 64 / 128 along
-K, zero points per 128; mxfp4 / nvfp4: e2m1 with their 8-bit scales, nvfp4's global scale).
+K, zero points per 128; mxfp4 / nvfp4: e2m1 with their 8-bit scales, nvfp4's global scale)
+or 8-bit integer codes (w8a16: int8 per channel or per group; its code tiles' rows 128
+bytes, the conversion one widening a value).
 
     out[r] = act(x[r] @ dq(w[e]) * w_scale[e] + bias[e]) * row_scale[r]   (e: row r's expert)
 
@@ -35,16 +37,17 @@ from jmoe.kernels.grouped_gemm_wq import SUB, _a_tiles, _group_major, _group_maj
 
 GROUPS = (16, 32, 64, 128)
 BK = ws.BK
+CODE_DTYPES = ("int4", "float4_e2m1fn", "int8")  # the weight dtypes the kernel converts
 
 
 def unsupported(k: int, n_out: int, w) -> str | None:
   """Why the kernel cannot take weights w (QuantizedWeights, logical [E, K, N_total]) with
-  n_out output columns (None: it can): 4-bit codes (int4, e2m1) with bf16 tokens, K-major,
-  no act-order, scales per channel or per one of GROUPS along K, zero points only per 128,
-  K and N_out multiples of 128."""
+  n_out output columns (None: it can): 4-bit codes (int4, e2m1) or int8 codes with bf16
+  tokens, K-major, no act-order, scales per channel or per one of GROUPS along K, zero
+  points only per 128, K and N_out multiples of 128."""
   q = w.scheme
-  if q is None or q.weight_dtype not in ("int4", "float4_e2m1fn"):
-    return f"{q}: 4-bit codes (int4, e2m1)"
+  if q is None or q.weight_dtype not in CODE_DTYPES:
+    return f"{q}: integer or e2m1 codes ({', '.join(CODE_DTYPES)})"
   if q.act_dtype is not None:
     return f"{q.name}: bf16 / f16 tokens (its tokens are {q.act_dtype})"
   if not w.k_major or w.perm is not None:
@@ -83,9 +86,9 @@ def conversion(plan: _Plan, zero: bool, xdt) -> ws.Conversion:
                     scale8=plan.scale8 if byte_scales else None)
 
   sub = max(plan.group, SUB) if plan.grouped else BK
-  return ws.Conversion("wq_ws", jnp.dtype(xdt), tuple(side), min(sub, BK), convert,
-                       per_token=False,
-                       per_column=not plan.grouped or byte_scales)
+  return ws.Conversion("wq_ws" if plan.int4 else "wq8_ws", jnp.dtype(xdt), tuple(side),
+                       min(sub, BK), convert, per_token=False,
+                       per_column=not plan.grouped or byte_scales, code_dtype=plan.code)
 
 
 def column_scales(w, plan: _Plan) -> jax.Array:

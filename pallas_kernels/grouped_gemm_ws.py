@@ -90,7 +90,8 @@ class Conversion:
   of the A sub-tiles; convert(codes, sides, emulate): a code ref [R, 128] (int4) and its side
   refs [rows_i, R] -> the A register tiles [R, sub], K order; per_token / per_column: the
   epilogue multiplies by a float32 vector per token row (the tokens' scales) / per weight
-  column."""
+  column; code_dtype: the codes' dtype in the kernel (int4, or int8 for 8-bit integer codes:
+  a code tile's rows are then 128 bytes)."""
   name: str
   token_dtype: Any
   side: tuple
@@ -98,6 +99,11 @@ class Conversion:
   convert: Callable
   per_token: bool
   per_column: bool
+  code_dtype: Any = jnp.int4
+
+  @property
+  def code_bits(self) -> int:
+    return jnp.iinfo(self.code_dtype).bits
 
 
 SPLIT_ROWS = 512  # rows per expert from which default_config takes 256-token tiles
@@ -124,7 +130,7 @@ def default_config(n_out: int, gated: bool, conv: Conversion, rows_per_expert: f
 def _stage_bytes(cfg: WSConfig, conv: Conversion, n_rhs: int) -> int:
   side = sum(rows * jnp.dtype(dt).itemsize for rows, dt in conv.side) * cfg.block_n
   tokens = cfg.block_m * BK * jnp.dtype(conv.token_dtype).itemsize
-  return tokens + n_rhs * (cfg.block_n * BK // 2 + side)
+  return tokens + n_rhs * (cfg.block_n * BK * conv.code_bits // 8 + side)
 
 
 def _vec_len(cfg: WSConfig) -> int:
@@ -199,16 +205,18 @@ def grouped_call(run, lhs: jax.Array, w, group_sizes: jax.Array, *, activation,
                  bias: jax.Array | None, row_scale: jax.Array | None, config: WSConfig | None,
                  default: Callable, row_args: tuple = ()) -> jax.Array:
   """The grouped entry points' common part: lhs [M, K] sorted by group, w QuantizedWeights
-  (values [E, N_total, K/2]), group_sizes [E] checked naming the argument; the rows padded to
+  (K-major values [E, N_total, K], 4-bit ones packed [E, N_total, K/2]), group_sizes [E]
+  checked naming the argument; the rows padded to
   the tile, the tile metadata built, run(lhs, w, *row_args, meta=, act=, gated=, bias=,
   row_scale=, config=) called (row_args: per-row arrays [M, ...], padded like lhs), the rows
   past M dropped. default(n_out, gated, rows_per_expert) gives the config where config
   is None."""
   from jmoe.kernels.grouped_gemm_q8 import _check_epilogue, _gate  # noqa: PLC0415
   m, k = lhs.shape
-  e, n_total, half = w.values.shape
-  if 2 * half != k:
-    raise ValueError(f"w: K={2 * half} (values {w.values.shape}) does not match lhs K={k}")
+  e, n_total, cols = w.values.shape
+  k_w = 2 * cols if w.packed else cols
+  if k_w != k:
+    raise ValueError(f"w: K={k_w} (values {w.values.shape}) does not match lhs K={k}")
   if group_sizes.shape != (e,):
     raise ValueError(f"group_sizes must have shape ({e},), got {group_sizes.shape}")
   act, gated, n_out = _gate(activation, n_total, argname="w")
@@ -269,7 +277,8 @@ def store_transposed(y: jax.Array, ref) -> None:
 def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversion,
           gated: bool, act: Activation | None, has_bias: bool, has_scale: bool, num_sms: int,
           interpret):
-  """The kernel: (meta, num_tasks, lhs [m_pad, K], codes int4 [E, N_total, K], *side arrays,
+  """The kernel: (meta, num_tasks, lhs [m_pad, K], codes [E, N_total, K] (conv.code_dtype),
+  *side arrays,
   [a_scale [m_pad] f32], [w_scale [E, N_total] f32], [row_scale [m_pad]], [bias [E, N_total]])
   -> [m_pad, n_out] out_dtype."""
   bm, bn = cfg.block_m, cfg.block_n
@@ -284,8 +293,9 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
   emulate = interpret is not None  # the interpreter: no transposed views, no inline PTX
   _cast = _compat.layout_cast(interpret)
   tf_x = _compat.smem_transforms(min(BK, sub), xdt.itemsize)
-  swz = plgpu.find_swizzle(BK * 4)
-  tf_c = (plgpu.TilingTransform((8, swz * 2)), plgpu.SwizzleTransform(swz))
+  bits = conv.code_bits
+  swz = plgpu.find_swizzle(BK * bits)
+  tf_c = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
   ladder = gg.row_ladder(bm, m_pad)
   shape = (tn, bm)  # an accumulator: weight columns x token rows
   nbar = 6  # per warpgroup: bias gate / up, row scale, a_scale, w_scale gate / up
@@ -465,7 +475,7 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
                  for rows, dt in conv.side for _ in range(n_rhs)]
   allocs = pipe.get_allocations(
       jax.ShapeDtypeStruct((bm, k), xdt),
-      *[jax.ShapeDtypeStruct((bn, k), jnp.int4)] * n_rhs, *side_shapes)
+      *[jax.ShapeDtypeStruct((bn, k), conv.code_dtype)] * n_rhs, *side_shapes)
   scratch = [plgpu.SMEM((1 if split else 2, bm, tn), out_dtype),
              plgpu.SMEM((2, 6, _vec_len(cfg)), jnp.float32),
              plgpu.Barrier(num_arrivals=1, num_barriers=nbar * 2), allocs]

@@ -470,4 +470,4 @@ def test_tune_quant_weight_only_writes_tables_the_prefill_gemms_read(tmp_path, m
 def test_tune_quant_refuses_schemes_it_cannot_time():
   with pytest.raises(ValueError, match="8-bit W8A8"):
     cli.main(["tune", "--shape", "4,2,128,128", "--tokens", "8", "--interpret", "--quant",
-              "w8a16"])
+              "w4afp8"])

@@ -333,8 +333,10 @@ def test_decode_wq_says_what_it_does_not_take(rng):
   # codes), else the dequantized weights
   assert pmoe.weight_only_layout(1, 2, 1024, 256, silu, mx, mx) == "decode"
   assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, mx, mx) == "prefill_ws"
-  w8g32 = w("w8a16", 2, 1024, 256, weight_scale="group", group_size=32)
-  assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, w8g32, w8g32) == "dequantize"
+  w8g32 = w("w8a16", 2, 1024, 256, weight_scale="group", group_size=32)  # (int8: prefill_ws)
+  assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, w8g32, w8g32) == "prefill_ws"
+  f8 = w("mxfp8", 2, 1024, 256)  # e4m3 codes past the decode kernels: grouped_gemm_wq
+  assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, f8, f8) == "prefill"
   assert "groups of 16, 32, 128" in decode_wq.unsupported(
       1, 2, 1024, 128, silu, *(2 * [w("w4a16", 2, 1024, 256, group_size=64)]))
   zp13, zp2 = w("w4a16", 2, 1024, 256, zero_point=True), w("w4a16", 2, 128, 1024,

@@ -135,8 +135,10 @@ def test_prefill_wq_says_what_it_does_not_take():
                  w("w4a16", 2, 192, 256, group_size=64))  # N = 192
   assert pmoe.weight_only_layout(64, 8, 256, 192, silu, odd13, odd2) == "prefill"  # 256 an expert
   assert pmoe.weight_only_layout(4096, 2, 256, 192, silu, odd13, odd2) == "dequantize"  # 4096
-  w8 = w("w8a16", 2, 256, 512), w("w8a16", 2, 256, 256)  # int8: not measured faster
-  assert pmoe.weight_only_layout(64, 8, 256, 256, silu, *w8) == "dequantize"
+  w8 = w("w8a16", 2, 256, 512), w("w8a16", 2, 256, 256)  # int8: the warp-specialized GEMMs
+  assert pmoe.weight_only_layout(64, 8, 256, 256, silu, *w8) == "prefill_ws"
+  w8_odd = w("w8a16", 2, 256, 384), w("w8a16", 2, 192, 256)  # not these (not measured faster)
+  assert pmoe.weight_only_layout(64, 8, 256, 192, silu, *w8_odd) == "dequantize"
 
 
 def test_prefill_wq_lowers_for_gpu(monkeypatch):

@@ -52,6 +52,8 @@ def grouped_oracle(x, w, sizes, gated, n, bias, rs):
 @pytest.mark.parametrize("scheme,gated,config,sizes", [
     ("w4a16", True, SPLIT, (170, 0, 300)),  # groups of 128, gate / up split, 256-token tiles
     ("nvfp4", False, None, (70, 0, 61)),  # groups of 16 (4 a 64-deep MMA), global scale
+    ("w8a16", True, None, (70, 0, 61)),  # int8 codes per channel: 128-byte code rows
+    pytest.param("w8a16:g128", False, None, (170, 0, 300), marks=pytest.mark.slow),
     pytest.param("mxfp4", True, None, (70, 0, 61), marks=pytest.mark.slow),  # groups of 32
     pytest.param("w4a16:zp", False, TALL, (170, 0, 300), marks=pytest.mark.slow),
     pytest.param("w4a16:channel", True, None, (70, 0, 61), marks=pytest.mark.slow)])
@@ -63,8 +65,12 @@ def test_wq_ws_gemm_matches_oracle(scheme, gated, config, sizes, rng):
   of the codes (the kernel rounds each scaled code to bf16: the bound is the 4-bit paths'
   2e-2)."""
   name, _, variant = scheme.partition(":")
-  quant = (jmoe.QuantConfig("custom", weight_dtype="int4", weight_scale="channel")
-           if variant == "channel" else jmoe.QuantConfig(name, zero_point=variant == "zp"))
+  if variant == "channel":
+    quant = jmoe.QuantConfig("custom", weight_dtype="int4", weight_scale="channel")
+  elif variant == "g128":
+    quant = jmoe.QuantConfig(name, weight_scale="group", group_size=128)
+  else:
+    quant = jmoe.QuantConfig(name, zero_point=variant == "zp")
   e, k, n = 3, 256, 256 if config is None else 128
   n_total = 2 * n if gated else n
   q = quantize_weights(jnp.asarray(rng.standard_normal((e, k, n_total)) / 16, jnp.float32),
@@ -117,11 +123,11 @@ def _weights(fmt, e, h, n, **kw):
 
 
 def test_prefill_ws_layout_rule_and_refusals():
-  """auto takes the warp-specialized GEMMs for 4-bit codes past the decode kernels where they
-  take the sizes (K and N multiples of 128); gpt-oss' 2880 keeps grouped_gemm_wq; 8-bit
-  codes and groups the kernel lacks are refused naming the reason."""
+  """auto takes the warp-specialized GEMMs for 4-bit and int8 codes past the decode kernels
+  where they take the sizes (K and N multiples of 128); gpt-oss' 2880 keeps grouped_gemm_wq;
+  e4m3 codes and groups the kernel lacks are refused naming the reason."""
   silu = as_activation("silu")
-  for fmt in ("w4a16", "mxfp4", "nvfp4"):
+  for fmt in ("w4a16", "mxfp4", "nvfp4", "w8a16"):
     w = _weights(fmt, 8, 1024, 512)
     assert pmoe.weight_only_layout(4096, 2, 1024, 512, silu, *w) == "prefill_ws", fmt
     assert pmoe.weight_only_layout(1, 2, 1024, 512, silu, *w) == "decode", fmt
@@ -129,8 +135,8 @@ def test_prefill_ws_layout_rule_and_refusals():
   assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == "prefill"
   with pytest.raises(ValueError, match="prefill_ws.*multiple of 128"):
     pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd, layout="prefill_ws")
-  w8 = _weights("w8a16", 8, 1024, 512)
-  with pytest.raises(ValueError, match="prefill_ws.*4-bit codes"):
+  w8 = _weights("mxfp8", 8, 1024, 512)
+  with pytest.raises(ValueError, match="prefill_ws.*integer or e2m1 codes"):
     pmoe.weight_only_layout(4096, 2, 1024, 512, silu, *w8, layout="prefill_ws")
   assert "zero points with groups of 128" in wqws.unsupported(
       1024, 512, _weights("w4a16", 8, 1024, 512, group_size=64, zero_point=True)[0])
@@ -144,7 +150,7 @@ def test_prefill_ws_layout_rule_and_refusals():
         S((8, 1024), jnp.float32))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", pytest.param("w4a16", marks=pytest.mark.slow),
+@pytest.mark.parametrize("fmt", ["mxfp4", "w8a16", pytest.param("w4a16", marks=pytest.mark.slow),
                                  pytest.param("nvfp4", marks=pytest.mark.slow)])
 def test_prefill_ws_lowers_for_the_gpu(fmt, monkeypatch):
   """mixtral-8x7b's block at 4096 tokens on the prefill_ws layout lowers for the GPU: the
@@ -158,11 +164,12 @@ def test_prefill_ws_lowers_for_the_gpu(fmt, monkeypatch):
       x, w13, w2, tw, ti, layout="prefill_ws")).trace(
           S((t, h), jnp.bfloat16), w13, w2, S((t, k), jnp.float32),
           S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-  assert {"jmoe_gg_wq_ws_gated", "jmoe_gg_wq_ws"} <= set(
-      re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
+  stem = "jmoe_gg_wq8_ws" if fmt == "w8a16" else "jmoe_gg_wq_ws"
+  assert {stem + "_gated", stem} <= set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fmt", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow),
+                                 pytest.param("w8a16", marks=pytest.mark.slow)])
 def test_batched_weight_only_block_lowers_for_the_gpu(fmt, monkeypatch):
   """The batched format's weight-only block (fused_experts_weight_only_batched) at
   qwen3-30b-a3b's sizes, capacity 256 an expert, lowers for the GPU on the warp-specialized
@@ -173,5 +180,5 @@ def test_batched_weight_only_block_lowers_for_the_gpu(fmt, monkeypatch):
   text = jax.jit(lambda x, c, w13, w2: pmoe.fused_experts_weight_only_batched(
       x, c, w13, w2)).trace(S((e, cap, h), jnp.bfloat16), S((e,), jnp.int32), w13, w2).lower(
           lowering_platforms=("cuda",)).as_text()
-  assert {"jmoe_gg_wq_ws_gated", "jmoe_gg_wq_ws"} <= set(
-      re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
+  stem = "jmoe_gg_wq8_ws" if fmt == "w8a16" else "jmoe_gg_wq_ws"
+  assert {stem + "_gated", stem} <= set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))

@@ -652,11 +652,12 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   converted in registers, H and N multiples of 128), "prefill" (jmoe.kernels.grouped_gemm_wq: the
   single-warpgroup form, which also takes sizes 128 does not divide and e4m3 codes) or
   "dequantize" (the weights dequantized in the graph per call, then the bf16 kernels).
-  auto: decode_shared where slots share experts on average (T * k >= 2 E) or decode_wq
-  refuses only what decode_wq_shared takes (zero points at H / 128 not a multiple of 16);
-  decode where it takes the problem and slots do not share experts; past those (prefill,
-  more than 128 slots, or slots sharing experts in a format decode_wq_shared refuses: e2m1,
-  groups of 16 / 32) prefill_ws where it takes the call (H200, 4096 tokens: w4a16 0.92-1.11 x
+  auto: where slots share experts on average (T * k >= 2 E) prefill_ws where it takes the
+  call, else decode_shared (also where decode_wq refuses only what decode_wq_shared takes:
+  zero points at H / 128 not a multiple of 16); decode where it takes the problem and slots
+  do not share experts; past those (prefill, more than 128 slots, or slots sharing experts in
+  a format decode_wq_shared refuses: e2m1, groups of 16 / 32) prefill_ws where it takes the
+  call (H200, 4096 tokens: w4a16 0.92-1.11 x
   bf16's time against grouped_gemm_wq's 1.13-1.42 x), else prefill for 4-bit and e4m3 codes
   while the experts average at most PREFILL_MAX_ROWS_PER_EXPERT rows, else dequantize
   (docs/kernels.md, "Slots that share experts", "e2m1 and small groups", "Weight-only
@@ -703,6 +704,11 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
       raise ValueError(f"layout={name!r}: the weight-only {name} kernel does not take this "
                        f"call: {reason}")
   if layout == "auto":
+    # where slots share experts the warp-specialized GEMMs beat the shared decode kernel
+    # (H100, mixtral, 2026-12-07: 16 tokens w4a16 575.7 against 645.8 us, w8a16 615.6 / 719.4;
+    # 64 tokens 583.0 / 1,610.8 and 631.5 / 1,647.6)
+    if sharing and why_ws is None:
+      return "prefill_ws"
     if why_shared is None and (why is not None or sharing):
       return "decode_shared"
     if why is None and not sharing:

@@ -289,13 +289,13 @@ def test_decode_wq_fp8_tokens_say_what_they_need(rng):
 
 @pytest.mark.parametrize("sid,t,h,n,want", [
     ("w4a16", 1, 1024, 128, "decode"),
-    pytest.param("w4a16", 6, 1024, 128, "decode_shared",  # (the shared kernel: lean below)
-                 marks=pytest.mark.slow),
+    pytest.param("w4a16", 6, 1024, 128, "prefill_ws",  # slots sharing experts: the
+                 marks=pytest.mark.slow),  # warp-specialized GEMMs (the shared kernel: below)
     ("w4a16", 5, 256, 128, "prefill_ws"),
     pytest.param("mxfp4", 1, 512, 256, "decode", marks=pytest.mark.slow)])
 def test_weight_only_pallas_experts_match_xla(sid, t, h, n, want, rng, monkeypatch):
   """The public API with runner_backend='pallas_mosaic': one token (the decode kernel), six
-  tokens on 4 experts (slots sharing experts: the shared decode kernel), a problem neither
+  tokens on 4 experts (slots sharing experts: the warp-specialized GEMMs), a problem neither
   takes (H = 256: the warp-specialized weight-only prefill GEMMs) and mxfp4 at one token (the decode kernel's
   e2m1 path), each against the XLA experts and the oracle."""
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
@@ -485,7 +485,8 @@ def test_decode_wq_shared_matches_oracle(sid, bias, rng):
 
 def test_decode_wq_shared_lowers_for_gpu(monkeypatch):
   """mixtral-8x7b's block at 16 tokens (32 slots on 8 experts), w4a16, through the
-  weight-only entry: one shared decode kernel."""
+  weight-only entry with layout='decode_shared' (auto takes the warp-specialized GEMMs
+  there): one shared decode kernel."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
   quant = jmoe.QuantConfig("w4a16")
   e, k, h, n, t = 8, 2, 4096, 14336, 16
@@ -495,11 +496,13 @@ def test_decode_wq_shared_lowers_for_gpu(monkeypatch):
                             scale=S((e, rows, kk // 128), jnp.float32), scheme=quant)
 
   text = jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
-      x, w13, w2, tw, ti)).trace(
+      x, w13, w2, tw, ti, layout="decode_shared")).trace(
           S((t, h), jnp.bfloat16), qw(2 * n, h), qw(h, n), S((t, k), jnp.float32),
           S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {
       "jmoe_moe_decode_wq_shared"}
+  assert pmoe.weight_only_layout(t, k, h, n, as_activation("silu"), qw(2 * n, h),
+                                 qw(h, n)) == "prefill_ws"
 
 
 @pytest.mark.parametrize("seed", range(3))

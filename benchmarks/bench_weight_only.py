@@ -486,7 +486,7 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
 # ----------------------------------------------------------------------------- the run
 
 
-DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES")  # jmoe.kernels.decode_wq's switches
+DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES", "PAD_TAILS")  # jmoe.kernels.decode_wq's switches
 
 
 def parse_decode_wq(spec: str, error) -> dict:

@@ -221,9 +221,11 @@ def s2_start(jb, n: int, plan: _Plan):
   N / 32 = 90 columns): with 128 dividing N the box never passes the array's N / g columns
   (multiples of 4); else the start is rounded down to 4 columns in a copy padded past them
   (`s2_columns`)."""
-  if n % BN == 0:  # (byte scales: a multiple of 8, so 8 past s2_box's start at most)
+  if n % BN == 0:  # (byte scales: a multiple of 8, so 8 past s2_box's start at most; the
+    # scale array's columns are N / g rounded up to 16, which holds the 8-rounded bound)
     first = block_group(jb, n, BN, plan.group)
-    return jnp.minimum(first // 8 * 8 if plan.scale_bytes else first, n // plan.group - _N)
+    cols = -(-(n // plan.group) // 8) * 8 if plan.scale_bytes else n // plan.group
+    return jnp.minimum(first // 8 * 8 if plan.scale_bytes else first, cols - _N)
   return pl.multiple_of(block_group(jb, n, BN, plan.group) // 4 * 4, 4)
 
 
@@ -262,13 +264,15 @@ def scale_values(b: jax.Array, kind: str) -> jax.Array:
 
 
 def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: int, total,
-                 use_vec: bool, h: int, interpret: bool = False):
+                 use_vec: bool, h: int, interpret: bool = False, n_rows: int | None = None):
   """The weight-only decode kernels' load stream: fetch(g, i, cur, nxt) loads the CTA's step
   g (item i's, `cur`, or item i + 1's, `nxt`: (slot, expert, block, token tile)) into ring
   slot g % stages: a GEMM1 step a gate, an up and a token tile (bars1), a GEMM2 step two w2
   tiles (bars2); an item's first step also its per-channel scales and biases (vbar).
   k1: GEMM1 ring slots an item (wide plans: two steps a slot, gate / up one [128, 32]-word
-  box each on the GPU, `ring_w`)."""
+  box each on the GPU, `ring_w`). n_rows: where w13's up rows start (N; `n` is the items'
+  geometry, N rounded up where `padded_sizes` pads it)."""
+  n_rows = n if n_rows is None else n_rows
   ring, xring, vec, vbar = refs["ring"], refs["xring"], refs["vec"], refs["vbar"]
   w13_ref, w2_ref, x_ref = refs["w13"], refs["w2"], refs["x"]
   s2_ref, s2ring, sid_ref = refs.get("s2"), refs.get("s2ring"), refs.get("sid")
@@ -288,7 +292,7 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
         @pl.when(r == 0)
         def _vectors():
           vb = lax.rem(it, 2)
-          for c, col in enumerate((block_start(jb, n, BN), n + block_start(jb, n, BN))):
+          for c, col in enumerate((block_start(jb, n, BN), n_rows + block_start(jb, n, BN))):
             if not plan.grouped:
               plgpu.copy_gmem_to_smem(refs["c13"].at[ex, pl.ds(col, BN)], vec.at[vb, c],
                                       vbar.at[vb])
@@ -300,7 +304,7 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
       def _w13():
         bar, col0 = refs["bars1"].at[slot], block_start(jb, n, BN)
         if plan.wide:  # steps 2r, 2r + 1 (no tails: H a multiple of 512)
-          for c, row in enumerate((col0, n + col0)):
+          for c, row in enumerate((col0, n_rows + col0)):
             rows = pl.ds(row, BN)
             if interpret:  # (no RefUnion there: one box a step)
               for s in range(2):
@@ -315,7 +319,7 @@ def step_fetcher(*, refs: dict, plan: _Plan, n: int, k1: int, spi: int, stages: 
           return
         cols = kcols(block_start(r, h, BK), BK)
         plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(col0, BN), cols], dst.at[0], bar)
-        plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n + col0, BN), cols], dst.at[1], bar)
+        plgpu.copy_gmem_to_smem(w13_ref.at[ex, pl.ds(n_rows + col0, BN), cols], dst.at[1], bar)
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tok * _N, _N), pl.ds(r * BK, BK)],
                                 xring.at[slot], bar)
 
@@ -390,7 +394,11 @@ def geometry(h: int, n: int, plan: _Plan, stages: int):
 
 
 def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
-           interpret):
+           interpret, sizes: tuple[int, int] | None = None):
+  """h, n: the kernel's geometry; sizes: the weights' own (H, N) where `padded_sizes` rounded
+  them up (the steps and items past them read TMA's zeros; the items' columns past N are
+  masked, the part rows past H dropped by the wrapper)."""
+  h_rows, n_rows = sizes or (h, n)
   nb, k1, k2, spi, g1, tf_w, tf_x = geometry(h, n, plan, stages)
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
@@ -466,7 +474,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
                   c13=c13_ref, b13=b13_ref, vec=vec, vbar=vbar, bars1=bars1, bars2=bars2,
                   s2=s2_ref, s2ring=s2ring, sid=sid_ref),
         plan=plan, n=n, k1=k1u, spi=spi, stages=stages, total=total, use_vec=use_vec, h=h,
-        interpret=emulate)
+        interpret=emulate, n_rows=n_rows)
 
     def load_window(info, w, buf):
       """Small groups: window w's scales [128, 8] for gate and up into buffer buf (from the
@@ -474,7 +482,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       w, w + 1's [128, 16] (a TMA box's rows are 16 bytes at least)."""
       slot_id, _, jb, _ = info
       cols = pl.ds(w * _N, 2 * _N if plan.scale_bytes else _N)
-      for c, row in enumerate((block_start(jb, n, BN), n + block_start(jb, n, BN))):
+      for c, row in enumerate((block_start(jb, n, BN), n_rows + block_start(jb, n, BN))):
         plgpu.copy_gmem_to_smem(s13_ref.at[sid_ref[slot_id], pl.ds(row, BN), cols],
                                 sblk.at[buf, c], sbar.at[buf])
 
@@ -482,7 +490,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       """The item's scale rows [128, H / group] for gate and up (and zero rows, token
       sums)."""
       slot_id, ex, jb, tok = info
-      for c, row in enumerate((jb * BN, n + jb * BN)):
+      for c, row in enumerate((jb * BN, n_rows + jb * BN)):
         plgpu.copy_gmem_to_smem(s13_ref.at[ex, pl.ds(row, BN)], sblk.at[c], sbar.at[0])
         if plan.zero13:
           plgpu.copy_gmem_to_smem(z13_ref.at[ex, pl.ds(row, BN)], zblk.at[c], sbar.at[0])
@@ -627,8 +635,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         if plan.act8:  # the dot products of the token's fp8 values: times its scale
           v = v * xsc_ref[cur[3]]
         if g13_ref is not None:  # nvfp4's global scale of the rows (one per 2N / S rows)
-          rows_per = 2 * n // g13_ref.shape[1]
-          v = v * g13_ref[cur[1], lax.div(c * n + block_start(jb, n, BN), rows_per)]
+          s_cols = g13_ref.shape[1]
+          row = lax.div(c * n_rows + block_start(jb, n, BN), 2 * n_rows // s_cols)
+          v = v * g13_ref[cur[1], jnp.minimum(row, s_cols - 1)]  # (padded items: past 2N)
         if plan.has_bias:
           v = v + _cast(vec.at[vb, 2 + c][...], plgpu.Layout.WGMMA.reduce(1))
         vals.append(lax.broadcast_in_dim(v, (BN, _N), [0]))
@@ -636,10 +645,12 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       plgpu.commit_smem()
       a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
       tile = lax.broadcast_in_dim(a, (ROWS_A, BN), [1])  # f32: masked before the cast
-      if plan.small_groups or n % BN:
+      if plan.small_groups or n % BN or n_rows != n:
         grp = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 1), plgpu.Layout.WGMMA)
       if n % BN:  # a shifted last item: its first rows are the previous item's
         tile = jnp.where(grp >= jb * BN - block_start(jb, n, BN), tile, 0.0)
+      if n_rows != n:  # a padded last item: its columns past N are other rows' or TMA's
+        tile = jnp.where(grp < n_rows - jb * BN, tile, 0.0)  # zeros (the interpreter's NaN)
       sa = None
       if plan.act8:  # one scale for the item's columns: every row holds them, so a per-row
         amax = jnp.max(jnp.abs(tile), axis=1)  # max is the amax
@@ -679,8 +690,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         if plan.sync:
           ys = sync_pair(slot, s)
           if g2_ref is not None:  # nvfp4's global scale of the rows (one per H / S rows)
-            r0, rows_per = block_start(c, h, BH), h // g2_ref.shape[1]
-            ys = [y * g2_ref[cur[1], lax.div(r0 + j * (BH // 2), rows_per)]
+            r0, s_cols = block_start(c, h, BH), g2_ref.shape[1]
+            ys = [y * g2_ref[cur[1], jnp.minimum(lax.div(r0 + j * (BH // 2),
+                                                         h_rows // s_cols), s_cols - 1)]
                   for j, y in enumerate(ys)]
 
           def refill():
@@ -875,6 +887,7 @@ def code_values(codes: jax.Array, plan: _Plan, xdt, *, interpret: bool = False) 
 SYNC_4BIT = True  # 4-bit codes with 16-bit tokens on mma.sync (benchmarks may switch it off)
 WIDE_ROWS = True  # mma.sync plans on wide slots where sizes allow (benchmarks may switch it off)
 SCALE_BYTES = True  # 8-bit small-group scales read as bytes in the kernel (likewise)
+PAD_TAILS = True  # mma.sync plans pad sizes 128 does not divide (`padded_sizes`; likewise)
 PAD_ALL_BYTES = 32 << 20  # byte scales: pad every expert's w2 rows per call up to this size
 
 
@@ -884,28 +897,47 @@ def sync_eligible(plan: _Plan) -> bool:
   return SYNC_4BIT and plan.int4 and not plan.act8
 
 
+def padded_sizes(plan: _Plan, h: int, n: int) -> tuple[int, int]:
+  """The kernel's geometry (H, N) for weights of sizes (h, n). Where 128 does not divide them
+  (gpt-oss: 2880) and the codes run on mma.sync (`sync_eligible`) without zero points, H
+  rounded up to 512 and N to 128: the steps, items and output rows past the weights read
+  TMA's zero fill for codes (the token tiles and scale copies are padded with zeros, the
+  items' columns past N masked, the part rows past H dropped), so the wide slots and byte
+  scales take them -- instead of a last step and item shifted back inside the arrays, on one
+  step a slot with float32 scale copies (the wgmma form keeps that). Else (h, n)."""
+  if not (PAD_TAILS and sync_eligible(plan) and (h % BK or n % BN)):
+    return h, n
+  if plan.zero13 or plan.zero2 or (plan.grouped and not plan.small_groups):
+    return h, n
+  return -(-h // 512) * 512, -(-n // BN) * BN
+
+
 def kernel_plan(plan: _Plan, h: int, n: int, ctas_per_sm: int = 1) -> _Plan:
-  """decode_wq's form of `plan` (`_plan`'s facts of the weights) at these sizes: 4-bit codes
-  with 16-bit tokens on mma.sync (`sync_eligible`), on wide slots where `wide_eligible` and two
-  of them fit a CTA's shared memory."""
+  """decode_wq's form of `plan` (`_plan`'s facts of the weights) for weights of sizes H, N:
+  4-bit codes with 16-bit tokens on mma.sync (`sync_eligible`), on wide slots where
+  `wide_eligible` at the kernel's sizes (`padded_sizes`) and two of them fit a CTA's shared
+  memory."""
   if not sync_eligible(plan):
     return plan
+  hk, nk = padded_sizes(plan, h, n)
   plan = dataclasses.replace(plan, sync=True)
-  if scale_bytes_eligible(plan, h, n):
+  if scale_bytes_eligible(plan, hk, nk, sizes=(h, n)):
     plan = dataclasses.replace(plan, scale_bytes=True)
   wide = dataclasses.replace(plan, wide=True)
-  return wide if wide_eligible(plan, h, n) and max_stages(wide, h, ctas_per_sm) >= 2 else plan
+  return wide if wide_eligible(plan, hk, nk) and max_stages(wide, hk, ctas_per_sm) >= 2 else plan
 
 
-def scale_bytes_eligible(plan: _Plan, h: int, n: int) -> bool:
+def scale_bytes_eligible(plan: _Plan, h: int, n: int,
+                         sizes: tuple[int, int] | None = None) -> bool:
   """Small groups' e8m0 / e4m3 scales read as bytes by the mma.sync kernel instead of float32
-  copies made per call: no tails (128 dividing H and N), whole pairs of windows (H a multiple
-  of 16 groups, N of 8: s2_start's boxes), and, for global scales, one per 128-row block."""
-  one_per_block = ((not plan.global13 or (2 * n // plan.global13) % BN == 0)
-                   and (not plan.global2 or (h // plan.global2) % BN == 0))
+  copies made per call: at the kernel's sizes h, n (`padded_sizes`; `sizes`: the weights')
+  no tails (128 dividing H and N), whole pairs of windows (H a multiple of 16 groups), and,
+  for global scales, one per 128-row block."""
+  h_rows, n_rows = sizes or (h, n)
+  one_per_block = ((plan.global13 <= 1 or (2 * n_rows // plan.global13) % BN == 0)
+                   and (plan.global2 <= 1 or (h_rows // plan.global2) % BN == 0))
   return (SCALE_BYTES and plan.sync and plan.small_groups and plan.scale8 is not None
-          and h % BK == 0 and n % BN == 0 and (h // plan.group) % 16 == 0
-          and (n // plan.group) % 8 == 0 and one_per_block)
+          and h % BK == 0 and n % BN == 0 and (h // plan.group) % 16 == 0 and one_per_block)
 
 
 def byte_scales(w) -> bool:
@@ -942,11 +974,12 @@ def _codes(w, code) -> jax.Array:
 
 
 def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP,
-                 k1: int | None = None) -> jax.Array:
+                 k1: int | None = None, shifted: bool = True) -> jax.Array:
   """x [T, H] -> the B rows [T * 8, k1 * 128] of GEMM1's k1 steps: row j of a token keeps the
   columns of the groups g with g % 8 == j (grouped), or row 0 keeps all (per channel). Where
-  128 does not divide H, the last real step's tile ends with H's last H % 128 columns and
-  starts with zeros (its codes are H's last 128: `block_start`); steps past it are zeros."""
+  128 does not divide H and the last step is `shifted`, the last real step's tile ends with
+  H's last H % 128 columns and starts with zeros (its codes are H's last 128: `block_start`);
+  steps past it (all steps past H where not shifted: `padded_sizes`) are zeros."""
   t, h = x.shape
   j = jnp.arange(_N)[:, None]
   keep = (jnp.arange(h)[None, :] // group) % _N == j if grouped else jnp.broadcast_to(
@@ -955,6 +988,8 @@ def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP,
   width = (k1 or -(-h // BK)) * BK
   if width == h:
     return tiles
+  if not shifted:
+    return _padded_last(tiles, width)
   full = h // BK * BK
   zeros = lambda c: jnp.zeros((t * _N, c), x.dtype)  # noqa: E731
   parts = [tiles[:, :full]] + ([zeros(BK - (h - full)), tiles[:, full:]] if h > full else [])
@@ -980,6 +1015,17 @@ def padded_byte_columns(cols: int) -> int:
 # w2's byte scales with their rows padded (jmoe.kernels.prepared: kept where prepared)
 W2_SCALE_BYTES = Operand("decode_wq.w2_scale_bytes", lambda w: _padded_last(
     lax.bitcast_convert_type(w.scale, jnp.uint8), padded_byte_columns(w.scale.shape[-1])))
+
+
+def _w13_byte_columns(w) -> int:
+  """w13's byte-scale columns as the kernel reads them: H rounded up to 512 (`padded_sizes`:
+  windows past H read zeros), a multiple of 16 (TMA's row pitch) by `scale_bytes_eligible`."""
+  return padded_byte_columns(-(-w.shape[1] // 512) * 512 // w.scheme.group_size)
+
+
+# w13's byte scales padded to the kernel's windows where H is (gpt-oss: 2880 -> 3072)
+W13_SCALE_BYTES = Operand("decode_wq.w13_scale_bytes", lambda w: _padded_last(
+    lax.bitcast_convert_type(w.scale, jnp.uint8), _w13_byte_columns(w)))
 
 
 def _padded_last(a: jax.Array, size: int) -> jax.Array:
@@ -1033,10 +1079,12 @@ def checked_call(x, w13, w2, topk_weights, topk_ids, act: Activation, w13_bias, 
     check_quantized(w, argname=name)
   plan = _plan(w13, w2, w13_bias is not None)
   config = config or DecodeWQConfig()
+  hk = h
   if kernel == "fused_experts_decode_wq":
     plan = kernel_plan(plan, h, n, config.ctas_per_sm)
-  cap = stage_cap(plan, h, config.ctas_per_sm)
-  stages = config.stages or min(cap, ring_slots(h, plan))
+    hk = padded_sizes(plan, h, n)[0]
+  cap = stage_cap(plan, hk, config.ctas_per_sm)
+  stages = config.stages or min(cap, ring_slots(hk, plan))
   if stages > cap or stages < 2:
     raise ValueError(f"stages={stages} does not fit shared memory at H={h} with "
                      f"ctas_per_sm={config.ctas_per_sm} (at most {cap})")
@@ -1078,22 +1126,30 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
   interp, nsm = _compat.launch_params(interpret)
-  kern = _build(h=h, n=n, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
-                num_sms=nsm * ctas, interpret=interp)
-  k1 = k1_steps(h, plan)
-  if plan.scale_bytes:  # the stored bytes, by expert (their row pitch a multiple of 16 bytes)
-    s13, s2 = (lax.bitcast_convert_type(w.scale, jnp.uint8) for w in (w13, w2))
-    cols2 = max(padded_byte_columns(s2.shape[-1]), s2_width(plan))
+  hk, nk = padded_sizes(plan, h, n)
+  kern = _build(h=hk, n=nk, m=m, k=k, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
+                num_sms=nsm * ctas, interpret=interp,
+                sizes=None if (hk, nk) == (h, n) else (h, n))
+  k1 = k1_steps(hk, plan)
+  if plan.scale_bytes:  # the stored bytes, by expert, where their row pitch is a multiple of
+    # 16 bytes and the kernel's windows end with them; else padded (w2: qwen3 mxfp4's 24
+    # bytes a row; w13 and w2: gpt-oss' 90): prepared, or every expert's in one pad fusion
+    # each where those copies are small, else the touched experts' (their unique / gather
+    # are ~10 XLA launches)
+    stored = [lax.bitcast_convert_type(w.scale, jnp.uint8) for w in (w13, w2)]
+    cols = (hk // plan.group, max(padded_byte_columns(stored[1].shape[-1]), s2_width(plan)))
+    ops = (W13_SCALE_BYTES, W2_SCALE_BYTES)
+    pads = [c != a.shape[-1] for a, c in zip(stored, cols)]
+    by_expert = all(not pad or op.key in (w.prepared or {})
+                    or a.size // a.shape[-1] * c <= PAD_ALL_BYTES
+                    for pad, op, w, a, c in zip(pads, ops, (w13, w2), stored, cols))
     sid = jnp.clip(ids, 0, e - 1)
-    if cols2 != s2.shape[-1]:  # w2's rows padded to 16 bytes (TMA's row pitch; qwen3 mxfp4:
-      # 24): prepared, or every expert's in one pad fusion where that copy is small, else the
-      # touched experts' (their unique / gather are ~10 XLA launches)
-      if (W2_SCALE_BYTES.key in (w2.prepared or {})
-          or s2.size // s2.shape[-1] * cols2 <= PAD_ALL_BYTES):
-        s2 = operand(w2, W2_SCALE_BYTES)
-      else:
-        touched, sid = touched_experts(ids, e)
-        s13, s2 = s13[touched], _padded_last(s2[touched], cols2)
+    if by_expert:
+      s13, s2 = (operand(w, op) if pad else a
+                 for pad, op, w, a in zip(pads, ops, (w13, w2), stored))
+    else:
+      touched, sid = touched_experts(ids, e)
+      s13, s2 = (_padded_last(a[touched], c) for a, c in zip(stored, cols))
     args = [ids, sid]
   elif plan.small_groups and (byte_scales(w13) or h % BK or n % BN):  # float32 scales per
     touched, sid = touched_experts(ids, e)  # call: the touched experts' (padded: windows past H get
@@ -1101,7 +1157,8 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
     unit = E2M1_UNIT if plan.e2m1 and not (plan.act8 or plan.sync) else 1.0
     s13 = _padded_last(float_scales(w13, touched) * unit, k1 * BK // plan.group)
     s2 = float_scales(w2, touched) * unit
-    s2 = _padded_last(s2, s2_columns(n, plan)) if n % BN else s2
+    s2 = _padded_last(s2, s2_columns(n, plan)) if n % BN else s2  # (padded N: s2_start's
+    # columns end by N / g rounded up to 4, plus 4)
     args = [ids, sid]
   elif plan.small_groups:  # float32 already: the stored arrays, by expert
     s13, s2 = w13.scale, w2.scale
@@ -1110,8 +1167,9 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
     args = [ids]
   if plan.act8:
     args.append(jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (t,)))
+  shifted = (hk, nk) == (h, n)
   if plan.sync:
-    args += [int4_mma.fragment_tiles(_token_tiles(x, plan.grouped, plan.group, k1)),
+    args += [int4_mma.fragment_tiles(_token_tiles(x, plan.grouped, plan.group, k1, shifted)),
              int4_mma.code_words(w13.values), int4_mma.code_words(w2.values)]
   else:
     args += [_token_tiles(x, plan.grouped, plan.group, k1), _codes(w13, plan.code),
@@ -1133,6 +1191,7 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
     args += [w.global_scale.astype(jnp.float32) for w in (w13, w2) if w.global_scale is not None]
   outs = kern(*args)
   part, asum = (outs[0], outs[1]) if plan.zero2 else (outs[0], None)
+  part = part[:, :, :h]  # (padded_sizes: the rows past H read TMA's zeros)
   if not plan.small_groups:  # small groups: scaled in the kernel
     part = _w2_scaled(part, asum, ids, w2, plan, e)
   return combine_parts(part, ids, topk_weights, w2_bias, num_experts=e,

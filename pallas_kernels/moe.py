@@ -955,8 +955,9 @@ def prepare_weight_only(w13, w2, *, activation: Activation | str = "silu",
   a prefill kernel) would otherwise make on every call kept on them (`jmoe.kernels.prepared`):
   prefill_ws's group-major scales (in token_dtype, the dtype of the tokens they will meet;
   fp8-token schemes meet bf16), prefill's float32 ones, prefill_fp8's exponent shifts, and
-  decode's w2 byte scales padded to 16-byte rows where they are not (qwen3 mxfp4); the
-  decode kernels otherwise read the stored scales. Made once, after loading; the stored
+  decode's byte scales padded to 16-byte rows where they are not (qwen3 mxfp4's w2; gpt-oss'
+  w13 and w2, w13's also to the padded windows of `decode_wq.padded_sizes`); the decode
+  kernels otherwise read the stored scales. Made once, after loading; the stored
   arrays are unchanged."""
   from jmoe.kernels.prepared import with_prepared  # noqa: PLC0415
   act = as_activation(activation)
@@ -976,6 +977,10 @@ def prepare_weight_only(w13, w2, *, activation: Activation | str = "silu",
   if "prefill" in layouts:
     ops13 += _gg_wq.operands(v13)
     ops2 += _gg_wq.operands(v2)
-  if "decode" in layouts and _decode_wq.byte_scales(v2) and v2.scale.shape[-1] % 16:
-    ops2.append(_decode_wq.W2_SCALE_BYTES)  # (w2's byte rows to TMA's 16-byte pitch)
+  if "decode" in layouts and _decode_wq.byte_scales(v2):  # byte rows to TMA's 16-byte pitch
+    plan = _decode_wq.kernel_plan(_decode_wq._plan(v13, v2, False), h, n)
+    if plan.scale_bytes and _decode_wq.padded_sizes(plan, h, n)[0] != h:
+      ops13.append(_decode_wq.W13_SCALE_BYTES)  # (and to the padded windows: gpt-oss)
+    if plan.scale_bytes and v2.scale.shape[-1] % 16:
+      ops2.append(_decode_wq.W2_SCALE_BYTES)
   return with_prepared(w13, ops13), with_prepared(w2, ops2)

@@ -137,19 +137,30 @@ def test_decode_wq_4bit_forms_match_oracle(sid, sync, wide, ctas, n, t, rng, mon
                        f"{sid} decode_wq sync={sync} wide={wide} vs oracle")
 
 
-@pytest.mark.parametrize("sid,h,n", [
-    ("mxfp4", 320, 320),  # gpt-oss-like: 2.5 GEMM1 steps (padded to a window), 2.5 items
-    pytest.param("w8a16", 448, 192, marks=pytest.mark.slow),  # per channel: 3.5 steps
-    pytest.param("nvfp4", 384, 192, marks=pytest.mark.slow),  # 128 divides H, not N
+@pytest.mark.parametrize("sid,h,n,padded", [
+    # gpt-oss-like, 2.5 GEMM1 steps and 2.5 items: on mma.sync the sizes padded (H to 512, N
+    # to 384) on wide slots with byte scales, the steps / items past them reading TMA's fill
+    ("mxfp4", 320, 320, True),
+    pytest.param("mxfp4", 320, 320, False, marks=pytest.mark.slow),  # PAD_TAILS off: shifted
+    pytest.param("w8a16", 448, 192, False, marks=pytest.mark.slow),  # wgmma, per channel
+    pytest.param("nvfp4", 384, 192, True, marks=pytest.mark.slow),  # 128 divides H, not N
 ])
-def test_decode_wq_sizes_128_does_not_divide(sid, h, n, rng):
-  """H or N not a multiple of 128 (gpt-oss: 2880): the last item and the last GEMM1 / GEMM2
-  steps shifted back inside the arrays, their overlap masked (GEMM1 by the token tiles, the
-  item by its activations) or written twice (GEMM2's output rows)."""
-  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 3, h, n, 4, 2, bias=True)
-  ids[2, 0] = -1
+def test_decode_wq_sizes_128_does_not_divide(sid, h, n, padded, rng, monkeypatch):
+  """H or N not a multiple of 128 (gpt-oss: 2880): 4-bit codes on mma.sync run padded sizes
+  (`padded_sizes`: the rows and columns past the weights read TMA's zero fill -- in the
+  interpreter its uninitialized values, which the zero token columns, the masked activations
+  and the dropped part rows must keep out of the output); elsewhere the last item and the last
+  GEMM1 / GEMM2 steps are shifted back inside the arrays, their overlap masked (GEMM1 by the
+  token tiles, the item by its activations) or written twice (GEMM2's output rows)."""
+  monkeypatch.setattr(decode_wq, "PAD_TAILS", padded)
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 3 if padded else 2, h, n, 4, 2, bias=True)
+  ids[2 if padded else 1, 0] = -1
+  plan = decode_wq.kernel_plan(decode_wq._plan(q13, q2, True), h, n)
+  assert (decode_wq.padded_sizes(plan, h, n) != (h, n)) == padded
+  if padded:  # (traced once per case: T differs where a format has two, as flags are read
+    assert plan.wide and plan.scale_bytes  # when tracing)
   out = _run(x, q13, q2, tw, ids, w13_bias=b13, w2_bias=b2, activation="swigluoai")
-  assert out.shape == (3, h) and np.isfinite(out).all()
+  assert out.shape == (x.shape[0], h) and np.isfinite(out).all()
   onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids, b13, b2, "swigluoai"), TOL,
                        f"{sid} H={h} N={n} decode_wq vs oracle")
   w = lambda rows, kk: jax.eval_shape(  # noqa: E731

@@ -42,7 +42,9 @@ def _weights(fmt, e=4, h=256, n=256, seed=0, **kw):
     ("nvfp4", {}, 256, {"wq_ws.scale.bfloat16": ("bfloat16", (4, 16, 512))}),
     ("w4a16", dict(zero_point=True), 256, {"wq_ws.scale.bfloat16": ("bfloat16", (4, 2, 512)),
                                            "wq_ws.zero": ("uint8", (4, 2, 512))}),
-    ("mxfp4", {}, 192, {"wq.scale": ("float32", (4, 6, 512))}),  # 128 not dividing H
+    # 128 not dividing H: the prefill GEMMs' float32 scales (decode_wq's padded byte scales
+    # below: it takes H >= 256)
+    ("mxfp4", {}, 192, {"wq.scale": ("float32", (4, 6, 512))}),
     ("mxfp4_fp8", {}, 256, {"w4a8.shifts": ("uint8", (4, 8, 512)),
                             "w4a8.w_scale": ("float32", (4, 512))}),
     ("nvfp4_fp8", {}, 256, {"wq_ws.scale.bfloat16": ("bfloat16", (4, 16, 512))}),
@@ -56,7 +58,8 @@ def test_prepare_keeps_the_operands_of_the_layouts_that_can_run(fmt, kw, h, want
   p13, p2 = prepare_for_kernels(w13, w2)
   got = {k: (jnp.dtype(a.dtype).name, tuple(a.shape)) for k, a in p13.prepared.items()}
   assert got == want13
-  assert set(p2.prepared) - {"decode_wq.w2_scale_bytes"} == set(want13)  # (decode: below)
+  assert (set(p2.prepared) - {"decode_wq.w2_scale_bytes"}
+          == set(want13) - {"decode_wq.w13_scale_bytes"})  # (decode: below)
   assert p13.values is w13.values and p13.scale is w13.scale and p13.zero is w13.zero
   ops = {op.key: op for op in _operands_of(p13)}
   for key, a in p13.prepared.items():
@@ -64,10 +67,11 @@ def test_prepare_keeps_the_operands_of_the_layouts_that_can_run(fmt, kw, h, want
 
 
 def _operands_of(w):
-  from jmoe.kernels import grouped_gemm_w4a8, grouped_gemm_wq, grouped_gemm_wq_ws
+  from jmoe.kernels import decode_wq, grouped_gemm_w4a8, grouped_gemm_wq, grouped_gemm_wq_ws
   view = pmoe.weight_only_view(w)
   return (grouped_gemm_w4a8.OPERANDS + grouped_gemm_wq.operands(view)
-          + grouped_gemm_wq_ws.operands(view, jnp.bfloat16))
+          + grouped_gemm_wq_ws.operands(view, jnp.bfloat16)
+          + (decode_wq.W13_SCALE_BYTES, decode_wq.W2_SCALE_BYTES))
 
 
 def test_prepare_token_dtype_and_schemes_without_operands():
@@ -224,18 +228,24 @@ def test_checkpoint_layer_is_prepared_on_load():
 
 
 @needs_interpreter
-def test_decode_reads_prepared_w2_byte_scales(rng):
-  """decode_wq with e8m0 byte scales whose w2 rows are 8 bytes (N = 256, groups of 32; qwen3
-  mxfp4's are 24): the rows padded to TMA's 16-byte pitch are prepared; with w2's stored
-  scales poisoned the output is still the oracle's."""
-  x, q13, q2, tw, ids, _, _ = _problem(rng, "mxfp4", 2, 512, 256, 8, 2)
-  p13, p2 = prepare_for_kernels(q13, q2)
-  assert p2.prepared["decode_wq.w2_scale_bytes"].shape == (8, 512, 16)
+@pytest.mark.parametrize("h,n,bias", [(512, 256, False), (320, 320, True)])
+def test_decode_reads_prepared_byte_scales(h, n, bias, rng):
+  """decode_wq with e8m0 byte scales whose rows are not TMA's 16-byte pitch: w2's 8 bytes at
+  N = 256 (qwen3 mxfp4's are 24), and at gpt-oss-like sizes (320: `padded_sizes`) w13's and
+  w2's 10, w13's also padded to the padded H's windows. Those rows are prepared; with the
+  stored scales they replace poisoned the output is still the oracle's."""
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, "mxfp4", 2, h, n, 8, 2, bias=bias)
+  p13, p2 = prepare_for_kernels(q13, q2, activation="swigluoai")
+  assert p2.prepared["decode_wq.w2_scale_bytes"].shape == (8, h, 16)
+  if h % 128:
+    assert p13.prepared["decode_wq.w13_scale_bytes"].shape == (8, 2 * n, 16)
+    p13 = dataclasses.replace(p13, scale=jnp.full_like(p13.scale, jnp.nan))
   poisoned = dataclasses.replace(p2, scale=jnp.full_like(p2.scale, jnp.nan))
   out = np.asarray(run_interpreted(
       lambda *a, interpret: pmoe.fused_experts_weight_only(
-          *a, out_dtype=jnp.float32, interpret=interpret, layout="decode"),
+          *a, out_dtype=jnp.float32, interpret=interpret, layout="decode",
+          activation="swigluoai", w13_bias=b13, w2_bias=b2),
       x, p13, poisoned, jnp.asarray(tw), jnp.asarray(ids)))
   assert np.isfinite(out).all()
-  want = _oracle(jnp.asarray(x, jnp.float32), q13, q2, tw, ids)
-  onp.assert_rel_close(out, want, TOL, "mxfp4 decode on prepared w2 byte scales")
+  want = _oracle(jnp.asarray(x, jnp.float32), q13, q2, tw, ids, b13, b2, "swigluoai")
+  onp.assert_rel_close(out, want, TOL, f"mxfp4 decode on prepared byte scales (H={h})")

@@ -486,7 +486,8 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
 # ----------------------------------------------------------------------------- the run
 
 
-DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES", "PAD_TAILS")  # jmoe.kernels.decode_wq's switches
+# the decode kernels' switches: jmoe.kernels.decode_wq's, and decode_wq_shared's SYNC_SHARED
+DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES", "PAD_TAILS", "SYNC_SHARED")
 
 
 def parse_decode_wq(spec: str, error) -> dict:
@@ -627,9 +628,9 @@ def table(results) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from jmoe.kernels import decode_wq  # noqa: PLC0415
+  from jmoe.kernels import decode_wq, decode_wq_shared  # noqa: PLC0415
   for name, on in args.decode_wq.items():  # before anything is traced
-    setattr(decode_wq, name, on)
+    setattr(decode_wq_shared if name == "SYNC_SHARED" else decode_wq, name, on)
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "bench_weight_only.json")
   t_start = time.time()

@@ -19,6 +19,7 @@ Launches: the grouping and token-tile gather (XLA), this kernel, the reduction.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -28,17 +29,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jmoe.kernels import _compat
+from jmoe.kernels import _compat, int4_mma
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels.decode import combine_parts, cta_items, token_operand
 from jmoe.kernels.decode_wq import (BH, BK, BN, GROUP, ROWS_A, DecodeWQConfig, _codes, _Plan,
                                     _plan, _w2_scaled, byte_scales, checked_call, code_values,
                                     finish, geometry, smem_budget, step_fetcher,
-                                    store_b_tile, unsupported_codes)
+                                    store_b_tile, sync_eligible, unsupported_codes)
 from jmoe.kernels.grouped_gemm import kernel_activation
 
 _N = 8  # tokens per group = wgmma's N
 _MAX_STAGES = 8
+SYNC_SHARED = True  # int4 codes with 16-bit tokens on mma.sync (benchmarks may switch it off)
 assert BH // 2 == BN  # GEMM2's half-step accumulators have GEMM1's [128, 8] shape
 
 
@@ -50,8 +52,8 @@ def _stage_bytes(plan: _Plan) -> int:
 def _fixed_bytes(plan: _Plan, h: int) -> int:
   g1 = h // GROUP
   fixed = (ROWS_A * BN * 2 + _N * BN * 4 + _N * BH * 4 + ROWS_A * 4 + 2 * 4 * BN * 4)
-  if plan.grouped:
-    fixed += 2 * g1 * BN * 4 + (2 * g1 * BN if plan.zero13 else 0)
+  if plan.grouped:  # (zero points: and mma.sync's token sums per step)
+    fixed += 2 * g1 * BN * 4 + (2 * g1 * BN + g1 * _N * 4 if plan.zero13 else 0)
   return fixed
 
 
@@ -93,6 +95,7 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
     s13_ref = refs.pop(0) if plan.grouped else None
     c13_ref = refs.pop(0) if not plan.grouped else None
     z13_ref = refs.pop(0) if plan.zero13 else None
+    xs_ref = refs.pop(0) if plan.zero13 and plan.sync else None  # [groups, H / 128, 8]
     b13_ref = refs.pop(0) if plan.has_bias else None
     part_ref = refs.pop(0)
     asum_ref = refs.pop(0) if plan.zero2 else None
@@ -100,6 +103,7 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
     del refs[:7]
     sblk = refs.pop(0) if plan.grouped else None
     zblk = refs.pop(0) if plan.zero13 else None
+    xsblk = refs.pop(0) if xs_ref is not None else None
     bars1, bars2, vbar, sbar = refs[:4]
     t_a, t_b = refs[4:6] if emulate else (None, None)
     sm = lax.axis_index("sm")
@@ -136,12 +140,15 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
         plan=plan, n=n, k1=k1, spi=spi, stages=stages, total=total, use_vec=use_vec, h=h)
 
     def load_blocks(info):
-      """The item's transposed scale (and zero) blocks [H / 128, 128] for gate and up."""
-      _, ex, jb, _ = info
+      """The item's transposed scale (and zero) blocks [H / 128, 128] for gate and up (on
+      mma.sync with zero points also the group's token sums per step [H / 128, 8])."""
+      grp, ex, jb, _ = info
       for c, cl in enumerate((jb * BN, n + jb * BN)):
         plgpu.copy_gmem_to_smem(s13_ref.at[ex, :, pl.ds(cl, BN)], sblk.at[c], sbar.at[0])
         if plan.zero13:
           plgpu.copy_gmem_to_smem(z13_ref.at[ex, :, pl.ds(cl, BN)], zblk.at[c], sbar.at[0])
+      if xsblk is not None:
+        plgpu.copy_gmem_to_smem(xs_ref.at[grp], xsblk, sbar.at[0])
 
     if plan.grouped:
       @pl.when(my_items > 0)
@@ -177,9 +184,12 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
           plgpu.wgmma_wait(0)  # the register tiles are read: the slot takes a new step
           fetch(g + stages - 1, i, cur, nxt)
 
+        finish_gemm1(acc_g[...], acc_u[...])
+
+      def finish_gemm1(*accs):
+        """The gate / up dot products [128, 8] -> the activations, a row per token."""
         vals = []
-        for c, acc in enumerate((acc_g, acc_u)):
-          v = acc[...]
+        for c, v in enumerate(accs):
           if not plan.grouped:
             v = v * lax.broadcast_in_dim(_cast(vec.at[vb, c][...], row), (BN, _N), [0])
           if plan.has_bias:
@@ -189,7 +199,42 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
         for t in range(_N):
           a_cols.at[t][...] = column(a, t)
 
-      pl.run_scoped(gemm1, plgpu.ACC((BN, _N), jnp.float32), plgpu.ACC((BN, _N), jnp.float32))
+      def gemm1_sync():
+        """mma.sync: each step's products into a fresh accumulator, added to the running one
+        times the rows' group scales (zero points: minus zero x scale x the tokens' sums of
+        the step) -- the scales cannot go in B (its columns are tokens), and per row of the
+        accumulator they cost 16 FMAs a thread and step where the A tile's would be 128."""
+        zero = _cast(jnp.zeros((BN, _N), jnp.float32), wg)
+
+        def step(r, accs):
+          g = base + r
+          slot = lax.rem(g, jnp.int32(stages))
+          plgpu.barrier_wait(bars1.at[slot])
+          b = int4_mma.b_tile(xring.at[slot], xdt, interpret=emulate)
+          new = []
+          for c, acc in enumerate(accs):
+            p = int4_mma.mma(zero, ring.at[slot, c], b, xdt, interpret=emulate)
+            if plan.grouped:
+              s_r = _cast(sblk.at[c, r][...], row)
+              if plan.zero13:  # sum_k (q - z) s x = s (p - z sum_k x)
+                z = _cast(zblk.at[c, r][...], row).astype(jnp.float32)
+                if plan.int4:
+                  z = z - 8.0  # the codes are u - 8: so is the zero
+                xs = lax.broadcast_in_dim(_cast(xsblk.at[r][...], col), (BN, _N), [1])
+                p = p - lax.broadcast_in_dim(z, (BN, _N), [0]) * xs
+              p = p * lax.broadcast_in_dim(s_r, (BN, _N), [0])
+            new.append(acc + p)
+          plgpu.commit_smem()  # every warp has read the slot (no wgmma syncs them)
+          fetch(g + stages - 1, i, cur, nxt)
+          return tuple(new)
+
+        finish_gemm1(*lax.fori_loop(0, k1, step, (zero, zero)))
+
+      if plan.sync:
+        gemm1_sync()
+      else:
+        pl.run_scoped(gemm1, plgpu.ACC((BN, _N), jnp.float32),
+                      plgpu.ACC((BN, _N), jnp.float32))
       if plan.grouped:  # the scale blocks are read: the next item's may land
         @pl.when(i + 1 < my_items)
         def _next_blocks():
@@ -201,6 +246,7 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
         tile = jnp.where(tok_row == t, r_t, 0.0 if tile is None else tile)
       store_b_tile(tile.astype(xdt), a_smem, asum_smem,
                    asum_ref.at[jb, grp] if plan.zero2 else None)
+      b2 = int4_mma.b_rows(a_smem, xdt, interpret=emulate) if plan.sync else None
 
       @pl.loop(0, k2)
       def _gemm2(c):
@@ -215,8 +261,14 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
           plgpu.wgmma_wait(0)
           return acc_a[...], acc_b[...]
 
-        ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
-                           plgpu.ACC((BH // 2, _N), jnp.float32))
+        if plan.sync:
+          zero = _cast(jnp.zeros((BH // 2, _N), jnp.float32), wg)
+          ys = [int4_mma.mma(zero, ring.at[slot, j], b2, xdt, interpret=emulate)
+                for j in range(2)]
+          plgpu.commit_smem()  # every warp has read the slot
+        else:
+          ys = pl.run_scoped(mma, plgpu.ACC((BH // 2, _N), jnp.float32),
+                             plgpu.ACC((BH // 2, _N), jnp.float32))
         fetch(g + stages - 1, i, cur, nxt)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's rows are read
         for t in range(_N):
@@ -246,8 +298,11 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
     scratch.append(plgpu.SMEM((2, g1, BN), jnp.float32))
   if plan.zero13:
     scratch.append(plgpu.SMEM((2, g1, BN), jnp.dtype(jnp.uint8) if plan.int4 else plan.code))
+  if plan.zero13 and plan.sync:  # the group's token sums per step
+    scratch.append(plgpu.SMEM((g1, _N), jnp.float32))
   return finish(body, scratch, plan=plan, stages=stages, tf=(tf_w, tf_x),
-                n_blk=2 + (2 if plan.zero13 else 0), xdt=xdt, part=(nb, m, h),
+                n_blk=2 + (2 if plan.zero13 else 0) + (1 if plan.zero13 and plan.sync else 0),
+                xdt=xdt, part=(nb, m, h),
                 asum_rows=groups, emulate=emulate, num_sms=num_sms, interpret=interpret,
                 name="jmoe_moe_decode_wq_shared")
 
@@ -291,6 +346,8 @@ def fused_experts_decode_wq_shared(x: jax.Array, w13, w2, topk_weights: jax.Arra
   t, k, e, n, h, plan, stages, ctas = checked_call(
       x, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias, config,
       kernel="fused_experts_decode_wq_shared", why=unsupported, stage_cap=max_stages)
+  if SYNC_SHARED and sync_eligible(plan):  # int4 codes with 16-bit tokens: on mma.sync
+    plan = dataclasses.replace(plan, sync=True)
   m = t * k
   ids = topk_ids.reshape(m).astype(jnp.int32)
   group_expert, group_slots, slot_group = slot_groups(ids, e)
@@ -299,14 +356,21 @@ def fused_experts_decode_wq_shared(x: jax.Array, w13, w2, topk_weights: jax.Arra
   interp, nsm = _compat.launch_params(interpret)
   kern = _build(h=h, n=n, m=m, groups=m, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
                 num_sms=nsm * ctas, interpret=interp)
-  args = [group_expert, group_slots.reshape(m * _N), xg, _codes(w13, plan.code),
-          _codes(w2, plan.code)]
+  if plan.sync:  # fragment-ordered token tiles, the codes as int32 words
+    args = [group_expert, group_slots.reshape(m * _N), int4_mma.fragment_tiles(xg),
+            int4_mma.code_words(w13.values), int4_mma.code_words(w2.values)]
+  else:
+    args = [group_expert, group_slots.reshape(m * _N), xg, _codes(w13, plan.code),
+            _codes(w2, plan.code)]
   if plan.grouped:
     args.append(jnp.swapaxes(w13.scale.astype(jnp.float32), 1, 2))  # [E, H / 128, 2N]
   else:
     args.append(w13.scale[:, :, 0].astype(jnp.float32))
   if plan.zero13:
     args.append(jnp.swapaxes(w13.zero, 1, 2))
+  if plan.zero13 and plan.sync:  # each group's token sums per step [groups, H / 128, 8]
+    sums = xg.astype(jnp.float32).reshape(m, _N, h // GROUP, GROUP).sum(-1)
+    args.append(jnp.swapaxes(sums, 1, 2))
   if plan.has_bias:
     args.append(w13_bias.astype(jnp.float32))
   outs = kern(*args)

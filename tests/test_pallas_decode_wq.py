@@ -475,14 +475,18 @@ def test_slot_groups_cut_each_experts_run_into_eights():
       assert gs[g, p] == slot
 
 
-@pytest.mark.parametrize("sid,bias", [
-    pytest.param("w4a16", True, marks=pytest.mark.slow),  # (the zero-point case stays lean)
-    ("w4a16-zp", False),
-    pytest.param("w8a16", False, marks=pytest.mark.slow),
-    pytest.param("w8a16-g128-zp", True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("sid,bias,sync", [
+    pytest.param("w4a16", True, True, marks=pytest.mark.slow),  # (zero points stay lean)
+    ("w4a16-zp", False, True),  # int4 on mma.sync: scales (and zeros) on each step's sums
+    pytest.param("w4a16-zp", True, False, marks=pytest.mark.slow),  # the wgmma form
+    pytest.param("w8a16", False, False, marks=pytest.mark.slow),
+    pytest.param("w8a16-g128-zp", True, False, marks=pytest.mark.slow),
 ])
-def test_decode_wq_shared_matches_oracle(sid, bias, rng):
-  """T = 7, k = 2 on 2 experts of 3 (one with more than 8 slots: two groups), an empty slot."""
+def test_decode_wq_shared_matches_oracle(sid, bias, sync, rng, monkeypatch):
+  """T = 7, k = 2 on 2 experts of 3 (one with more than 8 slots: two groups), an empty slot;
+  int4 codes on mma.sync (the default) and on the wgmma form with the scales in the A tile
+  (SYNC_SHARED off; read when tracing: the two w4a16-zp cases differ in their biases)."""
+  monkeypatch.setattr(decode_wq_shared, "SYNC_SHARED", sync)
   x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 7, 1024, 256, 3, 2, bias=bias)
   ids[:, :] = np.where(ids == 2, 0, ids)
   ids[2, 1] = -1
@@ -512,6 +516,7 @@ def test_decode_wq_shared_lowers_for_gpu(monkeypatch):
           S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {
       "jmoe_moe_decode_wq_shared"}
+  assert "mma.sync" in text  # int4 codes as words on mma.sync
   assert pmoe.weight_only_layout(t, k, h, n, as_activation("silu"), qw(2 * n, h),
                                  qw(h, n)) == "prefill_ws"
 

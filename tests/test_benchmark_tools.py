@@ -136,8 +136,9 @@ def test_bench_weight_only_decode_wq_switches():
   assert bw.parse_args(["--decode-wq", "WIDE_ROWS=0,SCALE_BYTES=1"]).decode_wq == {
       "WIDE_ROWS": False, "SCALE_BYTES": True}
   assert bw.parse_args([]).decode_wq == {}
-  from jmoe.kernels import decode_wq
-  assert all(isinstance(getattr(decode_wq, f), bool) for f in bw.DECODE_WQ_FLAGS)
+  from jmoe.kernels import decode_wq, decode_wq_shared
+  assert all(isinstance(getattr(decode_wq_shared if f == "SYNC_SHARED" else decode_wq, f), bool)
+             for f in bw.DECODE_WQ_FLAGS)
   for bad in ("WIDE=0", "WIDE_ROWS=2", "SYNC_4BIT"):
     with pytest.raises(SystemExit):
       bw.parse_args(["--decode-wq", bad])

@@ -48,7 +48,9 @@ TB/s and 128-byte ones at ~4.5), GEMM2's two steps' tiles share the slot (a RefU
 e2m1's e8m0 / e4m3 scales per 16 / 32 are read there as bytes (`scale_bytes_eligible`:
 two windows' [128, 16] a box, GEMM2's 16-byte box around s2_start) and widened in registers,
 nvfp4's global scale multiplying the item's dot products and GEMM2 rows -- no float32 copy
-of the scales per call (it cost a quarter of the block at one token).
+of the scales per call (it cost a quarter of the block at one token). Sizes 128 does not
+divide (gpt-oss' 2880) run there padded (`padded_sizes`: the steps, items and rows past the
+weights read TMA's zero fill); the wgmma form shifts its last step and item back instead.
 
 Launches: the token-tile fusion, this kernel and the reduction.
 """

@@ -487,7 +487,7 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
 
 
 # the decode kernels' switches: jmoe.kernels.decode_wq's, and decode_wq_shared's SYNC_SHARED
-DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES", "PAD_TAILS", "SYNC_SHARED")
+DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES", "PAD_TAILS", "TWO_WG", "SYNC_SHARED")
 
 
 def parse_decode_wq(spec: str, error) -> dict:

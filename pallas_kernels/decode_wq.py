@@ -402,6 +402,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   masked, the part rows past H dropped by the wrapper)."""
   h_rows, n_rows = sizes or (h, n)
   nb, k1, k2, spi, g1, tf_w, tf_x = geometry(h, n, plan, stages)
+  two = two_warpgroups(plan)  # gate / up (GEMM2: its two tiles) on a warpgroup each
+  n_sbar = 2 if plan.small_groups else 1  # scale-block buffers (per warpgroup where two)
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
   use_vec = plan.has_bias or not plan.grouped
@@ -453,7 +455,27 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     sa_smem = refs.pop(0) if plan.act8 else None  # the item's intermediate scale (every entry)
     bars1, bars2, vbar, sbar = refs[:4]
     t_a, t_b = refs[4:6] if emulate else (None, None)
+    consumed, meet = refs[-2:] if two else (None, None)
     sm = lax.axis_index("sm")
+    wgi = lax.axis_index("wg") if two else None
+    # the operands this warpgroup computes: gate and up, or (two) its own
+    ops = (wgi,) if two else (0, 1)
+
+    def sbar_at(buf):
+      return sbar.at[wgi * n_sbar + buf] if two else sbar.at[buf]
+
+    def lead(fn) -> None:
+      """fn on the first warpgroup only (where two): the ring's TMA, the activation."""
+      if two:
+        pl.when(wgi == 0)(fn)
+      else:
+        fn()
+
+    def meet_all(j: int) -> None:
+      """Both warpgroups reach point j (0: gate / up sums stored, 1: GEMM2's B stored)."""
+      if two:
+        plgpu.barrier_arrive(meet.at[j])
+        plgpu.barrier_wait(meet.at[j])
 
     def dequantized(tile, which):
       """A code tile [128, 128] in SMEM -> the register tile wgmma takes as A (bf16, or the
@@ -484,20 +506,26 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       w, w + 1's [128, 16] (a TMA box's rows are 16 bytes at least)."""
       slot_id, _, jb, _ = info
       cols = pl.ds(w * _N, 2 * _N if plan.scale_bytes else _N)
-      for c, row in enumerate((block_start(jb, n, BN), n_rows + block_start(jb, n, BN))):
+      for c in ops:
+        row = c * n_rows + block_start(jb, n, BN)
         plgpu.copy_gmem_to_smem(s13_ref.at[sid_ref[slot_id], pl.ds(row, BN), cols],
-                                sblk.at[buf, c], sbar.at[buf])
+                                sblk.at[buf, c], sbar_at(buf))
 
     def load_blocks(info):
       """The item's scale rows [128, H / group] for gate and up (and zero rows, token
       sums)."""
       slot_id, ex, jb, tok = info
-      for c, row in enumerate((jb * BN, n_rows + jb * BN)):
-        plgpu.copy_gmem_to_smem(s13_ref.at[ex, pl.ds(row, BN)], sblk.at[c], sbar.at[0])
+      for c in ops:
+        row = c * n_rows + jb * BN
+        plgpu.copy_gmem_to_smem(s13_ref.at[ex, pl.ds(row, BN)], sblk.at[c], sbar_at(0))
         if plan.zero13:
-          plgpu.copy_gmem_to_smem(z13_ref.at[ex, pl.ds(row, BN)], zblk.at[c], sbar.at[0])
+          plgpu.copy_gmem_to_smem(z13_ref.at[ex, pl.ds(row, BN)], zblk.at[c], sbar_at(0))
       if plan.zero13:
-        plgpu.copy_gmem_to_smem(xs_ref.at[tok], xsblk, sbar.at[0])
+        plgpu.copy_gmem_to_smem(xs_ref.at[tok], xs_block(), sbar_at(0))
+
+    def xs_block():
+      """The token's group sums in SMEM (a copy per warpgroup where two)."""
+      return xsblk.at[wgi] if two else xsblk
 
     if plan.grouped:
       @pl.when(my_items > 0)
@@ -507,8 +535,27 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         else:
           load_blocks(info0)
 
-    for g in range(stages - 1):  # the first stages - 1 steps all belong to item 0
-      fetch(jnp.int32(g), jnp.int32(0), info0, info0)
+    @lead
+    def _first_steps():  # the first stages - 1 steps all belong to item 0
+      for g in range(stages - 1):
+        fetch(jnp.int32(g), jnp.int32(0), info0, info0)
+
+    def slot_read(g, i, cur, nxt) -> None:
+      """Ring slot g (a ring counter) is read: it may be refilled (the step stages - 1 on
+      goes into slot g - 1's place, read a step ago: where two, once both warpgroups have
+      arrived there)."""
+      plgpu.commit_smem()  # every warp has read the slot (no wgmma syncs them)
+      if not two:
+        fetch(g + stages - 1, i, cur, nxt)
+        return
+      plgpu.barrier_arrive(consumed.at[lax.rem(g, jnp.int32(stages))])
+
+      @lead
+      def _refill():
+        @pl.when(g > 0)
+        def _previous_read():
+          plgpu.barrier_wait(consumed.at[lax.rem(g - 1, jnp.int32(stages))])
+        fetch(g + stages - 1, i, cur, nxt)
 
     def window_partials(c, v, w, vb, buf):
       """Window w's accumulator value [128, 8] (column j: group 8w + j) -> its scaled row
@@ -527,9 +574,9 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       """gvec -= sum over groups g of (zero - 8) * scale * sum(x over g), per row: the zero
       points' part of every group at once (whole [128, H / 128] blocks: a window's 8 bytes a
       row have no conflict-free SMEM load)."""
-      xsum = lax.broadcast_in_dim(_cast(xsblk[...], plgpu.Layout.WGMMA.reduce(0)), (BN, g1),
-                                  [1])
-      for c in range(2):
+      xsum = lax.broadcast_in_dim(_cast(xs_block()[...], plgpu.Layout.WGMMA.reduce(0)),
+                                  (BN, g1), [1])
+      for c in ops:
         z = zblk.at[c][...].astype(jnp.float32)
         if plan.int4:
           z = z - 8.0  # the codes are u - 8: so is the zero
@@ -544,7 +591,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       if use_vec:
         plgpu.barrier_wait(vbar.at[vb])
       if plan.grouped and not plan.small_groups:
-        plgpu.barrier_wait(sbar.at[0])
+        plgpu.barrier_wait(sbar_at(0))
 
       def run_window(w, accumulate: bool):
         # the CTA's windows (bytes: pairs of windows) alternate the two buffers
@@ -552,7 +599,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         buf = lax.rem(i * (n_windows // per) + lax.div(w, per), 2)
 
         def arrived_and_refill():
-          plgpu.barrier_wait(sbar.at[buf])
+          plgpu.barrier_wait(sbar_at(buf))
           # the other buffer's windows were summed (and committed) before these: refill it
           @pl.when(w + per < n_windows)
           def _next_window():
@@ -583,8 +630,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
           store_partials(acc_g[...], acc_u[...])
 
-        def store_partials(v_g, v_u):
-          for c, v in enumerate((v_g, v_u)):
+        def store_partials(*vs):
+          for c, v in zip(ops if plan.sync else (0, 1), vs):
             p = window_partials(c, v, w, vb, buf)
             gvec.at[c][...] = gvec.at[c][...] + p if accumulate else p
           plgpu.commit_smem()
@@ -596,21 +643,17 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
             at_slot_edge(s, 0, lambda: plgpu.barrier_wait(bars1.at[slot]))
             if plan.wide:
               b = int4_mma.b_tile(xring.at[slot, s], xdt, interpret=emulate)
-              tiles = [wide_half(ring.at[slot], c, s, emulate) for c in range(2)]
+              tiles = [wide_half(ring.at[slot], c, s, emulate) for c in ops]
               kw = dict(row_bytes=WIDE_ROW_BYTES)
             else:
               b = int4_mma.b_tile(xring.at[slot], xdt, interpret=emulate)
-              tiles, kw = [ring.at[slot, c] for c in range(2)], {}
+              tiles, kw = [ring.at[slot, c] for c in ops], {}
             accs = tuple(int4_mma.mma(a, t, b, xdt, e2m1=plan.e2m1, interpret=emulate, **kw)
                          for t, a in zip(tiles, accs))
-
-            def refill():
-              plgpu.commit_smem()  # every warp has read the slot (no wgmma syncs them)
-              fetch(g + stages - 1, i, cur, nxt)
-            at_slot_edge(s, 1, refill)
+            at_slot_edge(s, 1, lambda: slot_read(g, i, cur, nxt))
             return accs
           zero = _cast(jnp.zeros((BN, _N), jnp.float32), plgpu.Layout.WGMMA)
-          store_partials(*lax.fori_loop(0, window, step, (zero, zero)))
+          store_partials(*lax.fori_loop(0, window, step, (zero,) * len(ops)))
 
         if plan.sync:
           sync_mma()
@@ -631,57 +674,66 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
         def _next_blocks():
           load_blocks(nxt)
 
-      vals = []
-      for c in range(2):
-        v = _cast(gvec.at[c][...], plgpu.Layout.WGMMA.reduce(1))
-        if plan.act8:  # the dot products of the token's fp8 values: times its scale
-          v = v * xsc_ref[cur[3]]
-        if g13_ref is not None:  # nvfp4's global scale of the rows (one per 2N / S rows)
-          s_cols = g13_ref.shape[1]
-          row = lax.div(c * n_rows + block_start(jb, n, BN), 2 * n_rows // s_cols)
-          v = v * g13_ref[cur[1], jnp.minimum(row, s_cols - 1)]  # (padded items: past 2N)
-        if plan.has_bias:
-          v = v + _cast(vec.at[vb, 2 + c][...], plgpu.Layout.WGMMA.reduce(1))
-        vals.append(lax.broadcast_in_dim(v, (BN, _N), [0]))
-      a_vec[...] = jnp.max(kernel_activation(act, *vals), axis=1)
-      plgpu.commit_smem()
-      a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
-      tile = lax.broadcast_in_dim(a, (ROWS_A, BN), [1])  # f32: masked before the cast
-      if plan.small_groups or n % BN or n_rows != n:
-        grp = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 1), plgpu.Layout.WGMMA)
-      if n % BN:  # a shifted last item: its first rows are the previous item's
-        tile = jnp.where(grp >= jb * BN - block_start(jb, n, BN), tile, 0.0)
-      if n_rows != n:  # a padded last item: its columns past N are other rows' or TMA's
-        tile = jnp.where(grp < n_rows - jb * BN, tile, 0.0)  # zeros (the interpreter's NaN)
-      sa = None
-      if plan.act8:  # one scale for the item's columns: every row holds them, so a per-row
-        amax = jnp.max(jnp.abs(tile), axis=1)  # max is the amax
-        sa = jnp.where(amax > 0.0, amax / FP8_MAX, 1.0)
-        sa_smem[...] = sa
-        tile = jnp.clip(tile / lax.broadcast_in_dim(sa, (ROWS_A, BN), [0]), -FP8_MAX, FP8_MAX)
-      if plan.small_groups:  # B column t: the activations of scale column s2_start + t
-        row = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 0), plgpu.Layout.WGMMA)
-        off = s2_start(jb, n, plan) - block_group(jb, n, BN, plan.group)  # <= 0 at the last items
-        tile = jnp.where(grp // plan.group == row + off, tile, 0.0)
-      store_b_tile(tile.astype(xdt), a_smem, asum_smem,
-                   asum_ref.at[jb, slot_id] if plan.zero2 else None, row_scale=sa)
+      def gemm2_b_tile():
+        """The item's activations from both operands' sums -> GEMM2's B tile in a_smem."""
+        vals = []
+        for c in range(2):
+          v = _cast(gvec.at[c][...], plgpu.Layout.WGMMA.reduce(1))
+          if plan.act8:  # the dot products of the token's fp8 values: times its scale
+            v = v * xsc_ref[cur[3]]
+          if g13_ref is not None:  # nvfp4's global scale of the rows (one per 2N / S rows)
+            s_cols = g13_ref.shape[1]
+            row = lax.div(c * n_rows + block_start(jb, n, BN), 2 * n_rows // s_cols)
+            v = v * g13_ref[cur[1], jnp.minimum(row, s_cols - 1)]  # (padded items: past 2N)
+          if plan.has_bias:
+            v = v + _cast(vec.at[vb, 2 + c][...], plgpu.Layout.WGMMA.reduce(1))
+          vals.append(lax.broadcast_in_dim(v, (BN, _N), [0]))
+        a_vec[...] = jnp.max(kernel_activation(act, *vals), axis=1)
+        plgpu.commit_smem()
+        a = _cast(a_vec[...], plgpu.Layout.WGMMA.reduce(0))
+        tile = lax.broadcast_in_dim(a, (ROWS_A, BN), [1])  # f32: masked before the cast
+        if plan.small_groups or n % BN or n_rows != n:
+          grp = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 1), plgpu.Layout.WGMMA)
+        if n % BN:  # a shifted last item: its first rows are the previous item's
+          tile = jnp.where(grp >= jb * BN - block_start(jb, n, BN), tile, 0.0)
+        if n_rows != n:  # a padded last item: its columns past N are other rows' or TMA's
+          tile = jnp.where(grp < n_rows - jb * BN, tile, 0.0)  # zeros (the interpreter's NaN)
+        sa = None
+        if plan.act8:  # one scale for the item's columns: every row holds them, so a per-row
+          amax = jnp.max(jnp.abs(tile), axis=1)  # max is the amax
+          sa = jnp.where(amax > 0.0, amax / FP8_MAX, 1.0)
+          sa_smem[...] = sa
+          tile = jnp.clip(tile / lax.broadcast_in_dim(sa, (ROWS_A, BN), [0]), -FP8_MAX, FP8_MAX)
+        if plan.small_groups:  # B column t: the activations of scale column s2_start + t
+          row = _cast(lax.broadcasted_iota(jnp.int32, (ROWS_A, BN), 0), plgpu.Layout.WGMMA)
+          off = s2_start(jb, n, plan) - block_group(jb, n, BN, plan.group)  # <= 0 at the last items
+          tile = jnp.where(grp // plan.group == row + off, tile, 0.0)
+        store_b_tile(tile.astype(xdt), a_smem, asum_smem,
+                     asum_ref.at[jb, slot_id] if plan.zero2 else None, row_scale=sa)
+
+      meet_all(0)  # (two: both operands' sums are in gvec)
+      lead(gemm2_b_tile)
+      meet_all(1)  # (two: GEMM2's B tile is in a_smem; gvec was read)
       b2 = int4_mma.b_rows(a_smem, xdt, interpret=emulate) if plan.sync else None
 
+      halves = (wgi,) if two else (0, 1)  # GEMM2's 128-row tiles this warpgroup computes
+
       def sync_pair(slot, s=0):
-        """GEMM2's two tiles (wide: of the slot's step s) on mma.sync -> their rows as
+        """GEMM2's tiles `halves` (wide: of the slot's step s) on mma.sync -> their rows as
         pair_columns gives them."""
         zero = _cast(jnp.zeros((BH // 2, _N), jnp.float32), plgpu.Layout.WGMMA)
         ys = [int4_mma.mma(zero, ring.at[slot, 2 * s + j], b2, xdt, e2m1=plan.e2m1,
-                           interpret=emulate) for j in range(2)]
+                           interpret=emulate) for j in halves]
         if plan.scale_bytes:  # B column t: scale column s2_start + t, in the box from s2_box
           off = s2_start(jb, n, plan) - s2_box(jb, n, plan, s2_ref.shape[-1])
           out = []
-          for j, y in enumerate(ys):
+          for j, y in zip(halves, ys):
             b = _cast(s2ring.at[slot, 2 * s + j, :, pl.ds(off, _N)][...], plgpu.Layout.WGMMA)
             out.append(jnp.sum(y * scale_values(b, plan.scale8), axis=1))
           return out
         if plan.small_groups:
-          return [jnp.sum(y * s2ring.at[slot, 2 * s + j][...], axis=1) for j, y in enumerate(ys)]
+          return [jnp.sum(y * s2ring.at[slot, 2 * s + j][...], axis=1)
+                  for j, y in zip(halves, ys)]
         return [jnp.max(y, axis=1) for y in ys]  # B's 8 columns are equal
 
       @pl.loop(0, k2)
@@ -695,13 +747,16 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
             r0, s_cols = block_start(c, h, BH), g2_ref.shape[1]
             ys = [y * g2_ref[cur[1], jnp.minimum(lax.div(r0 + j * (BH // 2),
                                                          h_rows // s_cols), s_cols - 1)]
-                  for j, y in enumerate(ys)]
-
-          def refill():
-            plgpu.commit_smem()  # every warp has read the slot: it may be refilled
-            fetch(g + stages - 1, i, cur, nxt)
-          at_slot_edge(s, 1, refill)
-
+                  for j, y in zip(halves, ys)]
+          at_slot_edge(s, 1, lambda: slot_read(g, i, cur, nxt))
+          if two:  # this warpgroup's half of the output row
+            half = pl.ds(wgi * (BH // 2), BH // 2)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_row.at[0, half][...] = ys[0]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_row.at[:, half], part_ref.at[
+                jb, pl.ds(slot_id, 1), pl.ds(block_start(c, h, BH) + wgi * (BH // 2), BH // 2)])
+            return
           store_part_row(o_row, ys, part_ref.at[jb, pl.ds(slot_id, 1),
                                                 pl.ds(block_start(c, h, BH), BH)])
           return
@@ -718,6 +773,10 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
       return nxt
 
     lax.fori_loop(0, my_items, one_item, info0)
+    if two:  # the last slot's reads (every earlier slot's were waited for by its next step)
+      @pl.when((wgi == 0) & (total > 0))
+      def _last_read():
+        plgpu.barrier_wait(consumed.at[lax.rem(total - 1, jnp.int32(stages))])
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   scratch = [  # after finish's rings and GEMM2's B tile
@@ -735,20 +794,23 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     scratch.append(plgpu.SMEM((2, BN, g1), jnp.float32))
   if plan.zero13:
     scratch += [plgpu.SMEM((2, BN, g1), jnp.dtype(jnp.uint8) if plan.int4 else plan.code),
-                plgpu.SMEM((g1,), jnp.float32)]
+                plgpu.SMEM((2, g1) if two else (g1,), jnp.float32)]
   if plan.small_groups:  # GEMM2 steps' scale tiles [(step,) half, 128 rows, 8 groups]
     scratch.append(plgpu.SMEM((stages, 4 if plan.wide else 2, BH // 2, s2_width(plan)),
                               jnp.uint8 if plan.scale_bytes else jnp.float32))
   if plan.act8:
     scratch.append(plgpu.SMEM((ROWS_A,), jnp.float32))
-  return finish(body, scratch, plan=plan, stages=stages, tf=(tf_w, tf_x),
-                n_blk=2 + (3 if plan.zero13 else 0), xdt=xdt, part=(nb, m, h), asum_rows=m,
-                emulate=emulate, num_sms=num_sms, interpret=interpret,
-                name="jmoe_moe_decode_wq")
+  # scale-block copies a barrier: gate's and up's (and their zero rows, the token sums), or
+  # where two each warpgroup its operand's on barriers of its own
+  n_blk = (1 + (2 if plan.zero13 else 0)) if two else 2 + (3 if plan.zero13 else 0)
+  return finish(body, scratch, plan=plan, stages=stages, tf=(tf_w, tf_x), n_blk=n_blk, xdt=xdt,
+                part=(nb, m, h), asum_rows=m, emulate=emulate, num_sms=num_sms,
+                interpret=interpret, name="jmoe_moe_decode_wq", two=two)
 
 
 def finish(body, scratch: list, *, plan: _Plan, stages: int, tf: tuple, n_blk: int, xdt,
-           part: tuple, asum_rows: int, emulate: bool, num_sms: int, interpret, name: str):
+           part: tuple, asum_rows: int, emulate: bool, num_sms: int, interpret, name: str,
+           two: bool = False):
   """A weight-only decode kernel from its body and its own buffers: puts the buffers both
   kernels share first (the code ring, the token-tile ring, GEMM2's B tile; tf: the code and
   token tiles' SMEM transforms) and adds the barriers (GEMM1 and GEMM2 ring steps, the item
@@ -774,21 +836,25 @@ def finish(body, scratch: list, *, plan: _Plan, stages: int, tf: tuple, n_blk: i
   # TMA copies a slot: GEMM1 gate, up (wide: one 2-step box each, the interpreter's one a
   # step) and token tiles; GEMM2 two tiles a step (and their scale tiles)
   gemm1 = (6 if emulate else 4) if plan.wide else 3
+  n_sbar = (2 if plan.small_groups else 1) * (2 if two else 1)
   scratch = scratch + [plgpu.Barrier(num_arrivals=gemm1, num_barriers=stages),
                        plgpu.Barrier(num_arrivals=steps * (4 if plan.small_groups else 2),
                                      num_barriers=stages),
                        plgpu.Barrier(num_arrivals=max(n_vec, 1), num_barriers=2),
-                       plgpu.Barrier(num_arrivals=n_blk,
-                                     num_barriers=2 if plan.small_groups else 1)]
+                       plgpu.Barrier(num_arrivals=n_blk, num_barriers=n_sbar)]
   if emulate:
     scratch += [plgpu.SMEM((2, BN, BK), xdt), plgpu.SMEM((BK, _N), xdt)]
+  if two:  # both warpgroups have read a ring slot; both reached a point of the item
+    scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=2)]
   out_type = [jax.ShapeDtypeStruct(part, jnp.float32)]
   if plan.zero2:
     out_type.append(jax.ShapeDtypeStruct((part[0], asum_rows, _N), jnp.float32))
+  threads = dict(num_threads=2, thread_name="wg") if two else {}
   return _compat.kernel(
       body, out_type=tuple(out_type), scratch_types=scratch, grid=(num_sms,),
       grid_names=("sm",), compiler_params=_compat.compiler_params(approx_math=True),
-      interpret=interpret, name=name)
+      interpret=interpret, name=name, **threads)
 
 
 def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) -> str | None:
@@ -890,6 +956,17 @@ SYNC_4BIT = True  # 4-bit codes with 16-bit tokens on mma.sync (benchmarks may s
 WIDE_ROWS = True  # mma.sync plans on wide slots where sizes allow (benchmarks may switch it off)
 SCALE_BYTES = True  # 8-bit small-group scales read as bytes in the kernel (likewise)
 PAD_TAILS = True  # mma.sync plans pad sizes 128 does not divide (`padded_sizes`; likewise)
+TWO_WG = True  # mma.sync plans on two compute warpgroups (`two_warpgroups`; likewise)
+
+
+def two_warpgroups(plan: _Plan) -> bool:
+  """decode_wq's mma.sync form runs each item on two warpgroups: GEMM1's gate on one and up
+  on the other (each its own accumulator, scale windows and barriers), GEMM2's two 128-row
+  tiles one each, the first also issuing the ring's TMA (once both have read a slot: a
+  barrier of two arrivals per slot) and computing the activation between two meeting points.
+  A step's conversion and 32 mma.sync were one warpgroup's 4 warps' work, the step's
+  latency where items are few (qwen3, gpt-oss at one token)."""
+  return TWO_WG and plan.sync
 PAD_ALL_BYTES = 32 << 20  # byte scales: pad every expert's w2 rows per call up to this size
 
 

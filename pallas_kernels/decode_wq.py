@@ -172,8 +172,8 @@ def _fixed_bytes(plan: _Plan, h: int) -> int:
     fixed += 2 * 2 * BN * (2 * _N if plan.scale_bytes else _N * 4)
   elif plan.grouped:
     fixed += 2 * BN * g1 * 4
-    if plan.zero13:
-      fixed += 2 * BN * g1 + g1 * 4
+    if plan.zero13:  # (two warpgroups: a copy of the token sums each)
+      fixed += 2 * BN * g1 + g1 * 4 * (2 if two_warpgroups(plan) else 1)
   return fixed
 
 

@@ -74,7 +74,6 @@ from jmoe.kernels.decode import (MAX_SLOTS, combine_parts, cta_items, pair_colum
 from jmoe.kernels.e2m1 import E2M1_UNIT, e2m1_tile, e4m3_tile, fp8_codes_tile
 from jmoe.kernels.grouped_gemm import kernel_activation
 from jmoe.kernels.grouped_gemm_q8 import FP8_MAX
-from jmoe.kernels.permute import touched_experts
 from jmoe.kernels.prepared import Operand, operand
 from jmoe.quant.activations import ROW_SCALES
 from jmoe.quant.packing import view_4bit
@@ -151,7 +150,7 @@ class _Plan:
     """Groups shorter than an item's 128 intermediate columns: GEMM2's scales are applied
     in the kernel (column t of its B tile: group t's activations), read in their stored
     [E, H, N / g] layout (8-bit scales: as bytes on mma.sync, `scale_bytes`; else float32
-    copies of the touched experts')."""
+    copies of each slot's expert's)."""
     return self.grouped and self.group < BN
 
 
@@ -502,7 +501,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
 
     def load_window(info, w, buf):
       """Small groups: window w's scales [128, 8] for gate and up into buffer buf (from the
-      scale array's row sid[slot]: the touched experts' copy for e2m1) -- as bytes windows
+      scale array's row sid[slot]: a per-call copy's row for e2m1) -- as bytes windows
       w, w + 1's [128, 16] (a TMA box's rows are 16 bytes at least)."""
       slot_id, _, jb, _ = info
       cols = pl.ds(w * _N, 2 * _N if plan.scale_bytes else _N)
@@ -1021,7 +1020,7 @@ def scale_bytes_eligible(plan: _Plan, h: int, n: int,
 
 def byte_scales(w) -> bool:
   """The stored scales are 8-bit floats (e8m0 / e4m3: mxfp4, nvfp4, mxfp8), which the kernels
-  read as float32 copies made per call (of the touched experts where that is fewer)."""
+  read as bytes, or as float32 copies made per call (`slot_rows`)."""
   return jnp.dtype(w.scale.dtype).itemsize == 1
 
 
@@ -1074,6 +1073,15 @@ def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP,
   parts = [tiles[:, :full]] + ([zeros(BK - (h - full)), tiles[:, full:]] if h > full else [])
   used = full + (BK if h > full else 0)
   return jnp.concatenate(parts + ([zeros(width - used)] if width > used else []), axis=1)
+
+
+def slot_rows(ids: jax.Array, e: int) -> tuple[jax.Array, jax.Array]:
+  """(the experts whose rows a per-call scale copy gathers, the copy's row of each slot): one
+  row per slot (an empty slot's: expert 0's, unread). decode_wq's slots rarely share an
+  expert, and this is one gather fusion where the distinct experts' (`touched_experts`: a
+  sort, a search and their gathers) were ~10 launches, 27 µs of gpt-oss' one-token block on
+  an H100."""
+  return jnp.clip(ids, 0, e - 1), jnp.arange(ids.shape[0], dtype=jnp.int32)
 
 
 def float_scales(w, experts: jax.Array) -> jax.Array:
@@ -1213,8 +1221,7 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   if plan.scale_bytes:  # the stored bytes, by expert, where their row pitch is a multiple of
     # 16 bytes and the kernel's windows end with them; else padded (w2: qwen3 mxfp4's 24
     # bytes a row; w13 and w2: gpt-oss' 90): prepared, or every expert's in one pad fusion
-    # each where those copies are small, else the touched experts' (their unique / gather
-    # are ~10 XLA launches)
+    # each where those copies are small, else each slot's expert's (`slot_rows`)
     stored = [lax.bitcast_convert_type(w.scale, jnp.uint8) for w in (w13, w2)]
     cols = (hk // plan.group, max(padded_byte_columns(stored[1].shape[-1]), s2_width(plan)))
     ops = (W13_SCALE_BYTES, W2_SCALE_BYTES)
@@ -1227,15 +1234,15 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
       s13, s2 = (operand(w, op) if pad else a
                  for pad, op, w, a in zip(pads, ops, (w13, w2), stored))
     else:
-      touched, sid = touched_experts(ids, e)
-      s13, s2 = (_padded_last(a[touched], c) for a, c in zip(stored, cols))
+      rows, sid = slot_rows(ids, e)
+      s13, s2 = (_padded_last(a[rows], c) for a, c in zip(stored, cols))
     args = [ids, sid]
   elif plan.small_groups and (byte_scales(w13) or h % BK or n % BN):  # float32 scales per
-    touched, sid = touched_experts(ids, e)  # call: the touched experts' (padded: windows past H get
+    rows, sid = slot_rows(ids, e)  # call: each slot's expert's (padded: windows past H get
     # zero scales; w2's, s2_columns; e4m3 tiles and mma.sync's hold the e2m1 values)
     unit = E2M1_UNIT if plan.e2m1 and not (plan.act8 or plan.sync) else 1.0
-    s13 = _padded_last(float_scales(w13, touched) * unit, k1 * BK // plan.group)
-    s2 = float_scales(w2, touched) * unit
+    s13 = _padded_last(float_scales(w13, rows) * unit, k1 * BK // plan.group)
+    s2 = float_scales(w2, rows) * unit
     s2 = _padded_last(s2, s2_columns(n, plan)) if n % BN else s2  # (padded N: s2_start's
     # columns end by N / g rounded up to 4, plus 4)
     args = [ids, sid]

@@ -112,7 +112,7 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
     # e2m1 codes, e4m3 scales per 16 (a window a step: windows split the wide slots) and a
     # global scale, e8m0 scales per 32, both read as bytes (nvfp4: w2's rows padded to 16
     # bytes, every expert's; mxfp4: the stored rows); then two CTAs sharing the items (no
-    # two wide slots fit: a slot a step), with the touched experts' padded copy instead
+    # two wide slots fit: a slot a step), with a per-call padded copy of each slot's rows
     ("nvfp4", True, True, 1, 384, 2),
     ("mxfp4", True, True, 1, 512, 2),
     pytest.param("nvfp4", True, False, 2, 384, 2, marks=pytest.mark.slow),
@@ -153,6 +153,8 @@ def test_decode_wq_sizes_128_does_not_divide(sid, h, n, padded, rng, monkeypatch
   GEMM1 / GEMM2 steps are shifted back inside the arrays, their overlap masked (GEMM1 by the
   token tiles, the item by its activations) or written twice (GEMM2's output rows)."""
   monkeypatch.setattr(decode_wq, "PAD_TAILS", padded)
+  monkeypatch.setattr(decode_wq, "PAD_ALL_BYTES", 0)  # (the byte scales: per-call copies of
+  # each slot's rows, padded; every expert's and prepared ones are tested elsewhere)
   x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 3 if padded else 2, h, n, 4, 2, bias=True)
   ids[2 if padded else 1, 0] = -1
   plan = decode_wq.kernel_plan(decode_wq._plan(q13, q2, True), h, n)

@@ -630,7 +630,7 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
           store_partials(acc_g[...], acc_u[...])
 
         def store_partials(*vs):
-          for c, v in zip(ops if plan.sync else (0, 1), vs):
+          for c, v in zip(ops, vs):
             p = window_partials(c, v, w, vb, buf)
             gvec.at[c][...] = gvec.at[c][...] + p if accumulate else p
           plgpu.commit_smem()

@@ -324,6 +324,32 @@ def test_weight_only_pallas_experts_match_xla(sid, t, h, n, want, rng, monkeypat
   onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids), TOL, f"T={t} {layout} vs oracle")
 
 
+@pytest.mark.parametrize("fmt,h,n,want", [
+    ("mxfp4", 2880, 2880, (3072, 2944)),  # gpt-oss: mma.sync, padded
+    ("nvfp4", 2880, 2880, (3072, 2944)),
+    ("w4a16", 2880, 2880, (3072, 2944)),  # (per channel here: groups of 128 need 1024 | H)
+    ("mxfp4", 2048, 768, (2048, 768)),  # 128 divides both: as they are
+    ("mxfp4", 2304, 768, (2304, 768)),  # H not a multiple of 512 but of 128: narrow slots
+    ("w8a16", 2880, 2880, (2880, 2880)),  # int8 codes: the wgmma form shifts its tails
+    ("mxfp4_fp8", 2880, 2880, (2880, 2880)),  # fp8 tokens: likewise
+])
+def test_padded_sizes_rule(fmt, h, n, want, monkeypatch):
+  """`padded_sizes`: where 128 does not divide H or N and the codes run on mma.sync, H rounds
+  up to 512 and N to 128 (and the plan then takes wide slots, and byte scales for e2m1);
+  else the sizes stay (PAD_TAILS off too)."""
+  quant = (jmoe.QuantConfig(format="custom", weight_dtype="int4", weight_scale="channel")
+           if fmt == "w4a16" else jmoe.QuantConfig(fmt))
+  w = lambda rows, kk: jax.eval_shape(  # noqa: E731
+      lambda: quantize_weights(jnp.zeros((2, rows, kk), jnp.float32), quant))
+  plan = decode_wq._plan(w(h, 2 * n), w(n, h), False)
+  assert decode_wq.padded_sizes(plan, h, n) == want
+  kplan = decode_wq.kernel_plan(plan, h, n)
+  if want != (h, n):
+    assert kplan.sync and kplan.wide and kplan.scale_bytes == (fmt != "w4a16")
+  monkeypatch.setattr(decode_wq, "PAD_TAILS", False)
+  assert decode_wq.padded_sizes(plan, h, n) == (h, n)
+
+
 def test_decode_wq_says_what_it_does_not_take(rng):
   """unsupported() names the first reason; the kernel raises it; an explicit decode layout
   that cannot run raises before tracing a kernel."""

@@ -861,8 +861,8 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
   activation, <= 128 slots, weight-only int4 / int8 codes with float32 scales per channel or
   per 16 / 32 / 128 along K, no act-order permutation, H a multiple of 1024 (groups of 128)
   and N of 128 -- or, per channel and with groups of 16 / 32 without zero points, H and N
-  multiples of 64 (the last item and steps shifted back inside them: gpt-oss' 2880) --, and
-  scale / zero rows whose bytes a TMA copy can move."""
+  multiples of 64 (gpt-oss' 2880: padded on mma.sync, `padded_sizes`; else the last item and
+  steps shifted back inside them) --, and scale / zero rows whose bytes a TMA copy can move."""
   why = unsupported_codes(t, k, h, n, act, w13, w2, tails=True, act8=True)
   if why is not None:
     return why

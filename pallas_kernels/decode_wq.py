@@ -89,6 +89,7 @@ GROUPS = (16, 32, 128)  # the group sizes the kernel takes (a window is 8 groups
 ROWS_A = 64  # GEMM2's B tile: a WGMMA-layout broadcast needs 64 rows (B: its first 8)
 _MAX_STAGES = 8
 WIDE_ROW_BYTES = 2 * BK // 2  # a wide slot's code row: two steps' 128 codes of 4 bits
+WIDE_H = 4 * BK  # H a multiple of this: wide slots (two steps) and whole window pairs
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # the codes' dtype in the kernel per weight_dtype (e2m1 codes are read as signed int4; e4m3
 # codes, mxfp8's weights, as themselves)
@@ -354,7 +355,7 @@ def wide_half(slot_ref, c: int, half, interpret: bool):
 def wide_eligible(plan: _Plan, h: int, n: int) -> bool:
   """Wide slots (two steps, 128-byte GEMM1 rows) where no tail shifts a step: H a multiple
   of 512 (GEMM1's steps and GEMM2's pair up), N of 128."""
-  return WIDE_ROWS and plan.sync and h % 512 == 0 and n % BN == 0
+  return WIDE_ROWS and plan.sync and h % WIDE_H == 0 and n % BN == 0
 
 
 def window_steps(plan: _Plan) -> int:
@@ -987,7 +988,12 @@ def padded_sizes(plan: _Plan, h: int, n: int) -> tuple[int, int]:
     return h, n
   if plan.zero13 or plan.zero2 or (plan.grouped and not plan.small_groups):
     return h, n
-  return -(-h // 512) * 512, -(-n // BN) * BN
+  return padded_h(h), -(-n // BN) * BN
+
+
+def padded_h(h: int) -> int:
+  """H as `padded_sizes` pads it: rounded up to 512 (whole wide slots)."""
+  return -(-h // WIDE_H) * WIDE_H
 
 
 def kernel_plan(plan: _Plan, h: int, n: int, ctas_per_sm: int = 1) -> _Plan:
@@ -1100,19 +1106,19 @@ def padded_byte_columns(cols: int) -> int:
 
 
 # w2's byte scales with their rows padded (jmoe.kernels.prepared: kept where prepared)
-W2_SCALE_BYTES = Operand("decode_wq.w2_scale_bytes", lambda w: _padded_last(
-    lax.bitcast_convert_type(w.scale, jnp.uint8), padded_byte_columns(w.scale.shape[-1])))
+def _byte_scale_operand(key: str, columns) -> Operand:
+  """The stored 8-bit scales as bytes, their rows zero-padded to columns(w)."""
+  return Operand(key, lambda w: _padded_last(lax.bitcast_convert_type(w.scale, jnp.uint8),
+                                             columns(w)))
 
 
-def _w13_byte_columns(w) -> int:
-  """w13's byte-scale columns as the kernel reads them: H rounded up to 512 (`padded_sizes`:
-  windows past H read zeros), a multiple of 16 (TMA's row pitch) by `scale_bytes_eligible`."""
-  return padded_byte_columns(-(-w.shape[1] // 512) * 512 // w.scheme.group_size)
-
-
-# w13's byte scales padded to the kernel's windows where H is (gpt-oss: 2880 -> 3072)
-W13_SCALE_BYTES = Operand("decode_wq.w13_scale_bytes", lambda w: _padded_last(
-    lax.bitcast_convert_type(w.scale, jnp.uint8), _w13_byte_columns(w)))
+W2_SCALE_BYTES = _byte_scale_operand(
+    "decode_wq.w2_scale_bytes", lambda w: padded_byte_columns(w.scale.shape[-1]))
+# w13's: to the padded H's windows (gpt-oss: 2880 -> 3072), a multiple of 16 bytes by
+# scale_bytes_eligible
+W13_SCALE_BYTES = _byte_scale_operand(
+    "decode_wq.w13_scale_bytes",
+    lambda w: padded_byte_columns(padded_h(w.shape[1]) // w.scheme.group_size))
 
 
 def _padded_last(a: jax.Array, size: int) -> jax.Array:

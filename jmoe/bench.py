@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jmoe import registry
@@ -252,9 +253,11 @@ def random_weights(key, shape: tuple, fan_in: int, dist: str = "gaussian") -> ja
     raise ValueError(f"weights={dist!r}: one of {', '.join(WEIGHT_DISTS)}")
   if dist == "gaussian":
     return jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)
-  kt, kc = jax.random.split(key)
-  df = 4.0
-  w = jax.random.t(kt, df, shape, jnp.float32) / math.sqrt(df / (df - 2.0))
+  kt, kv, kc = jax.random.split(key, 3)
+  df = 4  # Student-t as z / sqrt(chi2_df / df), chi2_df a sum of df squared normals: the same
+  # law as jax.random.t, whose gamma sampler (a while loop) takes seconds to compile on a CPU
+  chi2 = jnp.sum(jnp.square(jax.random.normal(kv, (df,) + shape, jnp.float32)), axis=0)
+  w = jax.random.normal(kt, shape, jnp.float32) * lax.rsqrt(chi2 / df) / math.sqrt(df / (df - 2))
   sigma = 0.5
   cols = jnp.exp(sigma * jax.random.normal(kc, shape[:1] + (1,) + shape[2:], jnp.float32)
                  - sigma * sigma)  # (E[cols^2] = 1)

@@ -108,8 +108,8 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
           chose += (" (weight-only: the decode_wq kernels at <= 128 slots where they take "
                     "the format, one slot or up to 8 slots of an expert per work item; past "
                     "that, or where slots share experts in a format the shared kernel lacks, "
-                    "4-bit codes on the warp-specialized grouped_gemm_wq_ws GEMMs where K and "
-                    "N are multiples of 128, else on the grouped_gemm_wq GEMMs while experts "
+                    "4-bit and int8 codes on the warp-specialized grouped_gemm_wq_ws GEMMs where "
+                    "K and N are multiples of 128, else on the grouped_gemm_wq GEMMs while experts "
                     "average <= 512 rows; else the weights dequantized per call into the "
                     "bf16 kernels)")
         elif runner == "pallas_mosaic" and is_packed(quant):

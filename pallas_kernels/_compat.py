@@ -17,6 +17,7 @@ What differs, and how it is handled here:
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -136,6 +137,13 @@ def interpret_params(detect_races: bool = True, **kw):
   p, _ = _interpret_module()
   kw.setdefault("out_of_bounds_reads", "uninitialized")
   return p.InterpretGPUParams(detect_races=detect_races, **kw)
+
+
+def zero_filled(params):
+  """params reading zeros past an array, as TMA does, for a kernel whose tiles reach past its
+  operands' ends on purpose (sizes its tiles do not divide); its scratch then starts zeroed
+  too, not poisoned."""
+  return dataclasses.replace(params, uninitialized_memory="zero")
 
 
 def races_found() -> bool:

@@ -16,7 +16,9 @@ Rows stay in the sorted layout of the bf16 kernels (GEMM1's output rows are GEMM
 rows; the router-weighted gather-sum follows), and 256-token tiles where the experts have the
 rows, so each code is converted once per 256 tokens.
 
-Sizes: K and the output columns multiples of 128 (gpt-oss' 2880 stays on grouped_gemm_wq).
+Sizes: K and the output columns multiples of 64; where 128 does not divide them (gpt-oss'
+2880) the last K step and column tile reach past the arrays, whose TMA reads are zeros and
+stores dropped.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from jmoe.kernels.grouped_gemm_wq import SUB, _a_tiles, _group_major, _group_maj
 
 GROUPS = (16, 32, 64, 128)
 BK = ws.BK
+TAIL = 64  # K and N_out multiples of this (a 64-deep MMA, a warpgroup's 64 columns)
 CODE_DTYPES = ("int4", "float4_e2m1fn", "int8")  # the weight dtypes the kernel converts
 
 
@@ -44,7 +47,9 @@ def unsupported(k: int, n_out: int, w) -> str | None:
   """Why the kernel cannot take weights w (QuantizedWeights, logical [E, K, N_total]) with
   n_out output columns (None: it can): 4-bit codes (int4, e2m1) or int8 codes with bf16
   tokens, K-major, no act-order, scales per channel or per one of GROUPS along K, zero
-  points only per 128, K and N_out multiples of 128."""
+  points only per 128, K and N_out multiples of 64 (the last K step and column tile of sizes
+  128 does not divide, gpt-oss' 2880, reach past the arrays: TMA reads zeros, drops the
+  stores)."""
   q = w.scheme
   if q is None or q.weight_dtype not in CODE_DTYPES:
     return f"{q}: integer or e2m1 codes ({', '.join(CODE_DTYPES)})"
@@ -58,8 +63,8 @@ def unsupported(k: int, n_out: int, w) -> str | None:
     return f"{q.name}: scales per group or per channel, not {q.weight_scale}"
   if w.zero is not None and (q.weight_scale != "group" or q.group_size != BK):
     return f"{q.name}: zero points with groups of {BK} only"
-  if k % BK or n_out % 128:
-    return f"K={k} must be a multiple of {BK} and N={n_out} of 128"
+  if k % TAIL or n_out % TAIL:
+    return f"K={k} and N={n_out} must be multiples of {TAIL}"
   return None
 
 

@@ -25,8 +25,10 @@ register reads against the compiler's reuse of those registers).
 Users: grouped_gemm_w4a8 (fp8 tokens over mxfp4: codes -> e4m3 with the group exponents
 folded in, 8-bit wgmma) and `bf16_conversion` (bf16 / f16 tokens over int4 / e2m1 codes:
 codes -> bf16 times their group scales, 16-bit wgmma; the weight-only prefill GEMMs of
-`moe.weight_only_layout`'s "prefill_ws"). Sizes: K a multiple of 128, the output columns a
-multiple of the tile's (128 gated, 128 or 256 ungated).
+`moe.weight_only_layout`'s "prefill_ws"). Sizes: any the users' TMA boxes take; where the K
+step (128) or the column tile does not divide them, the last step / tile reaches past the
+arrays (TMA reads zeros and drops the stores; the interpreter reads zeros, `_compat.
+zero_filled`, and writes whole tiles that the caller cuts).
 """
 from __future__ import annotations
 
@@ -179,7 +181,7 @@ def candidates(gated: bool) -> tuple[WSConfig, ...]:
 def usable(cfg: WSConfig, conv: Conversion, *, gated: bool, n_out: int,
            out_bytes: int = 2) -> bool:
   """Whether cfg runs this problem (a tuned entry read for another output dtype may not)."""
-  return (n_out % cfg.block_n == 0 and (gated or not cfg.split_gate_up)
+  return ((gated or not cfg.split_gate_up)
           and acc_registers(cfg, gated) <= 128
           and fits(cfg, conv, 2 if gated else 1, out_bytes, cfg.num_stages))
 
@@ -190,8 +192,6 @@ def check_config(cfg: WSConfig, conv: Conversion, *, gated: bool, n_out: int, m_
   if not fits(cfg, conv, 2 if gated else 1, out_bytes, cfg.num_stages):
     raise ValueError(f"config {cfg}: its {cfg.num_stages}-slot ring and output tiles do not "
                      f"fit shared memory with {conv.name}'s operands")
-  if n_out % cfg.block_n:
-    raise ValueError(f"N={n_out} is not a multiple of config.block_n={cfg.block_n}")
   if cfg.split_gate_up and not gated:
     raise ValueError("config.split_gate_up needs a gated activation")
   if acc_registers(cfg, gated) > 128:  # more spills (gated 256 columns ran 2.5 x slower)
@@ -242,9 +242,15 @@ def call_kernel(conv: Conversion, cfg: WSConfig, *, lhs: jax.Array, n_total: int
   cfg = fit_stages(cfg, conv, 2 if gated else 1, out_bytes)
   check_config(cfg, conv, gated=gated, n_out=n_out, m_pad=m_pad, out_bytes=out_bytes)
   interp, nsm = _compat.launch_params(interpret)
-  return build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, out_dtype=jnp.dtype(out_dtype),
+  tails = bool(k % BK or n_out % cfg.block_n)
+  if interp is not None and tails:  # reads past the arrays as TMA's: zeros, not poison
+    interp = _compat.zero_filled(interp)
+  kern = build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, out_dtype=jnp.dtype(out_dtype),
                cfg=cfg, conv=conv, gated=gated, act=act, has_bias=has_bias,
                has_scale=has_scale, num_sms=nsm, interpret=interp)
+  if interp is None or not tails:
+    return kern
+  return lambda *args: kern(*args)[:, :n_out]  # (the interpreter's whole-tile output)
 
 
 def task_args(meta, lhs: jax.Array, codes: jax.Array) -> list:
@@ -284,8 +290,10 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
   bm, bn = cfg.block_m, cfg.block_n
   split = cfg.split_gate_up
   tn = cfg.wg_rows  # weight rows per compute warpgroup and operand: its wgmma's M
-  k_iters = k // BK
-  n_tiles = n_out // bn
+  # sizes the tiles do not divide (gpt-oss' 2880): the last K step and column tile reach past
+  # the arrays -- TMA reads zeros there and drops the stores (the interpreter: `tail_params`)
+  k_iters = pl.cdiv(k, BK)
+  n_tiles = pl.cdiv(n_out, bn)
   n_rhs = 2 if gated else 1
   n_acc = 1 if split else n_rhs  # accumulators per compute warpgroup
   n_side = len(conv.side)
@@ -295,6 +303,8 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
   tf_x = _compat.smem_transforms(min(BK, sub), xdt.itemsize)
   bits = conv.code_bits
   swz = plgpu.find_swizzle(BK * bits)
+  while k % (swz * 8 // bits) and swz > 32:  # TMA's tiled view needs tiles dividing K
+    swz //= 2
   tf_c = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
   ladder = gg.row_ladder(bm, m_pad)
   shape = (tn, bm)  # an accumulator: weight columns x token rows
@@ -471,11 +481,11 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
       lambda *_: None, grid=(k_iters,), memory_registers=40, in_specs=in_specs(),
       wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=cfg.num_stages,
       compute_context=lambda *_: None)
-  side_shapes = [jax.ShapeDtypeStruct((k // BK * rows, bn), dt)
+  side_shapes = [jax.ShapeDtypeStruct((k_iters * rows, bn), dt)
                  for rows, dt in conv.side for _ in range(n_rhs)]
   allocs = pipe.get_allocations(
-      jax.ShapeDtypeStruct((bm, k), xdt),
-      *[jax.ShapeDtypeStruct((bn, k), conv.code_dtype)] * n_rhs, *side_shapes)
+      jax.ShapeDtypeStruct((bm, k_iters * BK), xdt),
+      *[jax.ShapeDtypeStruct((bn, k_iters * BK), conv.code_dtype)] * n_rhs, *side_shapes)
   scratch = [plgpu.SMEM((1 if split else 2, bm, tn), out_dtype),
              plgpu.SMEM((2, 6, _vec_len(cfg)), jnp.float32),
              plgpu.Barrier(num_arrivals=1, num_barriers=nbar * 2), allocs]
@@ -483,8 +493,11 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
     scratch += [plgpu.SMEM(shape, out_dtype), plgpu.Barrier(num_arrivals=1, num_barriers=2)]
   if emulate:  # the interpreter's wgmma operands: A as a ref, B untransposed
     scratch += [plgpu.SMEM((2, n_acc, tn, BK), xdt), plgpu.SMEM((2, BK, bm), xdt)]
+  # (the interpreter raises on stores past an array, which TMA drops: there the output is
+  # whole tiles wide and the caller keeps its first n_out columns)
+  out_cols = n_out if interpret is None else n_tiles * bn
   return _compat.kernel(
-      body, out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype), scratch_types=scratch,
+      body, out_type=jax.ShapeDtypeStruct((m_pad, out_cols), out_dtype), scratch_types=scratch,
       grid=(num_sms,), grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True), interpret=interpret,
       name=f"jmoe_gg_{conv.name}" + ("_gated" if gated else ""), num_threads=3,

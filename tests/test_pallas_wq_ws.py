@@ -93,13 +93,20 @@ def test_wq_ws_gemm_matches_oracle(scheme, gated, config, sizes, rng):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fmt", ["mxfp4", pytest.param("w4a16", marks=pytest.mark.slow)])
-def test_prefill_ws_block_matches_oracle(fmt, rng):
+@pytest.mark.parametrize("fmt,size", [
+    ("mxfp4", 320),  # gpt-oss-like: 2.5 K steps, the last column tile half past N (zeros read)
+    pytest.param("w8a16", 320, marks=pytest.mark.slow),  # int8 code tiles: 64-byte swizzle
+    pytest.param("mxfp4", 256, marks=pytest.mark.slow),
+    pytest.param("w4a16", 256, marks=pytest.mark.slow)])
+def test_prefill_ws_block_matches_oracle(fmt, size, rng):
   """fused_experts_weight_only's prefill_ws layout (both GEMMs on the sorted rows, the
   intermediate bf16): 40 tokens, k = 2 on 4 experts (expert 3 empty), an empty slot,
-  swigluoai with biases (mxfp4: gpt-oss' form), H = N = 256; against the float64 oracle
-  with the intermediate rounded to bf16 as the path keeps it."""
-  x, q13, q2, tw, ids, b13, b2 = _problem(rng, fmt, 40, 256, 256, 4, 2, bias=True)
+  swigluoai with biases (mxfp4: gpt-oss' form), H = N = size; against the float64 oracle
+  with the intermediate rounded to bf16 as the path keeps it. At 320 (as gpt-oss' 2880, 128
+  divides neither) the last K step and column tile reach past the arrays: the interpreter
+  reads zeros there, as TMA does, and the kernel's stores past N land in whole-tile columns
+  that are dropped."""
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, fmt, 40, size, size, 4, 2, bias=True)
   ids[3, 1] = -1
   ids[:, :] = np.where(ids == 3, 2, ids)
   out = np.asarray(run_interpreted(
@@ -112,8 +119,8 @@ def test_prefill_ws_block_matches_oracle(fmt, rng):
                        np_dequant(q2), tw, ids, activation="swigluoai",
                        w13_bias=np.asarray(b13, np.float64),
                        w2_bias=np.asarray(b2, np.float64), requant=bf16)
-  assert out.shape == (40, 256) and np.isfinite(out).all()
-  onp.assert_rel_close(out, want, TOL, f"{fmt} prefill_ws vs oracle")
+  assert out.shape == (40, size) and np.isfinite(out).all()
+  onp.assert_rel_close(out, want, TOL, f"{fmt} prefill_ws at {size} vs oracle")
 
 
 def _weights(fmt, e, h, n, **kw):
@@ -124,17 +131,22 @@ def _weights(fmt, e, h, n, **kw):
 
 def test_prefill_ws_layout_rule_and_refusals():
   """auto takes the warp-specialized GEMMs for 4-bit and int8 codes past the decode kernels
-  where they take the sizes (K and N multiples of 128); gpt-oss' 2880 keeps grouped_gemm_wq;
-  e4m3 codes and groups the kernel lacks are refused naming the reason."""
+  where they take the sizes (K and N multiples of 64: gpt-oss' 2880 too); e4m3 codes, sizes
+  64 does not divide and groups the kernel lacks are refused naming the reason."""
   silu = as_activation("silu")
   for fmt in ("w4a16", "mxfp4", "nvfp4", "w8a16"):
     w = _weights(fmt, 8, 1024, 512)
     assert pmoe.weight_only_layout(4096, 2, 1024, 512, silu, *w) == "prefill_ws", fmt
     assert pmoe.weight_only_layout(1, 2, 1024, 512, silu, *w) == "decode", fmt
   odd = _weights("mxfp4", 128, 2880, 2880)  # gpt-oss-120b: 128 rows an expert
-  assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == "prefill"
-  with pytest.raises(ValueError, match="prefill_ws.*multiple of 128"):
-    pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd, layout="prefill_ws")
+  want = "prefill_ws" if pmoe.WS_AUTO_TAILS else "prefill"  # (auto: once timed there)
+  assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == want
+  assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd,
+                                 layout="prefill_ws") == "prefill_ws"
+  odd = _weights("mxfp4", 128, 2880, 2912)  # N = 91 x 32: 64 does not divide it
+  assert pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd) == "dequantize"
+  with pytest.raises(ValueError, match="prefill_ws.*multiples of 64"):
+    pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd, layout="prefill_ws")
   w8 = _weights("mxfp8", 8, 1024, 512)
   with pytest.raises(ValueError, match="prefill_ws.*integer or e2m1 codes"):
     pmoe.weight_only_layout(4096, 2, 1024, 512, silu, *w8, layout="prefill_ws")
@@ -150,20 +162,27 @@ def test_prefill_ws_layout_rule_and_refusals():
         S((8, 1024), jnp.float32))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "w8a16", pytest.param("w4a16", marks=pytest.mark.slow),
-                                 pytest.param("nvfp4", marks=pytest.mark.slow)])
-def test_prefill_ws_lowers_for_the_gpu(fmt, monkeypatch):
-  """mixtral-8x7b's block at 4096 tokens on the prefill_ws layout lowers for the GPU: the
+@pytest.mark.parametrize("fmt,preset", [
+    ("mxfp4", "mixtral"), ("w8a16", "mixtral"), ("mxfp4", "gpt-oss"),
+    pytest.param("w4a16", "mixtral", marks=pytest.mark.slow),
+    pytest.param("nvfp4", "mixtral", marks=pytest.mark.slow),
+    pytest.param("nvfp4", "gpt-oss", marks=pytest.mark.slow)])
+def test_prefill_ws_lowers_for_the_gpu(fmt, preset, monkeypatch):
+  """The block at 4096 tokens on the prefill_ws layout lowers for the GPU: mixtral-8x7b's
   default configs' shared-memory plans at full K fit (Mosaic GPU's lowering checks the
   allocation against the sm_90 limit; 256-token tiles at 1,024 rows an expert, nvfp4's
-  128-token ones)."""
+  128-token ones); gpt-oss-120b's 2880 (swigluoai, biases) with the last K step and column
+  tile reaching past the arrays."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
-  e, k, h, n, t = 8, 2, 4096, 14336, 4096
+  e, k, h, n, act = {"mixtral": (8, 2, 4096, 14336, "silu"),
+                     "gpt-oss": (128, 4, 2880, 2880, "swigluoai")}[preset]
+  t = 4096
   w13, w2 = _weights(fmt, e, h, n)
-  text = jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
-      x, w13, w2, tw, ti, layout="prefill_ws")).trace(
-          S((t, h), jnp.bfloat16), w13, w2, S((t, k), jnp.float32),
-          S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  text = jax.jit(lambda x, w13, w2, tw, ti, b13, b2: pmoe.fused_experts_weight_only(
+      x, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2, activation=act, layout="prefill_ws")).trace(
+          S((t, h), jnp.bfloat16), w13, w2, S((t, k), jnp.float32), S((t, k), jnp.int32),
+          S((e, 2 * n), jnp.float32), S((e, h), jnp.float32)).lower(
+              lowering_platforms=("cuda",)).as_text()
   stem = "jmoe_gg_wq8_ws" if fmt == "w8a16" else "jmoe_gg_wq_ws"
   assert {stem + "_gated", stem} <= set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
 

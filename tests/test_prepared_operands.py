@@ -18,6 +18,7 @@ from jmoe.kernels import moe as pmoe
 from jmoe.kernels import prepared
 from jmoe.layers import MoE
 from jmoe.quant import prepare_for_kernels, quantize_activations, quantize_weights
+from jmoe.quant.activations import dequantize_activations
 from kernel_run import run_interpreted
 from test_pallas_decode_wq import _oracle, _problem
 from test_pallas_w4a8 import _fp8_per_row
@@ -42,16 +43,20 @@ def _weights(fmt, e=4, h=256, n=256, seed=0, **kw):
     ("nvfp4", {}, 256, {"wq_ws.scale.bfloat16": ("bfloat16", (4, 16, 512))}),
     ("w4a16", dict(zero_point=True), 256, {"wq_ws.scale.bfloat16": ("bfloat16", (4, 2, 512)),
                                            "wq_ws.zero": ("uint8", (4, 2, 512))}),
-    # 128 not dividing H: the prefill GEMMs' float32 scales (decode_wq's padded byte scales
-    # below: it takes H >= 256)
-    ("mxfp4", {}, 192, {"wq.scale": ("float32", (4, 6, 512))}),
+    # 128 not dividing H: the operands of auto's prefill layout there (grouped_gemm_wq's
+    # float32 scales until prefill_ws is timed at such sizes, moe.WS_AUTO_TAILS; decode_wq's
+    # padded byte scales below: it takes H >= 256); e4m3 codes: grouped_gemm_wq's
+    ("mxfp4", {}, 192, {"wq_ws.scale_bytes": ("uint8", (4, 6, 512)),
+                        "wq_ws.columns": ("float32", (4, 512))} if pmoe.WS_AUTO_TAILS else
+     {"wq.scale": ("float32", (4, 6, 512))}),
+    ("mxfp8", {}, 256, {"wq.scale": ("float32", (4, 8, 512))}),
     ("mxfp4_fp8", {}, 256, {"w4a8.shifts": ("uint8", (4, 8, 512)),
                             "w4a8.w_scale": ("float32", (4, 512))}),
     ("nvfp4_fp8", {}, 256, {"wq_ws.scale.bfloat16": ("bfloat16", (4, 16, 512))}),
 ])
 def test_prepare_keeps_the_operands_of_the_layouts_that_can_run(fmt, kw, h, want13):
-  """prepare_for_kernels gives w13 the prefill layout's operands (prefill_ws where 128
-  divides H and N, grouped_gemm_wq's float32 scales elsewhere, grouped_gemm_w4a8's shifts for
+  """prepare_for_kernels gives w13 the prefill layout's operands (prefill_ws where auto takes
+  it, grouped_gemm_wq's float32 scales elsewhere, grouped_gemm_w4a8's shifts for
   mxfp4 with fp8 tokens, the bf16-token ones where fp8 tokens are dequantized), each equal to
   what the kernel would make per call; the stored arrays are the same objects."""
   w13, w2 = _weights(fmt, h=h, **kw)
@@ -136,7 +141,8 @@ def _poisoned(w):
 @needs_interpreter
 @pytest.mark.parametrize("sid,h,layout", [
     ("mxfp4", 256, "prefill_ws"),
-    ("mxfp4", 192, "prefill"),  # grouped_gemm_wq: 128 does not divide H = N = 192
+    ("mxfp4", 192, "auto"),  # 128 does not divide H = N = 192 (prefill or prefill_ws)
+    pytest.param("mxfp8", 256, "prefill", marks=pytest.mark.slow),  # grouped_gemm_wq
     pytest.param("nvfp4", 256, "prefill_ws", marks=pytest.mark.slow),
     pytest.param("w4a16-zp", 256, "prefill_ws", marks=pytest.mark.slow),
     pytest.param("mxfp4_fp8", 256, "prefill_fp8", marks=pytest.mark.slow)])
@@ -148,7 +154,7 @@ def test_prefill_reads_the_prepared_operands(sid, h, layout, rng):
   p13, p2 = prepare_for_kernels(q13, q2, activation="swigluoai")
   kw = dict(w13_bias=b13, w2_bias=b2, activation="swigluoai", out_dtype=jnp.float32,
             layout=layout)
-  if sid == "mxfp4_fp8":
+  if q13.scheme.act_dtype is not None:  # fp8 tokens
     x, xs = quantize_activations(x, q13.scheme)
     kw["x_scale"] = xs
   out = np.asarray(run_interpreted(
@@ -160,8 +166,9 @@ def test_prefill_reads_the_prepared_operands(sid, h, layout, rng):
     want = onp.fused_moe(x_hat, np_dequant(q13), np_dequant(q2), tw, ids,
                          activation="swigluoai", w13_bias=np.asarray(b13, np.float64),
                          w2_bias=np.asarray(b2, np.float64), requant=_fp8_per_row)
-  else:
-    want = _oracle(jnp.asarray(x, jnp.float32), q13, q2, tw, ids, b13, b2, "swigluoai")
+  else:  # (mxfp8: its fp8 tokens' values in bf16, the intermediate bf16)
+    x_hat = x if sid != "mxfp8" else dequantize_activations(x, xs)
+    want = _oracle(jnp.asarray(x_hat, jnp.float32), q13, q2, tw, ids, b13, b2, "swigluoai")
   onp.assert_rel_close(out, want, TOL, f"{sid} {layout} on prepared operands")
 
 

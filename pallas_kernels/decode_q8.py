@@ -117,8 +117,11 @@ def _build(*, h, n, m, k, e, dtype, act: Activation, stages: int, has_bias: bool
   tf = _compat.smem_transforms(BK, 1)
   emulate_t = interpret is not None  # the interpreter's wgmma takes no transposed operand
 
-  def body(ids_ref, xs_ref, x_ref, w13_ref, ws13_ref, w2_ref, ws2_ref, *rest):
+  def body(ids_ref, *rest):
     rest = list(rest)
+    xs_ref = None if block else rest.pop(0)  # (block: the token scales ride in ws13)
+    x_ref, w13_ref, ws13_ref, w2_ref, ws2_ref = rest[:5]
+    del rest[:5]
     b13_ref = rest.pop(0) if has_bias else None
     part_ref, ring, xring, sring, a_smem, a_vec, s_vec, o_row, vec, bars, xbar = rest[:11]
     rest = rest[11:]
@@ -416,15 +419,15 @@ def fused_experts_decode_q8(x_q: jax.Array, x_scale: jax.Array, w13, w2,
   kern = _build(h=h, n=n, m=m, k=k, e=e, dtype=dt, act=act, stages=stages, has_bias=has_bias,
                 num_sms=nsm, interpret=interp, block=block)
   if block:  # (the token scales ride in GEMM1's per-slot factors)
-    xs = jnp.zeros((t,), jnp.float32)
     s13, s2 = _block_factors(x_scale, w13, w2, ids, k)
-    x8 = token_group_tiles(x_q)
+    args = [ids, token_group_tiles(x_q)]
   else:
     xs = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (t,))
     x8 = jnp.broadcast_to(x_q[:, None, :], (t, _N, h)).reshape(t * _N, h)  # B: the row 8 times
     s13 = _channel_scales(w13.scale, e, n2, "w13.scale")
     s2 = _channel_scales(w2.scale, e, h, "w2.scale")
-  args = [ids, xs, x8, w13.values, s13, w2.values, s2]
+    args = [ids, xs, x8]
+  args += [w13.values, s13, w2.values, s2]
   if has_bias:
     args.append(w13_bias.astype(jnp.float32))
   part = kern(*args)  # [N / 128, m, H]

@@ -486,8 +486,18 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
 # ----------------------------------------------------------------------------- the run
 
 
-# the decode kernels' switches: jmoe.kernels.decode_wq's, and decode_wq_shared's SYNC_SHARED
-DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES", "PAD_TAILS", "TWO_WG", "SYNC_SHARED")
+# the kernels' form switches: jmoe.kernels.decode_wq's, decode_wq_shared's SYNC_SHARED and
+# grouped_gemm_wq_ws' TAILS (as WS_TAILS)
+DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES", "PAD_TAILS", "TWO_WG", "SYNC_SHARED",
+                   "WS_TAILS")
+
+
+def switch_target(flag: str) -> tuple:
+  """(module, attribute) that switch `flag` of DECODE_WQ_FLAGS sets."""
+  from jmoe.kernels import decode_wq, decode_wq_shared, grouped_gemm_wq_ws  # noqa: PLC0415
+  if flag == "WS_TAILS":
+    return grouped_gemm_wq_ws, "TAILS"
+  return (decode_wq_shared if flag == "SYNC_SHARED" else decode_wq), flag
 
 
 def parse_decode_wq(spec: str, error) -> dict:
@@ -521,8 +531,9 @@ def parse_args(argv=None):
                        "decode_fp8, decode_shared, prefill, prefill_fp8, dequantize; "
                        "JMOE_WEIGHT_ONLY_LAYOUT)")
   ap.add_argument("--decode-wq", default="",
-                  help="decode_wq's form switches for an A/B, FLAG=0|1 comma-separated: "
-                       f"{', '.join(DECODE_WQ_FLAGS)} (default: all on; run one process per "
+                  help="the kernels' form switches for an A/B, FLAG=0|1 comma-separated: "
+                       f"{', '.join(DECODE_WQ_FLAGS)} (default: all on but WS_TAILS, "
+                       "grouped_gemm_wq_ws.TAILS; run one process per "
                        "setting: a traced kernel keeps the form it was traced with)")
   ap.add_argument("--prepared", default="yes", choices=("yes", "no", "both"),
                   help="time the weights with the kernels' derived operands made once "
@@ -628,9 +639,8 @@ def table(results) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from jmoe.kernels import decode_wq, decode_wq_shared  # noqa: PLC0415
   for name, on in args.decode_wq.items():  # before anything is traced
-    setattr(decode_wq_shared if name == "SYNC_SHARED" else decode_wq, name, on)
+    setattr(*switch_target(name), on)
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "bench_weight_only.json")
   t_start = time.time()

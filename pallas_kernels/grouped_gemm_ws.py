@@ -25,10 +25,10 @@ register reads against the compiler's reuse of those registers).
 Users: grouped_gemm_w4a8 (fp8 tokens over mxfp4: codes -> e4m3 with the group exponents
 folded in, 8-bit wgmma) and `bf16_conversion` (bf16 / f16 tokens over int4 / e2m1 codes:
 codes -> bf16 times their group scales, 16-bit wgmma; the weight-only prefill GEMMs of
-`moe.weight_only_layout`'s "prefill_ws"). Sizes: any the users' TMA boxes take; where the K
-step (128) or the column tile does not divide them, the last step / tile reaches past the
-arrays (TMA reads zeros and drops the stores; the interpreter reads zeros, `_compat.
-zero_filled`, and writes whole tiles that the caller cuts).
+`moe.weight_only_layout`'s "prefill_ws"). Sizes: any the users' TMA boxes take, the output
+columns a multiple of a warpgroup's (64 or 128); where the K step (128) or the column tile
+does not divide them, the last step / tile reads past the arrays (zeros: TMA's fill, the
+interpreter's with `_compat.zero_filled`) and its warpgroup columns past N are not stored.
 """
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def candidates(gated: bool) -> tuple[WSConfig, ...]:
 def usable(cfg: WSConfig, conv: Conversion, *, gated: bool, n_out: int,
            out_bytes: int = 2) -> bool:
   """Whether cfg runs this problem (a tuned entry read for another output dtype may not)."""
-  return ((gated or not cfg.split_gate_up)
+  return (n_out % cfg.wg_rows == 0 and (gated or not cfg.split_gate_up)
           and acc_registers(cfg, gated) <= 128
           and fits(cfg, conv, 2 if gated else 1, out_bytes, cfg.num_stages))
 
@@ -192,6 +192,9 @@ def check_config(cfg: WSConfig, conv: Conversion, *, gated: bool, n_out: int, m_
   if not fits(cfg, conv, 2 if gated else 1, out_bytes, cfg.num_stages):
     raise ValueError(f"config {cfg}: its {cfg.num_stages}-slot ring and output tiles do not "
                      f"fit shared memory with {conv.name}'s operands")
+  if n_out % cfg.wg_rows:  # (a tile past N: each warpgroup's columns all inside or all past)
+    raise ValueError(f"N={n_out} is not a multiple of a warpgroup's {cfg.wg_rows} columns "
+                     f"(config {cfg})")
   if cfg.split_gate_up and not gated:
     raise ValueError("config.split_gate_up needs a gated activation")
   if acc_registers(cfg, gated) > 128:  # more spills (gated 256 columns ran 2.5 x slower)
@@ -245,12 +248,9 @@ def call_kernel(conv: Conversion, cfg: WSConfig, *, lhs: jax.Array, n_total: int
   tails = bool(k % BK or n_out % cfg.block_n)
   if interp is not None and tails:  # reads past the arrays as TMA's: zeros, not poison
     interp = _compat.zero_filled(interp)
-  kern = build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, out_dtype=jnp.dtype(out_dtype),
+  return build(m_pad=m_pad, k=k, n_out=n_out, n_total=n_total, out_dtype=jnp.dtype(out_dtype),
                cfg=cfg, conv=conv, gated=gated, act=act, has_bias=has_bias,
                has_scale=has_scale, num_sms=nsm, interpret=interp)
-  if interp is None or not tails:
-    return kern
-  return lambda *args: kern(*args)[:, :n_out]  # (the interpreter's whole-tile output)
 
 
 def task_args(meta, lhs: jax.Array, codes: jax.Array) -> list:
@@ -291,7 +291,8 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
   split = cfg.split_gate_up
   tn = cfg.wg_rows  # weight rows per compute warpgroup and operand: its wgmma's M
   # sizes the tiles do not divide (gpt-oss' 2880): the last K step and column tile reach past
-  # the arrays -- TMA reads zeros there and drops the stores (the interpreter: `tail_params`)
+  # the arrays, where TMA reads zeros (the interpreter: `_compat.zero_filled`); a warpgroup's
+  # columns past N are not stored (N a multiple of its columns: no partial store)
   k_iters = pl.cdiv(k, BK)
   n_tiles = pl.cdiv(n_out, bn)
   n_rhs = 2 if gated else 1
@@ -343,8 +344,11 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
       else:  # a register transpose (lane shuffles), then a transposed store
         store_transposed(y, epi)
       plgpu.commit_smem()
-      gg.store_task_rows(epi, out_ref, tile_row=row, lo=lo, hi=hi, tile_m=bm, ladder=ladder,
-                         cols=pl.ds(c0, tn))
+
+      @pl.when(c0 < n_out)  # (a last tile's half past N: its columns are not stored at all)
+      def _store():
+        gg.store_task_rows(epi, out_ref, tile_row=row, lo=lo, hi=hi, tile_m=bm,
+                           ladder=ladder, cols=pl.ds(c0, tn))
 
     def epilogue(accs, wg, e, row, lo, hi, ni):
       """accs: this warpgroup's f32 [tn, bm] accumulators (weight columns x the tile's token
@@ -493,11 +497,8 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
     scratch += [plgpu.SMEM(shape, out_dtype), plgpu.Barrier(num_arrivals=1, num_barriers=2)]
   if emulate:  # the interpreter's wgmma operands: A as a ref, B untransposed
     scratch += [plgpu.SMEM((2, n_acc, tn, BK), xdt), plgpu.SMEM((2, BK, bm), xdt)]
-  # (the interpreter raises on stores past an array, which TMA drops: there the output is
-  # whole tiles wide and the caller keeps its first n_out columns)
-  out_cols = n_out if interpret is None else n_tiles * bn
   return _compat.kernel(
-      body, out_type=jax.ShapeDtypeStruct((m_pad, out_cols), out_dtype), scratch_types=scratch,
+      body, out_type=jax.ShapeDtypeStruct((m_pad, n_out), out_dtype), scratch_types=scratch,
       grid=(num_sms,), grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True), interpret=interpret,
       name=f"jmoe_gg_{conv.name}" + ("_gated" if gated else ""), num_threads=3,

@@ -632,7 +632,7 @@ def _batched_fp8_block(xs, xs_scale, w13, w2, starts, counts, cap: int, *, act, 
                         interpret=interpret)[:m]
 
 
-# grouped_gemm_wq (one warpgroup; what e4m3 codes and zero points with small groups run) beats
+# grouped_gemm_wq (one warpgroup; what sizes 128 does not divide and e4m3 codes run) beats
 # dequantizing every expert per call while the experts get few rows each (the dequantize's
 # cost is the weights', the in-register conversion's grows with the rows). H200, 4096 tokens
 # (2026-12-02): qwen3 (256 rows an expert) w4a16 989 vs 1,084 µs, mxfp4 1,252 vs 1,337;
@@ -649,8 +649,8 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   with up to 8 slots of one expert per work item, so an expert streams once per 8 of its
   slots; the group scales cost a multiply per weight element), "prefill_ws"
   (jmoe.kernels.grouped_gemm_wq_ws: warp-specialized grouped GEMMs on 4-bit or int8 codes
-  converted in registers, H and N multiples of 64), "prefill" (jmoe.kernels.grouped_gemm_wq: the
-  single-warpgroup form, which also takes e4m3 codes) or
+  converted in registers, H and N multiples of 128), "prefill" (jmoe.kernels.grouped_gemm_wq: the
+  single-warpgroup form, which also takes sizes 128 does not divide and e4m3 codes) or
   "dequantize" (the weights dequantized in the graph per call, then the bf16 kernels).
   auto: where slots share experts on average (T * k >= 2 E) prefill_ws where it takes the
   call, else decode_shared (also where decode_wq refuses only what decode_wq_shared takes:
@@ -698,7 +698,6 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   why_shared = _decode_wq_shared.unsupported(t, k, h, n, act, w13, w2)
   why_prefill = _gg_wq.unsupported(t * k, h, n, act, w13, w2)
   why_ws = _wq_ws_unsupported(h, n, act, w13, w2)
-  auto_ws = why_ws is None and _ws_auto_sizes(h, n)
   for name, reason in (("decode", why), ("decode_shared", why_shared),
                        ("prefill", why_prefill), ("prefill_ws", why_ws)):
     if layout == name and reason is not None:
@@ -708,7 +707,7 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
     # where slots share experts the warp-specialized GEMMs beat the shared decode kernel
     # (H100, mixtral, 2026-12-07: 16 tokens w4a16 575.7 against 645.8 us, w8a16 615.6 / 719.4;
     # 64 tokens 583.0 / 1,610.8 and 631.5 / 1,647.6)
-    if sharing and auto_ws:
+    if sharing and why_ws is None:
       return "prefill_ws"
     if why_shared is None and (why is not None or sharing):
       return "decode_shared"
@@ -720,7 +719,7 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
     # 888 us against 2,414 decode_wq, 2,333 dequantized; docs/kernels.md)
     # (and for e4m3 codes: mxfp8's groups of 32, which the shared kernel refuses; H200 qwen3
     # 4096 tokens: 1,170 us against 1,394 dequantized)
-    if auto_ws:  # (H200 mixtral mxfp4 16 tokens: 721 us against 888 on the above)
+    if why_ws is None:  # (H200 mixtral mxfp4 16 tokens: 721 us against 888 on the above)
       return "prefill_ws"
     fp8_codes = w13.scheme.weight_dtype == "float8_e4m3fn"
     if (why_prefill is None and (w13.packed or fp8_codes)
@@ -728,16 +727,6 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
       return "prefill"
     return "dequantize"
   return layout
-
-
-# auto runs prefill_ws at sizes 128 does not divide (gpt-oss' 2880: its last K step and column
-# tile past the arrays) once measured faster there than grouped_gemm_wq; until then it is
-# layout="prefill_ws" only
-WS_AUTO_TAILS = False
-
-
-def _ws_auto_sizes(h: int, n: int) -> bool:
-  return WS_AUTO_TAILS or (h % 128 == 0 and n % 128 == 0)
 
 
 def _wq_ws_unsupported(h: int, n: int, act: Activation, w13, w2) -> str | None:
@@ -786,7 +775,7 @@ def fused_experts_weight_only_batched(x: jax.Array, expert_num_tokens: jax.Array
   or per group), dequantized here into bf16 (the bf16-token kernels run them); w13 / w2
   weight-only QuantizedWeights (logical [E, H, 2N] / [E, N, H]). Where the warp-specialized
   weight-only GEMMs take the experts (grouped_gemm_wq_ws: a gated activation, 4-bit or int8
-  codes, H and N multiples of 128 until WS_AUTO_TAILS), both GEMMs run there over task lists aligned to each expert's
+  codes, H and N multiples of 128), both GEMMs run there over task lists aligned to each expert's
   rows (tiles past an expert's count are never scheduled: an empty expert reads no codes);
   elsewhere the weights are dequantized in the graph into the bf16 batched kernels.
   Returns [E, C, H] out_dtype, rows past the counts zero.
@@ -805,7 +794,7 @@ def fused_experts_weight_only_batched(x: jax.Array, expert_num_tokens: jax.Array
   n = w2.shape[1]
   counts = jnp.clip(expert_num_tokens.astype(jnp.int32), 0, cap)
   live = jnp.arange(cap)[None, :] < counts[:, None]
-  if _wq_ws_unsupported(hdim, n, act, w13, w2) is None and _ws_auto_sizes(hdim, n):
+  if _wq_ws_unsupported(hdim, n, act, w13, w2) is None:
     m = e * cap
     cfg1 = _wq_ws.default_config(w13, n, True, x.dtype, m)
     cfg2 = _wq_ws.default_config(w2, hdim, False, x.dtype, m, out_dtype)

@@ -130,15 +130,13 @@ def test_bench_train_step_tiny_smoke(tmp_path):
 
 
 def test_bench_weight_only_decode_wq_switches():
-  """bench_weight_only.py --decode-wq: decode_wq's form switches for an A/B, checked by name
+  """bench_weight_only.py --decode-wq: the kernels' form switches for an A/B, checked by name
   and value."""
   import bench_weight_only as bw
   assert bw.parse_args(["--decode-wq", "WIDE_ROWS=0,SCALE_BYTES=1"]).decode_wq == {
       "WIDE_ROWS": False, "SCALE_BYTES": True}
   assert bw.parse_args([]).decode_wq == {}
-  from jmoe.kernels import decode_wq, decode_wq_shared
-  assert all(isinstance(getattr(decode_wq_shared if f == "SYNC_SHARED" else decode_wq, f), bool)
-             for f in bw.DECODE_WQ_FLAGS)
+  assert all(isinstance(getattr(*bw.switch_target(f)), bool) for f in bw.DECODE_WQ_FLAGS)
   for bad in ("WIDE=0", "WIDE_ROWS=2", "SYNC_4BIT"):
     with pytest.raises(SystemExit):
       bw.parse_args(["--decode-wq", bad])

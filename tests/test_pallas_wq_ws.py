@@ -98,14 +98,15 @@ def test_wq_ws_gemm_matches_oracle(scheme, gated, config, sizes, rng):
     pytest.param("w8a16", 320, marks=pytest.mark.slow),  # int8 code tiles: 64-byte swizzle
     pytest.param("mxfp4", 256, marks=pytest.mark.slow),
     pytest.param("w4a16", 256, marks=pytest.mark.slow)])
-def test_prefill_ws_block_matches_oracle(fmt, size, rng):
+def test_prefill_ws_block_matches_oracle(fmt, size, rng, monkeypatch):
   """fused_experts_weight_only's prefill_ws layout (both GEMMs on the sorted rows, the
   intermediate bf16): 40 tokens, k = 2 on 4 experts (expert 3 empty), an empty slot,
   swigluoai with biases (mxfp4: gpt-oss' form), H = N = size; against the float64 oracle
   with the intermediate rounded to bf16 as the path keeps it. At 320 (as gpt-oss' 2880, 128
-  divides neither) the last K step and column tile reach past the arrays: the interpreter
-  reads zeros there, as TMA does, and the kernel's stores past N land in whole-tile columns
-  that are dropped."""
+  divides neither; `grouped_gemm_wq_ws.TAILS`) the last K step and column tile read past the
+  arrays -- the interpreter reads zeros there, as TMA does (it fails with its NaN) -- and the
+  last tile's second warpgroup, all past N, stores nothing."""
+  monkeypatch.setattr(wqws, "TAILS", True)
   x, q13, q2, tw, ids, b13, b2 = _problem(rng, fmt, 40, size, size, 4, 2, bias=True)
   ids[3, 1] = -1
   ids[:, :] = np.where(ids == 3, 2, ids)
@@ -131,22 +132,25 @@ def _weights(fmt, e, h, n, **kw):
 
 def test_prefill_ws_layout_rule_and_refusals():
   """auto takes the warp-specialized GEMMs for 4-bit and int8 codes past the decode kernels
-  where they take the sizes (K and N multiples of 64: gpt-oss' 2880 too); e4m3 codes, sizes
-  64 does not divide and groups the kernel lacks are refused naming the reason."""
+  where they take the sizes (K and N multiples of 128; of 64 with TAILS on: gpt-oss' 2880);
+  e4m3 codes, sizes they do not take and groups the kernel lacks are refused naming the
+  reason."""
   silu = as_activation("silu")
   for fmt in ("w4a16", "mxfp4", "nvfp4", "w8a16"):
     w = _weights(fmt, 8, 1024, 512)
     assert pmoe.weight_only_layout(4096, 2, 1024, 512, silu, *w) == "prefill_ws", fmt
     assert pmoe.weight_only_layout(1, 2, 1024, 512, silu, *w) == "decode", fmt
   odd = _weights("mxfp4", 128, 2880, 2880)  # gpt-oss-120b: 128 rows an expert
-  want = "prefill_ws" if pmoe.WS_AUTO_TAILS else "prefill"  # (auto: once timed there)
-  assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == want
-  assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd,
-                                 layout="prefill_ws") == "prefill_ws"
-  odd = _weights("mxfp4", 128, 2880, 2912)  # N = 91 x 32: 64 does not divide it
-  assert pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd) == "dequantize"
-  with pytest.raises(ValueError, match="prefill_ws.*multiples of 64"):
-    pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd, layout="prefill_ws")
+  assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == "prefill"
+  with pytest.raises(ValueError, match="prefill_ws.*multiples of 128.*TAILS"):
+    pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd, layout="prefill_ws")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(wqws, "TAILS", True)
+    assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == "prefill_ws"
+    odd = _weights("mxfp4", 128, 2880, 2912)  # N = 91 x 32: 64 does not divide it
+    assert pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd) == "dequantize"
+    with pytest.raises(ValueError, match="prefill_ws.*multiples of 64"):
+      pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd, layout="prefill_ws")
   w8 = _weights("mxfp8", 8, 1024, 512)
   with pytest.raises(ValueError, match="prefill_ws.*integer or e2m1 codes"):
     pmoe.weight_only_layout(4096, 2, 1024, 512, silu, *w8, layout="prefill_ws")
@@ -172,8 +176,9 @@ def test_prefill_ws_lowers_for_the_gpu(fmt, preset, monkeypatch):
   default configs' shared-memory plans at full K fit (Mosaic GPU's lowering checks the
   allocation against the sm_90 limit; 256-token tiles at 1,024 rows an expert, nvfp4's
   128-token ones); gpt-oss-120b's 2880 (swigluoai, biases) with the last K step and column
-  tile reaching past the arrays."""
+  tile reaching past the arrays (TAILS on)."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  monkeypatch.setattr(wqws, "TAILS", True)
   e, k, h, n, act = {"mixtral": (8, 2, 4096, 14336, "silu"),
                      "gpt-oss": (128, 4, 2880, 2880, "swigluoai")}[preset]
   t = 4096

@@ -392,11 +392,11 @@ def test_tune_quant_writes_8bit_tables_the_kernels_read(scheme, tables, tmp_path
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
   rc = cli.main(["tune", "--shape", "4,2,128,128", "--tokens", "8", "--interpret", "--quant",
-                 scheme, "--max-candidates", "2", "--iters", "1", "--draws", "1",
+                 scheme, "--max-candidates", "1", "--iters", "1", "--draws", "1",
                  "--out", str(tmp_path), "--log", str(tmp_path / "log.json")])
   assert rc == 0
   log = json.loads((tmp_path / "log.json").read_text())["candidates"]
-  assert [c["table"] for c in log] == [tb for tb in tables for _ in range(2)]
+  assert [c["table"] for c in log] == list(tables)  # (one candidate a problem: CI's budget)
   for tb in tables:
     (key, entry), = json.loads((tmp_path / f"{tb}.json").read_text()).items()
     assert ",dtype=float8_e4m3fn," in key and entry["us"] > 0 and "--quant" in entry["note"]
@@ -438,11 +438,11 @@ def test_tune_quant_weight_only_writes_tables_the_prefill_gemms_read(tmp_path, m
   if not _compat.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this jax")
   rc = cli.main(["tune", "--shape", "4,2,256,128", "--tokens", "64", "--interpret", "--quant",
-                 "w4a16", "--max-candidates", "2", "--iters", "1", "--draws", "1",
+                 "w4a16", "--max-candidates", "1", "--iters", "1", "--draws", "1",
                  "--out", str(tmp_path), "--log", str(tmp_path / "log.json")])
   assert rc == 0
   log = json.loads((tmp_path / "log.json").read_text())["candidates"]
-  assert [c["table"] for c in log] == [tb for tb in wq_ws.TABLES for _ in range(2)]
+  assert [c["table"] for c in log] == list(wq_ws.TABLES)  # (one candidate a problem)
   entries = {}
   for tb in wq_ws.TABLES:
     (key, entry), = json.loads((tmp_path / f"{tb}.json").read_text()).items()

@@ -38,17 +38,20 @@ def _kernels(fn, *shapes, **kw_shapes) -> set:
 
 @pytest.mark.parametrize("preset,t,expect", [
     ("qwen3", 1, set()),                               # the one-kernel decode block
-    ("qwen3", 2, set()),                               # the one-kernel decode block
+    pytest.param("qwen3", 2, set(), marks=pytest.mark.slow),  # the one-kernel decode block
     ("qwen3", 4, set()),                               # per_slot decode
     ("qwen3", 1024, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),
-    ("qwen3", 128, {"jmoe_route_scatter_rows"}),       # 8 blocks: one routing kernel
+    pytest.param("qwen3", 128, {"jmoe_route_scatter_rows"},  # 8 blocks: one routing kernel
+                 marks=pytest.mark.slow),
     ("qwen3", 256, {"jmoe_route_scatter_rows"}),       # 16 blocks: one routing kernel
     ("qwen3", 512, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 32 blocks: two
     ("mixtral", 1024, {"jmoe_route_scatter_rows"}),    # 16 blocks: one
     ("mixtral", 4, {"jmoe_route_scatter_rows"}),                        # one routing kernel
     ("deepseek", 32, {"jmoe_route_scatter_rows"}),      # 2 blocks of 128 slots: one kernel
-    ("deepseek", 64, {"jmoe_route_scatter_rows"}),      # 4 blocks: one kernel
-    ("deepseek", 128, {"jmoe_route_scatter_rows"}),     # 8 blocks: one kernel
+    pytest.param("deepseek", 64, {"jmoe_route_scatter_rows"},  # 4 blocks: one kernel
+                 marks=pytest.mark.slow),
+    pytest.param("deepseek", 128, {"jmoe_route_scatter_rows"},  # 8 blocks: one kernel
+                 marks=pytest.mark.slow),
     ("deepseek", 256, {"jmoe_route_scatter_rows"}),     # 16 blocks: one kernel
     ("deepseek", 512, {"jmoe_route_block_counts", "jmoe_route_scatter_rows"}),  # 32 blocks
 ])

@@ -138,7 +138,7 @@ def _poisoned(w):
 
 @needs_interpreter
 @pytest.mark.parametrize("sid,h,layout", [
-    ("mxfp4", 256, "prefill_ws"),
+    pytest.param("mxfp4", 256, "prefill_ws", marks=pytest.mark.slow),
     ("mxfp4", 192, "auto"),  # 128 does not divide H = N = 192 (prefill or prefill_ws)
     pytest.param("mxfp8", 256, "prefill", marks=pytest.mark.slow),  # grouped_gemm_wq
     pytest.param("nvfp4", 256, "prefill_ws", marks=pytest.mark.slow),
@@ -233,7 +233,8 @@ def test_checkpoint_layer_is_prepared_on_load():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("h,n,bias", [(512, 256, False), (320, 320, True)])
+@pytest.mark.parametrize("h,n,bias", [pytest.param(512, 256, False, marks=pytest.mark.slow),
+                                        (320, 320, True)])
 def test_decode_reads_prepared_byte_scales(h, n, bias, rng):
   """decode_wq with e8m0 byte scales whose rows are not TMA's 16-byte pitch: w2's 8 bytes at
   N = 256 (qwen3 mxfp4's are 24), and at gpt-oss-like sizes (320: `padded_sizes`) w13's and

@@ -853,7 +853,10 @@ def _tgmm_cases():
   for cfg in TGMM_CFGS:
     for name, sizes in TGMM_SIZES.items():
       lean = name in TGMM_FULL or cfg in TGMM_ALL_SIZES
-      yield pytest.param(sizes, cfg, id=f"{name}-{cfg}", marks=() if lean else pytest.mark.slow)
+      # slow: one_wg's sizes; exhaustive (past .ci/run's budget): the rest of the product
+      marks = (() if lean else (pytest.mark.slow,) if cfg == "one_wg"
+               else (pytest.mark.slow, pytest.mark.exhaustive))
+      yield pytest.param(sizes, cfg, id=f"{name}-{cfg}", marks=marks)
 
 
 @pytest.mark.parametrize("sizes,cfg", list(_tgmm_cases()))

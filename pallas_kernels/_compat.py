@@ -139,6 +139,15 @@ def interpret_params(detect_races: bool = True, **kw):
   return p.InterpretGPUParams(detect_races=detect_races, **kw)
 
 
+def code_transforms(k: int, bits: int, step: int = 128) -> tuple:
+  """The SMEM transforms of a [rows, step] tile of `bits`-bit weight codes from a K-long
+  contraction: the widest swizzle whose tile width divides K (TMA's tiled source must be whole
+  tiles: gpt-oss' 2880 takes 64-code tiles)."""
+  width = step if k % step == 0 else 64
+  swz = plgpu.find_swizzle(width * bits)
+  return plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz)
+
+
 def zero_filled(params):
   """params reading zeros past an array, as TMA does, for a kernel whose tiles reach past its
   operands' ends on purpose (sizes its tiles do not divide); its scratch then starts zeroed

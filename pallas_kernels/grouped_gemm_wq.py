@@ -199,9 +199,7 @@ def _kernel(num_sms: int, interpret, name: str, body, out_type, scratch):
 def _code_transforms(plan: _Plan, kdim: int):
   """The code tiles' SMEM transforms; 64-column tiles where 128 does not divide the
   contraction (TMA's source dimensions must be whole tiles)."""
-  bits = 4 if plan.int4 else 8
-  swz = plgpu.find_swizzle((BK if kdim % BK == 0 else 64) * bits)
-  return plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz)
+  return _compat.code_transforms(kdim, 4 if plan.int4 else 8, BK)
 
 
 def _build_gemm1(*, h, n, rows, tasks, xdt, act: Activation, plan: _Plan, stages: int,

@@ -303,10 +303,7 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
   _cast = _compat.layout_cast(interpret)
   tf_x = _compat.smem_transforms(min(BK, sub), xdt.itemsize)
   bits = conv.code_bits
-  swz = plgpu.find_swizzle(BK * bits)
-  while k % (swz * 8 // bits) and swz > 32:  # TMA's tiled view needs tiles dividing K
-    swz //= 2
-  tf_c = (plgpu.TilingTransform((8, swz * 8 // bits)), plgpu.SwizzleTransform(swz))
+  tf_c = _compat.code_transforms(k, bits, BK)  # (64-code tiles where 128 does not divide K)
   ladder = gg.row_ladder(bm, m_pad)
   shape = (tn, bm)  # an accumulator: weight columns x token rows
   nbar = 6  # per warpgroup: bias gate / up, row scale, a_scale, w_scale gate / up
@@ -345,10 +342,14 @@ def build(*, m_pad, k, n_out, n_total, out_dtype, cfg: WSConfig, conv: Conversio
         store_transposed(y, epi)
       plgpu.commit_smem()
 
-      @pl.when(c0 < n_out)  # (a last tile's half past N: its columns are not stored at all)
       def _store():
         gg.store_task_rows(epi, out_ref, tile_row=row, lo=lo, hi=hi, tile_m=bm,
                            ladder=ladder, cols=pl.ds(c0, tn))
+
+      if n_out % bn:  # a last tile's half past N: its columns are not stored at all
+        pl.when(c0 < n_out)(_store)
+      else:
+        _store()
 
     def epilogue(accs, wg, e, row, lo, hi, ni):
       """accs: this warpgroup's f32 [tn, bm] accumulators (weight columns x the tile's token

@@ -464,39 +464,54 @@ def run(key: str, tensors: Sequence[torch.Tensor],
     return torch.ops.jmoe.fused_moe(list(tensors), key)
   spec, jitted = _resolve(key)
   if torch.is_grad_enabled() and _needs_grad(spec, tensors):
-    return _BridgeFunction.apply(spec, weights, *tensors)
+    return _BridgeFunction.apply(key, spec, weights, *tensors)
   STATS["forwards"] += 1
   args = _convert(spec, tensors, weights)
   y = _out(jitted.forward(*args), tensors[0])
-  _HELD[key] = args[:spec.uncached]  # (and the previous call's inputs released here)
+  _hold(key, args[:spec.uncached])
   return y
 
 
-# The last forward-only call's imported inputs per spec, released by the next call: a JAX view
+# The last call's imported inputs per (spec, path), released by the next such call: a JAX view
 # of torch memory freed while its computation still runs makes PJRT wait for that computation
 # on release (H100, qwen3 at 4096 tokens: ~100 us of a 1,050 us call); by the next call it is
-# done or queued behind. (Torch's memory behind them is held as long.)
-_HELD: dict[str, list] = {}
+# done or queued behind. (Torch's memory behind them is held as long.) Slots: the spec's key
+# (eager forward-only calls), key + "/vjp" (eager forwards keeping residuals), key + "/bwd"
+# (the eager backward's imported gradient and the residuals, which may hold the forward's
+# imported input: one block's residuals outlive its backward until the next one), key +
+# "/op" and "/op_bwd" (the custom op, torch.compile's path).
+_HELD: dict[str, Any] = {}
+
+
+def _hold(slot: str, what: Any) -> None:
+  """Keep `what` (imported arrays, or what references them) alive until the next call of the
+  same slot, releasing the previous call's there."""
+  _HELD[slot] = what
 
 
 class _BridgeFunction(torch.autograd.Function):
   """Eager training path: the VJP closure (residuals) lives in ctx until backward."""
 
   @staticmethod
-  def forward(ctx, spec: BridgeSpec, weights: Optional[WeightGroup], *tensors):
+  def forward(ctx, key: str, spec: BridgeSpec, weights: Optional[WeightGroup], *tensors):
     STATS["vjp_forwards"] += 1
-    out, vjp_fn = _jitted(spec).forward_vjp(*_convert(spec, tensors, weights))
+    args = _convert(spec, tensors, weights)
+    out, vjp_fn = _jitted(spec).forward_vjp(*args)
     y = _out(out, tensors[0])
-    ctx.spec, ctx.vjp_fn = spec, vjp_fn
+    _hold(key + "/vjp", args[:spec.uncached])
+    ctx.key, ctx.spec, ctx.vjp_fn = key, spec, vjp_fn
     ctx.save_for_backward(y)  # version guard only (see `run`)
     return y
 
   @staticmethod
   def backward(ctx, g):
     ctx.saved_tensors  # noqa: B018  raises if the output was modified in place
-    grads = iter(_jitted(ctx.spec).backward(ctx.vjp_fn, to_jax(g)))
-    ctx.vjp_fn = None  # residuals freed now, not when the graph goes
-    return (None, None, *[_out(next(grads), g) if d else None for d in ctx.spec.diff])
+    gj = to_jax(g)
+    grads = iter(_jitted(ctx.spec).backward(ctx.vjp_fn, gj))
+    # residuals leave ctx now (not when the graph goes), released at the next backward
+    _hold(ctx.key + "/bwd", (gj, ctx.vjp_fn))
+    ctx.vjp_fn = None
+    return (None, None, None, *[_out(next(grads), g) if d else None for d in ctx.spec.diff])
 
 
 # --------------------------------------------------------------------------------------------
@@ -515,14 +530,19 @@ def _fused_moe_op(tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
   """The spec's forward on `tensors` -> [T, H] in tensors[0]'s dtype (a fresh tensor)."""
   s, jitted = _resolve(spec)
   STATS["op_calls"] += 1
-  return _out(jitted.forward(*_convert(s, tensors)), tensors[0])
+  args = _convert(s, tensors)
+  y = _out(jitted.forward(*args), tensors[0])
+  _hold(spec + "/op", args[:s.uncached])
+  return y
 
 
 def _fused_moe_backward_op(tensors: list[torch.Tensor], g: torch.Tensor,
                            spec: str) -> list[torch.Tensor]:
   """Gradients of the spec w.r.t. its differentiable tensors (forward recomputed in JAX)."""
   s, jitted = _resolve(spec)
-  grads = jitted.recompute_backward(to_jax(g), *_convert(s, tensors))
+  gj, args = to_jax(g), _convert(s, tensors)
+  grads = jitted.recompute_backward(gj, *args)
+  _hold(spec + "/op_bwd", [gj, *args[:s.uncached]])
   return [_out(gr, g) for gr in grads]
 
 

@@ -150,6 +150,26 @@ def test_forward_only_call_holds_its_input_until_the_next():
   assert tb._HELD[ours._op_key][0].unsafe_buffer_pointer() == x2.data_ptr()
 
 
+def test_op_and_backward_hold_their_imports_until_the_next_call():
+  """The custom op (torch.compile's path) holds its imported input like the eager call; the
+  eager backward holds its imported gradient and the residuals, released by the next one."""
+  hf_config, block, x = build("qwen3_moe")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  x = x.reshape(-1, x.shape[-1]).clone()
+  tensors = [x, *[getattr(ours, a) for a in ours._attrs]]
+  with torch.no_grad():
+    torch.ops.jmoe.fused_moe(tensors, ours._op_key)
+  held = tb._HELD[ours._op_key + "/op"]
+  assert len(held) == 1 and held[0].unsafe_buffer_pointer() == x.data_ptr()
+  y = ours(x.clone().requires_grad_(True))
+  g = torch.randn_like(y)
+  y.backward(g)
+  gj, vjp_fn = tb._HELD[ours._op_key + "/bwd"]
+  assert gj.unsafe_buffer_pointer() == g.data_ptr() and vjp_fn is not None
+  ours(x.clone().requires_grad_(True)).backward(g * 2)
+  assert tb._HELD[ours._op_key + "/bwd"][1] is not vjp_fn  # the previous one released
+
+
 def test_output_is_not_copied_but_guarded_against_inplace_changes():
   hf_config, block, x = build("mixtral")
   ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")

@@ -301,9 +301,11 @@ def breakdown(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
 
 def timeline(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
   """Interleaved (one call of each variant per round, so clock and thermal drift hit all
-  alike): the JAX call, the bridge, and the bridge's steps done by hand with host timestamps
-  between them (import, JAX call, export, release of the imported input, wait), to show where
-  a bridged call holds the host. Medians over --iters rounds, microseconds."""
+  alike): the JAX call (on the same arrays every round; `jax_fwd_fresh_spin`: on an input
+  used once, as a JAX model's layer gets), the bridge, and the bridge's steps done by hand
+  with host timestamps between them (import, JAX call, export, release of the imported
+  input, wait), to show where a bridged call holds the host. Medians over --iters rounds,
+  microseconds."""
   from jmoe.interop import torch_bridge as tb  # noqa: PLC0415
 
   ours, index = _bridged(name, args, device)
@@ -347,8 +349,13 @@ def timeline(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
       while stream is not None and not stream.query():
         pass
 
+    rounds = args.iters if t <= 64 else max(20, args.iters // 3)
+    # a JAX model's input is a new array every call (the previous layer's output), as the
+    # bridge's import is: the baseline on arrays used once each, made before the rounds
+    fresh = iter(jax.block_until_ready([jax.numpy.copy(jargs[0]) for _ in range(rounds + 3)]))
     variants = {
         "jax_fwd": lambda: whole(lambda: fwd(*jargs), jsync),
+        "jax_fwd_fresh_spin": lambda: whole(lambda: fwd(next(fresh), *ws), spin_jax),
         "jax_fwd_spin": lambda: whole(lambda: fwd(*jargs), spin_jax),
         "bridge_spin": lambda: whole(lambda: ours(x), spin_torch),
         "bridge_public_spin": in_stream_mode("public",
@@ -359,7 +366,6 @@ def timeline(name: str, args, device: torch.device, sync, jsync) -> list[dict]:
         "by_hand_input_held": lambda: by_hand(True),
     }
     samples: dict = {k: [] for k in variants}
-    rounds = args.iters if t <= 64 else max(20, args.iters // 3)
     with torch.no_grad():
       for r in range(rounds + 3):
         for k, f in variants.items():

@@ -63,7 +63,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -1060,8 +1059,7 @@ def _codes(w, code) -> jax.Array:
 
 def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP,
                  k1: int | None = None, shifted: bool = True) -> jax.Array:
-  """The definition `token_tiles` computes as one gather (tests compare the two): x [T, H] ->
-  the B rows [T * 8, k1 * 128] of GEMM1's k1 steps: row j of a token keeps the
+  """x [T, H] -> the B rows [T * 8, k1 * 128] of GEMM1's k1 steps: row j of a token keeps the
   columns of the groups g with g % 8 == j (grouped), or row 0 keeps all (per channel). Where
   128 does not divide H and the last step is `shifted`, the last real step's tile ends with
   H's last H % 128 columns and starts with zeros (its codes are H's last 128: `block_start`);
@@ -1081,44 +1079,6 @@ def _token_tiles(x: jax.Array, grouped: bool, group: int = GROUP,
   parts = [tiles[:, :full]] + ([zeros(BK - (h - full)), tiles[:, full:]] if h > full else [])
   used = full + (BK if h > full else 0)
   return jnp.concatenate(parts + ([zeros(width - used)] if width > used else []), axis=1)
-
-
-@functools.lru_cache(maxsize=64)
-def token_tile_index(h: int, grouped: bool, group: int, k1: int, shifted: bool,
-                     fragment: bool) -> np.ndarray:
-  """Where GEMM1's B rows come from: idx [8, k1 * 128] int32 such that row j of a token's
-  tiles is x_ext[idx[j]] with x_ext = [x, 0] (index h: a zero) -- `_token_tiles`' rows, in
-  `int4_mma.fragment_tiles`' order where `fragment` -- so the operand is one gather of x."""
-  width = k1 * BK
-  c = np.arange(width)
-  if width == h:
-    src = c
-  elif not shifted:
-    src = np.where(c < h, c, h)
-  else:  # the last real step ends with H's last H % 128 columns (see _token_tiles)
-    full = h // BK * BK
-    lead = BK - (h - full)  # its leading zeros
-    src = np.where(c < full, c, np.where((c >= full + lead) & (c < full + BK), c - lead, h))
-  rows = np.broadcast_to(np.arange(_N)[:, None], (_N, width))  # tile row (B column) j
-  cols = np.broadcast_to(c, (_N, width))
-  if fragment:  # entry f of each step's [8, 128] block holds FRAGMENT_SOURCE[f] of the tiles
-    f = rows * BK + cols % BK
-    source = int4_mma.FRAGMENT_SOURCE[f]
-    rows, cols = source // BK, cols // BK * BK + source % BK
-  idx = src[cols]
-  keep = (idx // group) % _N == rows if grouped else rows == 0
-  return np.where(keep & (idx < h), idx, h).astype(np.int32)
-
-
-def token_tiles(x: jax.Array, grouped: bool, group: int, k1: int, shifted: bool,
-                fragment: bool) -> jax.Array:
-  """GEMM1's B rows [T * 8, k1 * 128] from x [T, H]: `_token_tiles` (then
-  `int4_mma.fragment_tiles` where `fragment`) as one gather of x (one fusion, not a masking
-  and a transposing one)."""
-  t, h = x.shape
-  idx = token_tile_index(h, grouped, group, k1, shifted, fragment)
-  x_ext = jnp.concatenate([x, jnp.zeros((t, 1), x.dtype)], axis=1)
-  return x_ext[:, idx].reshape(t * _N, idx.shape[1])
 
 
 def slot_rows(ids: jax.Array, e: int) -> tuple[jax.Array, jax.Array]:
@@ -1300,11 +1260,12 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
   if plan.act8:
     args.append(jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (t,)))
   shifted = (hk, nk) == (h, n)
-  tiles = token_tiles(x, plan.grouped, plan.group, k1, shifted or not plan.sync, plan.sync)
   if plan.sync:
-    args += [tiles, int4_mma.code_words(w13.values), int4_mma.code_words(w2.values)]
+    args += [int4_mma.fragment_tiles(_token_tiles(x, plan.grouped, plan.group, k1, shifted)),
+             int4_mma.code_words(w13.values), int4_mma.code_words(w2.values)]
   else:
-    args += [tiles, _codes(w13, plan.code), _codes(w2, plan.code)]
+    args += [_token_tiles(x, plan.grouped, plan.group, k1), _codes(w13, plan.code),
+             _codes(w2, plan.code)]
   if plan.small_groups:
     args.append(s13)
   elif plan.grouped:

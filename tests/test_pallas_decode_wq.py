@@ -354,27 +354,6 @@ def test_padded_sizes_rule(fmt, h, n, want, monkeypatch):
   assert decode_wq.padded_sizes(plan, h, n) == (h, n)
 
 
-@pytest.mark.parametrize("h,grouped,group,k1,shifted", [
-    (256, True, 128, 2, True), (256, True, 32, 2, True), (384, True, 16, 3, True),
-    (256, False, 128, 2, True),  # per channel: row 0 keeps all
-    (320, True, 32, 3, True),  # the last step shifted back
-    (320, True, 32, 4, False),  # padded: the steps past H zeros
-    (320, False, 128, 4, True),  # a shifted step, then a zero step
-])
-@pytest.mark.parametrize("fragment", [False, True])
-def test_token_tiles_are_one_gather_of_the_definition(h, grouped, group, k1, shifted, fragment,
-                                                       rng):
-  """token_tiles (one gather of x) equals `_token_tiles` (then `fragment_tiles` for the
-  mma.sync forms) bit for bit."""
-  x = jnp.asarray(rng.standard_normal((3, h)), jnp.bfloat16)
-  want = decode_wq._token_tiles(x, grouped, group, k1, shifted)
-  if fragment:
-    want = decode_wq.int4_mma.fragment_tiles(want)
-  got = decode_wq.token_tiles(x, grouped, group, k1, shifted, fragment)
-  assert got.shape == want.shape == (3 * 8, k1 * 128) and got.dtype == x.dtype
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
 def test_decode_wq_says_what_it_does_not_take(rng):
   """unsupported() names the first reason; the kernel raises it; an explicit decode layout
   that cannot run raises before tracing a kernel."""

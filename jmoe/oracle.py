@@ -109,7 +109,7 @@ def _auto_runner(quant: Optional[QuantConfig], fmt: Optional[ActivationFormat],
                     "the format, one slot or up to 8 slots of an expert per work item; past "
                     "that, or where slots share experts in a format the shared kernel lacks, "
                     "4-bit and int8 codes on the warp-specialized grouped_gemm_wq_ws GEMMs where "
-                    "K and N are multiples of 128, else on the grouped_gemm_wq GEMMs while experts "
+                    "K and N are multiples of 64, else on the grouped_gemm_wq GEMMs while experts "
                     "average <= 512 rows; else the weights dequantized per call into the "
                     "bf16 kernels)")
         elif runner == "pallas_mosaic" and is_packed(quant):

@@ -16,9 +16,8 @@ Rows stay in the sorted layout of the bf16 kernels (GEMM1's output rows are GEMM
 rows; the router-weighted gather-sum follows), and 256-token tiles where the experts have the
 rows, so each code is converted once per 256 tokens.
 
-Sizes: K and the output columns multiples of 128; of 64 with `TAILS` on (gpt-oss' 2880: the
-last K step and column tile read past the arrays, TMA's zeros, and store no column past N;
-off until verified on a GPU).
+Sizes: K and the output columns multiples of 64 (`TAILS`; gpt-oss' 2880: the last K step and
+column tile read past the arrays, TMA's zeros, and store no column past N); of 128 with it off.
 """
 from __future__ import annotations
 
@@ -40,11 +39,12 @@ from jmoe.kernels.grouped_gemm_wq import SUB, _a_tiles, _group_major, _group_maj
 GROUPS = (16, 32, 64, 128)
 BK = ws.BK
 TAIL = 64  # K and N_out multiples of this (a 64-deep MMA, a warpgroup's 64 columns)
-# Sizes 128 does not divide (gpt-oss' 2880) run only with TAILS on. On an H100 (2026-12-07)
-# the first form, whose stores past N were left to TMA, ran gpt-oss mxfp4 at 4096 tokens in
-# 2,744 us against grouped_gemm_wq's 3,825 but 7.0e-2 from the reference (nvfp4 7.2e-2);
-# this form stores no column past N and passes in interpret mode, not yet run on a GPU.
-TAILS = False
+# Sizes 128 does not divide (gpt-oss' 2880), on since 2026-12-07: on an H200 gpt-oss at 4096
+# tokens ran mxfp4 in 2,675 us (err 2.9e-3) against grouped_gemm_wq's 4,052, nvfp4 2,690
+# (5.3e-3) against 4,223, bf16 3,222. (A first form that left its stores past N to TMA's
+# clipping was 7.0e-2 off on an H100; this one stores no column past N.) Off: 128 again, for
+# an A/B (bench_weight_only.py --decode-wq WS_TAILS=0).
+TAILS = True
 CODE_DTYPES = ("int4", "float4_e2m1fn", "int8")  # the weight dtypes the kernel converts
 
 
@@ -52,9 +52,9 @@ def unsupported(k: int, n_out: int, w) -> str | None:
   """Why the kernel cannot take weights w (QuantizedWeights, logical [E, K, N_total]) with
   n_out output columns (None: it can): 4-bit codes (int4, e2m1) or int8 codes with bf16
   tokens, K-major, no act-order, scales per channel or per one of GROUPS along K, zero
-  points only per 128, K and N_out multiples of 128 (of 64 with TAILS on: the last K step and
-  column tile of sizes 128 does not divide, gpt-oss' 2880, read past the arrays, TMA's zeros,
-  and store no column past N)."""
+  points only per 128, K and N_out multiples of 64 (TAILS: the last K step and column tile of
+  sizes 128 does not divide, gpt-oss' 2880, read past the arrays, TMA's zeros, and store no
+  column past N; of 128 with TAILS off)."""
   q = w.scheme
   if q is None or q.weight_dtype not in CODE_DTYPES:
     return f"{q}: integer or e2m1 codes ({', '.join(CODE_DTYPES)})"
@@ -71,8 +71,8 @@ def unsupported(k: int, n_out: int, w) -> str | None:
   if k % TAIL or n_out % TAIL:
     return f"K={k} and N={n_out} must be multiples of {TAIL}"
   if not TAILS and (k % BK or n_out % BK):
-    return (f"K={k} and N={n_out} must be multiples of {BK} (of {TAIL} with "
-            f"grouped_gemm_wq_ws.TAILS on: not yet verified on a GPU)")
+    return (f"K={k} and N={n_out} must be multiples of {BK} (grouped_gemm_wq_ws.TAILS is "
+            f"off; on, of {TAIL})")
   return None
 
 

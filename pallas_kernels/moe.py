@@ -649,8 +649,8 @@ def weight_only_layout(t: int, k: int, h: int, n: int, act: Activation, w13, w2,
   with up to 8 slots of one expert per work item, so an expert streams once per 8 of its
   slots; the group scales cost a multiply per weight element), "prefill_ws"
   (jmoe.kernels.grouped_gemm_wq_ws: warp-specialized grouped GEMMs on 4-bit or int8 codes
-  converted in registers, H and N multiples of 128), "prefill" (jmoe.kernels.grouped_gemm_wq: the
-  single-warpgroup form, which also takes sizes 128 does not divide and e4m3 codes) or
+  converted in registers, H and N multiples of 64), "prefill" (jmoe.kernels.grouped_gemm_wq: the
+  single-warpgroup form, which also takes e4m3 codes) or
   "dequantize" (the weights dequantized in the graph per call, then the bf16 kernels).
   auto: where slots share experts on average (T * k >= 2 E) prefill_ws where it takes the
   call, else decode_shared (also where decode_wq refuses only what decode_wq_shared takes:
@@ -775,7 +775,7 @@ def fused_experts_weight_only_batched(x: jax.Array, expert_num_tokens: jax.Array
   or per group), dequantized here into bf16 (the bf16-token kernels run them); w13 / w2
   weight-only QuantizedWeights (logical [E, H, 2N] / [E, N, H]). Where the warp-specialized
   weight-only GEMMs take the experts (grouped_gemm_wq_ws: a gated activation, 4-bit or int8
-  codes, H and N multiples of 128), both GEMMs run there over task lists aligned to each expert's
+  codes, H and N multiples of 64), both GEMMs run there over task lists aligned to each expert's
   rows (tiles past an expert's count are never scheduled: an empty expert reads no codes);
   elsewhere the weights are dequantized in the graph into the bf16 batched kernels.
   Returns [E, C, H] out_dtype, rows past the counts zero.

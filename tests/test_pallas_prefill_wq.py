@@ -14,6 +14,7 @@ import oracle_np as onp
 from jmoe.kernels import _compat
 from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels import grouped_gemm_wq
+from jmoe.kernels import grouped_gemm_wq_ws as wqws
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
 from jmoe.quant import quantize_weights
@@ -128,17 +129,21 @@ def test_prefill_wq_says_what_it_does_not_take():
   with pytest.raises(ValueError, match="ctas_per_sm=3"):
     grouped_gemm_wq.PrefillWQConfig(ctas_per_sm=3)
   # auto: beyond the decode kernels the warp-specialized GEMMs where they take the sizes
-  # (test_pallas_wq_ws.py); where not (H or N no multiple of 128) these while the experts
-  # average <= 512 rows, else dequantize
+  # (test_pallas_wq_ws.py: multiples of 64, grouped_gemm_wq_ws.TAILS); where not, these
+  # while the experts average <= 512 rows, else dequantize
   assert pmoe.weight_only_layout(64, 8, 256, 256, silu, q13, q2) == "prefill_ws"
   odd13, odd2 = (w("w4a16", 2, 256, 384, group_size=64),
                  w("w4a16", 2, 192, 256, group_size=64))  # N = 192
-  assert pmoe.weight_only_layout(64, 8, 256, 192, silu, odd13, odd2) == "prefill"  # 256 an expert
-  assert pmoe.weight_only_layout(4096, 2, 256, 192, silu, odd13, odd2) == "dequantize"  # 4096
   w8 = w("w8a16", 2, 256, 512), w("w8a16", 2, 256, 256)  # int8: the warp-specialized GEMMs
   assert pmoe.weight_only_layout(64, 8, 256, 256, silu, *w8) == "prefill_ws"
-  w8_odd = w("w8a16", 2, 256, 384), w("w8a16", 2, 192, 256)  # not these (not measured faster)
-  assert pmoe.weight_only_layout(64, 8, 256, 192, silu, *w8_odd) == "dequantize"
+  w8_odd = w("w8a16", 2, 256, 384), w("w8a16", 2, 192, 256)
+  assert pmoe.weight_only_layout(64, 8, 256, 192, silu, odd13, odd2) == "prefill_ws"
+  assert pmoe.weight_only_layout(64, 8, 256, 192, silu, *w8_odd) == "prefill_ws"
+  with pytest.MonkeyPatch.context() as mp:  # their 128-multiple form: these, or dequantize
+    mp.setattr(wqws, "TAILS", False)
+    assert pmoe.weight_only_layout(64, 8, 256, 192, silu, odd13, odd2) == "prefill"  # 256 an expert
+    assert pmoe.weight_only_layout(4096, 2, 256, 192, silu, odd13, odd2) == "dequantize"
+    assert pmoe.weight_only_layout(64, 8, 256, 192, silu, *w8_odd) == "dequantize"  # int8
 
 
 def test_prefill_wq_lowers_for_gpu(monkeypatch):

@@ -95,7 +95,7 @@ def test_wq_ws_gemm_matches_oracle(scheme, gated, config, sizes, rng):
 @needs_interpreter
 @pytest.mark.parametrize("fmt,size", [
     ("mxfp4", 256),
-    # TAILS (off by default): gpt-oss-like, 2.5 K steps, the last column tile half past N
+    # TAILS: gpt-oss-like, 2.5 K steps, the last column tile half past N
     pytest.param("mxfp4", 320, marks=pytest.mark.slow),
     pytest.param("w8a16", 320, marks=pytest.mark.slow),  # int8 code tiles: 64-byte swizzle
     pytest.param("w4a16", 256, marks=pytest.mark.slow)])
@@ -107,7 +107,6 @@ def test_prefill_ws_block_matches_oracle(fmt, size, rng, monkeypatch):
   divides neither; `grouped_gemm_wq_ws.TAILS`) the last K step and column tile read past the
   arrays -- the interpreter reads zeros there, as TMA does (it fails with its NaN) -- and the
   last tile's second warpgroup, all past N, stores nothing."""
-  monkeypatch.setattr(wqws, "TAILS", True)
   x, q13, q2, tw, ids, b13, b2 = _problem(rng, fmt, 40, size, size, 4, 2, bias=True)
   ids[3, 1] = -1
   ids[:, :] = np.where(ids == 3, 2, ids)
@@ -133,7 +132,7 @@ def _weights(fmt, e, h, n, **kw):
 
 def test_prefill_ws_layout_rule_and_refusals():
   """auto takes the warp-specialized GEMMs for 4-bit and int8 codes past the decode kernels
-  where they take the sizes (K and N multiples of 128; of 64 with TAILS on: gpt-oss' 2880);
+  where they take the sizes (K and N multiples of 64: gpt-oss' 2880; of 128 with TAILS off);
   e4m3 codes, sizes they do not take and groups the kernel lacks are refused naming the
   reason."""
   silu = as_activation("silu")
@@ -142,16 +141,16 @@ def test_prefill_ws_layout_rule_and_refusals():
     assert pmoe.weight_only_layout(4096, 2, 1024, 512, silu, *w) == "prefill_ws", fmt
     assert pmoe.weight_only_layout(1, 2, 1024, 512, silu, *w) == "decode", fmt
   odd = _weights("mxfp4", 128, 2880, 2880)  # gpt-oss-120b: 128 rows an expert
-  assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == "prefill"
-  with pytest.raises(ValueError, match="prefill_ws.*multiples of 128.*TAILS"):
-    pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd, layout="prefill_ws")
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(wqws, "TAILS", True)
-    assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == "prefill_ws"
-    odd = _weights("mxfp4", 128, 2880, 2912)  # N = 91 x 32: 64 does not divide it
-    assert pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd) == "dequantize"
-    with pytest.raises(ValueError, match="prefill_ws.*multiples of 64"):
-      pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd, layout="prefill_ws")
+  assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == "prefill_ws"
+  odd2 = _weights("mxfp4", 128, 2880, 2912)  # N = 91 x 32: 64 does not divide it
+  assert pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd2) == "dequantize"
+  with pytest.raises(ValueError, match="prefill_ws.*multiples of 64"):
+    pmoe.weight_only_layout(4096, 4, 2880, 2912, silu, *odd2, layout="prefill_ws")
+  with pytest.MonkeyPatch.context() as mp:  # the A/B switch off: 128 again
+    mp.setattr(wqws, "TAILS", False)
+    assert pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd) == "prefill"
+    with pytest.raises(ValueError, match="prefill_ws.*multiples of 128.*TAILS"):
+      pmoe.weight_only_layout(4096, 4, 2880, 2880, silu, *odd, layout="prefill_ws")
   w8 = _weights("mxfp8", 8, 1024, 512)
   with pytest.raises(ValueError, match="prefill_ws.*integer or e2m1 codes"):
     pmoe.weight_only_layout(4096, 2, 1024, 512, silu, *w8, layout="prefill_ws")
@@ -178,9 +177,8 @@ def test_prefill_ws_lowers_for_the_gpu(fmt, preset, monkeypatch):
   default configs' shared-memory plans at full K fit (Mosaic GPU's lowering checks the
   allocation against the sm_90 limit; 256-token tiles at 1,024 rows an expert, nvfp4's
   128-token ones); gpt-oss-120b's 2880 (swigluoai, biases) with the last K step and column
-  tile reaching past the arrays (TAILS on)."""
+  tile reaching past the arrays (TAILS)."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
-  monkeypatch.setattr(wqws, "TAILS", True)
   e, k, h, n, act = {"mixtral": (8, 2, 4096, 14336, "silu"),
                      "gpt-oss": (128, 4, 2880, 2880, "swigluoai")}[preset]
   t = 4096

@@ -43,10 +43,10 @@ def _weights(fmt, e=4, h=256, n=256, seed=0, **kw):
     ("nvfp4", {}, 256, {"wq_ws.scale.bfloat16": ("bfloat16", (4, 16, 512))}),
     ("w4a16", dict(zero_point=True), 256, {"wq_ws.scale.bfloat16": ("bfloat16", (4, 2, 512)),
                                            "wq_ws.zero": ("uint8", (4, 2, 512))}),
-    # 128 not dividing H: grouped_gemm_wq's float32 scales (prefill_ws refuses it while
-    # grouped_gemm_wq_ws.TAILS is off; decode_wq's padded byte scales below: it takes H >=
-    # 256); e4m3 codes: grouped_gemm_wq's too
-    ("mxfp4", {}, 192, {"wq.scale": ("float32", (4, 6, 512))}),
+    # 128 not dividing H: prefill_ws' (grouped_gemm_wq_ws.TAILS: K and N multiples of 64;
+    # decode_wq's padded byte scales below: it takes H >= 256); e4m3 codes: grouped_gemm_wq's
+    ("mxfp4", {}, 192, {"wq_ws.scale_bytes": ("uint8", (4, 6, 512)),
+                        "wq_ws.columns": ("float32", (4, 512))}),
     ("mxfp8", {}, 256, {"wq.scale": ("float32", (4, 8, 512))}),
     ("mxfp4_fp8", {}, 256, {"w4a8.shifts": ("uint8", (4, 8, 512)),
                             "w4a8.w_scale": ("float32", (4, 512))}),

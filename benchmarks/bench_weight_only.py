@@ -486,27 +486,35 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
 # ----------------------------------------------------------------------------- the run
 
 
-# the kernels' form switches: jmoe.kernels.decode_wq's, decode_wq_shared's SYNC_SHARED and
-# grouped_gemm_wq_ws' TAILS (as WS_TAILS)
+# the kernels' form switches: jmoe.kernels.decode_wq's, decode_wq_shared's SYNC_SHARED,
+# grouped_gemm_wq_ws' TAILS (as WS_TAILS); and the numeric CHAINS (int4_mma.CHAINS: 2, 4, 8)
 DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES", "PAD_TAILS", "TWO_WG", "SYNC_SHARED",
                    "WS_TAILS")
+NUMERIC_SWITCHES = {"CHAINS": ("2", "4", "8")}
 
 
 def switch_target(flag: str) -> tuple:
-  """(module, attribute) that switch `flag` of DECODE_WQ_FLAGS sets."""
-  from jmoe.kernels import decode_wq, decode_wq_shared, grouped_gemm_wq_ws  # noqa: PLC0415
+  """(module, attribute) that switch `flag` of DECODE_WQ_FLAGS / NUMERIC_SWITCHES sets."""
+  from jmoe.kernels import (decode_wq, decode_wq_shared, grouped_gemm_wq_ws,  # noqa: PLC0415
+                            int4_mma)
   if flag == "WS_TAILS":
     return grouped_gemm_wq_ws, "TAILS"
+  if flag == "CHAINS":
+    return int4_mma, "CHAINS"
   return (decode_wq_shared if flag == "SYNC_SHARED" else decode_wq), flag
 
 
 def parse_decode_wq(spec: str, error) -> dict:
-  """'WIDE_ROWS=0,SCALE_BYTES=1' -> {flag: bool}; error(msg) on an unknown flag or value."""
+  """'WIDE_ROWS=0,CHAINS=4' -> {flag: bool or int}; error(msg) on an unknown flag or value."""
   flags = {}
   for item in filter(None, spec.split(",")):
     name, _, value = item.partition("=")
+    if name in NUMERIC_SWITCHES and value in NUMERIC_SWITCHES[name]:
+      flags[name] = int(value)
+      continue
     if name not in DECODE_WQ_FLAGS or value not in ("0", "1"):
-      error(f"--decode-wq: {item!r} is not FLAG=0|1 with FLAG one of {DECODE_WQ_FLAGS}")
+      error(f"--decode-wq: {item!r} is not FLAG=0|1 with FLAG one of {DECODE_WQ_FLAGS}, nor "
+            f"one of {NUMERIC_SWITCHES}")
     flags[name] = value == "1"
   return flags
 
@@ -532,8 +540,9 @@ def parse_args(argv=None):
                        "JMOE_WEIGHT_ONLY_LAYOUT)")
   ap.add_argument("--decode-wq", default="",
                   help="the kernels' form switches for an A/B, FLAG=0|1 comma-separated: "
-                       f"{', '.join(DECODE_WQ_FLAGS)} (default: all on but WS_TAILS, "
-                       "grouped_gemm_wq_ws.TAILS; run one process per "
+                       f"{', '.join(DECODE_WQ_FLAGS)} (default: all on; WS_TAILS is "
+                       "grouped_gemm_wq_ws.TAILS), and CHAINS=2|4|8 (int4_mma.CHAINS, "
+                       "default 2); run one process per "
                        "setting: a traced kernel keeps the form it was traced with)")
   ap.add_argument("--prepared", default="yes", choices=("yes", "no", "both"),
                   help="time the weights with the kernels' derived operands made once "

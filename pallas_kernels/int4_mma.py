@@ -56,6 +56,8 @@ _MAGIC = {"bf16": (0x43084308, 0x3F803F80, 0xC308C308),
 # position, the mask of both halves; the multiplier 2^126 / 2^14 in both halves)
 _E2M1 = {"bf16": (6, 0x01C001C0, 0x7E807E80), "f16": (9, 0x0E000E00, 0x74007400)}
 _E2M1_VALUES = np.asarray(E2M1_VALUES)  # by a code's 3 low bits
+# accumulators (dependency chains) per 16-row block in `mma`: 2, 4 or 8 (a power of two)
+CHAINS = 2
 
 
 def _perm() -> np.ndarray:
@@ -339,12 +341,14 @@ def mma(acc, codes_ref, b, xdt, *, e2m1: bool = False, interpret: bool = False,
     new = np.empty_like(cr)
     v2 = ir.VectorType.get((2,), f32)
     for mi in range(2):
-      c_even = []
+      c_in = []
       for half in range(2):
         v = cr[mi, 0, 0, 0, half, 0, 0, 0, 0]
-        c_even += [llvm.extractelement(v, idx(0)), llvm.extractelement(v, idx(1))]
+        c_in += [llvm.extractelement(v, idx(0)), llvm.extractelement(v, idx(1))]
       zero = arith.constant(f32, 0.0)
-      c_odd = [zero] * 4
+      # CHAINS accumulators a block of rows (the first carries acc in), summed at the end:
+      # the 8 MMAs of a step split into that many dependency chains
+      chains = [c_in] + [[zero] * 4 for _ in range(CHAINS - 1)]
       words = []
       for hh in range(2):  # rows g and g + 8 of the warp's 16 in block mi
         row = arith.addi(arith.addi(arith.muli(warp, utils.c(16, i32)), g),
@@ -354,15 +358,15 @@ def mma(acc, codes_ref, b, xdt, *, e2m1: bool = False, interpret: bool = False,
         words.append(_load_v4(ptr, off))
       for j in range(4):
         lo, hi = convert(words[0][j]), convert(words[1][j])
-        blk = 2 * j  # two accumulators (even / odd logical k32 blocks) halve the chains
-        c = c_even if j % 2 == 0 else c_odd
-        c = step(c, [lo[0], hi[0], lo[1], hi[1]], breg[2 * blk:2 * blk + 2])
-        c = step(c, [lo[2], hi[2], lo[3], hi[3]], breg[2 * blk + 2:2 * blk + 4])
-        if j % 2 == 0:
-          c_even = c
-        else:
-          c_odd = c
-      c = [arith.addf(x, y) for x, y in zip(c_even, c_odd)]
+        blk = 2 * j
+        for u in range(2):  # MMA u of word j: chain (j + 4u) % CHAINS (2: by j's parity)
+          ch = (j + 4 * u) % CHAINS
+          chains[ch] = step(chains[ch], [lo[2 * u], hi[2 * u], lo[2 * u + 1], hi[2 * u + 1]],
+                            breg[2 * blk + 2 * u:2 * blk + 2 * u + 2])
+      while len(chains) > 1:  # a tree of adds
+        chains = [[arith.addf(x, y) for x, y in zip(a, b)]
+                  for a, b in zip(chains[0::2], chains[1::2])]
+      c = chains[0]
       for half in range(2):
         v = llvm.mlir_undef(v2)
         v = llvm.insertelement(v, c[2 * half], idx(0))

@@ -137,6 +137,8 @@ def test_bench_weight_only_decode_wq_switches():
       "WIDE_ROWS": False, "SCALE_BYTES": True}
   assert bw.parse_args([]).decode_wq == {}
   assert all(isinstance(getattr(*bw.switch_target(f)), bool) for f in bw.DECODE_WQ_FLAGS)
-  for bad in ("WIDE=0", "WIDE_ROWS=2", "SYNC_4BIT"):
+  assert bw.parse_args(["--decode-wq", "CHAINS=8"]).decode_wq == {"CHAINS": 8}
+  assert getattr(*bw.switch_target("CHAINS")) == 2
+  for bad in ("WIDE=0", "WIDE_ROWS=2", "SYNC_4BIT", "CHAINS=3"):
     with pytest.raises(SystemExit):
       bw.parse_args(["--decode-wq", bad])

@@ -310,6 +310,8 @@ def mma(acc, codes_ref, b, xdt, *, e2m1: bool = False, interpret: bool = False,
   if interpret:
     a = _codes_jnp(codes_ref[...], e2m1)
     return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+  if CHAINS not in (2, 4, 8):  # (the tree of adds pairs them)
+    raise ValueError(f"int4_mma.CHAINS={CHAINS}: 2, 4 or 8")
   layout = plgpu.Layout.WGMMA
   conv, mma_asm = convert_asm(xdt, e2m1=e2m1), _MMA.format(t=_dtype_key(xdt))
 

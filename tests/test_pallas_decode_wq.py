@@ -446,6 +446,25 @@ def test_decode_wq_lowers_for_gpu(monkeypatch):
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
 
 
+@pytest.mark.parametrize("chains", [4, 8])
+def test_decode_wq_lowers_with_more_accumulator_chains(chains, monkeypatch):
+  """int4_mma.CHAINS (the A/B switch of the MMAs' dependency chains a 16-row block): qwen3's
+  mxfp4 block at one token lowers on mma.sync with 4 / 8 chains (interpret mode computes the
+  products in jnp, so lowering is where these forms are built)."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  monkeypatch.setattr(decode_wq.int4_mma, "CHAINS", chains)
+  e, k, h, n, t = 128, 8, 2048, 768, 1
+  quant = jmoe.QuantConfig("mxfp4")
+  w13, w2 = (jax.eval_shape(lambda s=s: quantize_weights(jnp.zeros(s, jnp.float32), quant))
+             for s in ((e, h, 2 * n), (e, n, h)))
+  text = jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
+      x, w13, w2, tw, ti)).trace(
+          S((t, h), jnp.bfloat16), w13, w2, S((t, k), jnp.float32),
+          S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mma.sync.aligned.m16n8k16" in text
+  assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
+
+
 def test_ring_union_members_alias():
   """The wide slots' two views of one ring are a RefUnion's members: this jax lays both out
   from byte 0 (checked when the kernel is traced; a member elsewhere raises)."""

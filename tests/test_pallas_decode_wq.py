@@ -143,7 +143,8 @@ def test_decode_wq_4bit_forms_match_oracle(sid, sync, wide, ctas, n, t, rng, mon
 @pytest.mark.parametrize("sid,h,n,padded", [
     # gpt-oss-like, 2.5 GEMM1 steps and 2.5 items: on mma.sync the sizes padded (H to 512, N
     # to 384) on wide slots with byte scales, the steps / items past them reading TMA's fill
-    ("mxfp4", 320, 320, True),
+    # (lean: test_prepared_operands' 320 case runs this kernel on prepared scales)
+    pytest.param("mxfp4", 320, 320, True, marks=pytest.mark.slow),
     pytest.param("mxfp4", 320, 320, False, marks=EXHAUSTIVE),  # PAD_TAILS off: shifted
     pytest.param("w8a16", 448, 192, False, marks=pytest.mark.slow),  # wgmma, per channel
     pytest.param("nvfp4", 384, 192, True, marks=pytest.mark.slow),  # 128 divides H, not N
@@ -308,7 +309,7 @@ def test_decode_wq_fp8_tokens_say_what_they_need(rng):
     ("w4a16", 1, 1024, 128, "decode"),
     pytest.param("w4a16", 6, 1024, 128, "prefill_ws",  # slots sharing experts: the
                  marks=pytest.mark.slow),  # warp-specialized GEMMs (the shared kernel: below)
-    ("w4a16", 5, 256, 128, "prefill_ws"),
+    pytest.param("w4a16", 5, 256, 128, "prefill_ws", marks=pytest.mark.slow),
     pytest.param("mxfp4", 1, 512, 256, "decode", marks=pytest.mark.slow)])
 def test_weight_only_pallas_experts_match_xla(sid, t, h, n, want, rng, monkeypatch):
   """The public API with runner_backend='pallas_mosaic': one token (the decode kernel), six
@@ -446,7 +447,7 @@ def test_decode_wq_lowers_for_gpu(monkeypatch):
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
 
 
-@pytest.mark.parametrize("chains", [4, 8])
+@pytest.mark.parametrize("chains", [pytest.param(4, marks=EXHAUSTIVE), 8])
 def test_decode_wq_lowers_with_more_accumulator_chains(chains, monkeypatch):
   """int4_mma.CHAINS (the A/B switch of the MMAs' dependency chains a 16-row block): qwen3's
   mxfp4 block at one token lowers on mma.sync with 4 / 8 chains (interpret mode computes the

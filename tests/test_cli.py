@@ -102,6 +102,7 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
   assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_bench_quant_shows_speed_and_accuracy(tmp_path, capsys):
   js = tmp_path / "q.json"
   rc = cli.main(["bench", "--preset", "mixtral-8x7b", "--tokens", "4", "--backends", "xla",

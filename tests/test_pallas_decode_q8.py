@@ -71,6 +71,7 @@ def test_decode_q8_matches_oracle(scheme, bias, rng):
                        f"{scheme} decode_q8 vs oracle")
 
 
+@pytest.mark.slow
 def test_decode_q8_fp8_block_matches_oracle(rng):
   """fp8_block (128 x 128 weight blocks, tokens per 128 columns): H = 1536 is 12 groups, one
   whole window of 8 and a partial one; two items per slot, biases, an empty slot, T = 3."""

@@ -91,9 +91,11 @@ def _run(x, q13, q2, tw, ids, **kw):
     pytest.param("w4a16-zp", 2048, True, "silu", marks=pytest.mark.slow),
     pytest.param("w8a16-g128-zp", 2048, True, "silu", marks=pytest.mark.slow),
     pytest.param("mxfp4", 512, True, "swigluoai", marks=pytest.mark.slow),
-    ("nvfp4", 256, False, "silu"),  # e4m3 scale bytes read as stored (N / 16 = 16 a row)
+    pytest.param("nvfp4", 256, False, "silu",  # e4m3 scale bytes as stored (N / 16 = 16 a row)
+                 marks=pytest.mark.slow),
     pytest.param("w4a16-g32", 512, False, "silu", marks=pytest.mark.slow),
-    ("mxfp8-codes", 512, True, "silu"),  # e4m3 codes -> bf16 in registers, e8m0 per 32
+    pytest.param("mxfp8-codes", 512, True, "silu",  # e4m3 codes -> bf16 in registers, e8m0
+                 marks=pytest.mark.slow),  # per 32 (lean: test_mxfp8_through_the_api)
 ])
 def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
   """Two items per slot (N = 256), an empty slot (-1), an expert no slot uses, T = 3; two
@@ -211,7 +213,8 @@ def test_decode_wq_fp8_tokens_match_oracle(sid, h, n, bias, activation, rng):
   onp.assert_rel_close(out, want, TOL, f"{sid} decode_wq (fp8 tokens) vs oracle")
 
 
-@pytest.mark.parametrize("sid,t", [("nvfp4_fp8", 1), pytest.param("w4afp8", 80, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sid,t", [pytest.param("nvfp4_fp8", 1, marks=pytest.mark.slow),
+                                   pytest.param("w4afp8", 80, marks=pytest.mark.slow)])
 def test_fp8_token_schemes_through_the_api(sid, t, rng, monkeypatch):
   """fused_moe with runner_backend='pallas_mosaic': the tokens' values in bf16 into the
   bf16-token kernels, the intermediate bf16 -- one token the decode kernel, 160 slots (past
@@ -486,9 +489,10 @@ def test_ring_union_members_alias():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,e,k,h,n", [("nvfp4", 8, 2, 4096, 14336),  # mixtral
-                                         ("mxfp4", 256, 8, 7168, 2048),  # deepseek-v3
-                                         ("mxfp4", 128, 4, 2880, 2880)])  # gpt-oss-120b
+@pytest.mark.parametrize("fmt,e,k,h,n", [
+    pytest.param("nvfp4", 8, 2, 4096, 14336, marks=pytest.mark.exhaustive),  # mixtral
+    pytest.param("mxfp4", 256, 8, 7168, 2048, marks=pytest.mark.exhaustive),  # deepseek-v3
+    ("mxfp4", 128, 4, 2880, 2880)])  # gpt-oss-120b
 def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, monkeypatch):
   """The e2m1 / small-group kernel at full sizes (a window's scales at a time in SMEM: rings
   of 6 stages; the codes as words on mma.sync), through the weight-only entry."""

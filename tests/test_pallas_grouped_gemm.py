@@ -239,7 +239,8 @@ def test_grouped_gemm_edge_cases(rng, case):
   assert _rel(out[:tot], ref[:tot]) < TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("cfg", [CFG_XI, pytest.param(CFG_XI_2CTA, marks=pytest.mark.slow),
+@pytest.mark.parametrize("cfg", [pytest.param(CFG_XI, marks=pytest.mark.slow),
+                                 pytest.param(CFG_XI_2CTA, marks=pytest.mark.slow),
                                  pytest.param(CFG_XI_WS, marks=pytest.mark.slow),
                                  pytest.param(CFG_XI_WS_M, marks=pytest.mark.slow)],
                          ids=["one_cta", "two_ctas", "warp_specialized", "ws_split_m_bands"])

@@ -134,7 +134,7 @@ TALL = w4a8.W4A8Config(block_m=256, block_n=128)
 @pytest.mark.parametrize("gated,config,sizes", [
     pytest.param(True, None, (70, 0, 61), marks=pytest.mark.slow),
     pytest.param(False, None, (70, 0, 61), marks=pytest.mark.slow),
-    (True, SPLIT, (170, 0, 300)),
+    pytest.param(True, SPLIT, (170, 0, 300), marks=pytest.mark.slow),  # (lean: the block's test)
     pytest.param(False, TALL, (170, 0, 300), marks=pytest.mark.slow)])
 def test_w4a8_gemm_matches_oracle(gated, config, sizes, rng):
   """grouped_gemm_w4a8 alone: 3 experts, one empty, tiles starting inside another expert's

@@ -169,8 +169,8 @@ def test_prefill_ws_layout_rule_and_refusals():
 @pytest.mark.parametrize("fmt,preset", [
     ("mxfp4", "mixtral"), ("w8a16", "mixtral"),
     pytest.param("mxfp4", "gpt-oss", marks=pytest.mark.slow),  # (TAILS)
-    pytest.param("w4a16", "mixtral", marks=pytest.mark.slow),
-    pytest.param("nvfp4", "mixtral", marks=pytest.mark.slow),
+    pytest.param("w4a16", "mixtral", marks=(pytest.mark.slow, pytest.mark.exhaustive)),
+    pytest.param("nvfp4", "mixtral", marks=(pytest.mark.slow, pytest.mark.exhaustive)),
     pytest.param("nvfp4", "gpt-oss", marks=pytest.mark.slow)])
 def test_prefill_ws_lowers_for_the_gpu(fmt, preset, monkeypatch):
   """The block at 4096 tokens on the prefill_ws layout lowers for the GPU: mixtral-8x7b's

@@ -450,25 +450,6 @@ def test_decode_wq_lowers_for_gpu(monkeypatch):
   assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
 
 
-@pytest.mark.parametrize("chains", [pytest.param(4, marks=EXHAUSTIVE), 8])
-def test_decode_wq_lowers_with_more_accumulator_chains(chains, monkeypatch):
-  """int4_mma.CHAINS (the A/B switch of the MMAs' dependency chains a 16-row block): qwen3's
-  mxfp4 block at one token lowers on mma.sync with 4 / 8 chains (interpret mode computes the
-  products in jnp, so lowering is where these forms are built)."""
-  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
-  monkeypatch.setattr(decode_wq.int4_mma, "CHAINS", chains)
-  e, k, h, n, t = 128, 8, 2048, 768, 1
-  quant = jmoe.QuantConfig("mxfp4")
-  w13, w2 = (jax.eval_shape(lambda s=s: quantize_weights(jnp.zeros(s, jnp.float32), quant))
-             for s in ((e, h, 2 * n), (e, n, h)))
-  text = jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
-      x, w13, w2, tw, ti)).trace(
-          S((t, h), jnp.bfloat16), w13, w2, S((t, k), jnp.float32),
-          S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mma.sync.aligned.m16n8k16" in text
-  assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
-
-
 def test_ring_union_members_alias():
   """The wide slots' two views of one ring are a RefUnion's members: this jax lays both out
   from byte 0 (checked when the kernel is traced; a member elsewhere raises)."""
@@ -489,14 +470,19 @@ def test_ring_union_members_alias():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,e,k,h,n", [
-    pytest.param("nvfp4", 8, 2, 4096, 14336, marks=pytest.mark.exhaustive),  # mixtral
-    pytest.param("mxfp4", 256, 8, 7168, 2048, marks=pytest.mark.exhaustive),  # deepseek-v3
-    ("mxfp4", 128, 4, 2880, 2880)])  # gpt-oss-120b
-def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, monkeypatch):
+@pytest.mark.parametrize("fmt,e,k,h,n,chains", [
+    pytest.param("nvfp4", 8, 2, 4096, 14336, 2, marks=pytest.mark.exhaustive),  # mixtral
+    pytest.param("mxfp4", 256, 8, 7168, 2048, 2, marks=pytest.mark.exhaustive),  # deepseek-v3
+    ("mxfp4", 128, 4, 2880, 2880, 2),  # gpt-oss-120b
+    ("mxfp4", 128, 4, 2880, 2880, 8),  # int4_mma.CHAINS, the MMA chains' A/B switch
+    pytest.param("mxfp4", 128, 4, 2880, 2880, 4, marks=pytest.mark.exhaustive)])
+def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, chains, monkeypatch):
   """The e2m1 / small-group kernel at full sizes (a window's scales at a time in SMEM: rings
-  of 6 stages; the codes as words on mma.sync), through the weight-only entry."""
+  of 6 stages; the codes as words on mma.sync), through the weight-only entry; with 2, 4 or 8
+  accumulator chains a block (interpret mode computes the products in jnp: lowering is where
+  those forms are built)."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  monkeypatch.setattr(decode_wq.int4_mma, "CHAINS", chains)
   quant = jmoe.QuantConfig(fmt)
 
   def qw(rows, kk):

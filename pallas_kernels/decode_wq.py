@@ -1126,11 +1126,31 @@ def _padded_last(a: jax.Array, size: int) -> jax.Array:
   return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, size - a.shape[-1])])
 
 
+# w2's scales per 128 along N as [E, N / 128, H] float32: the reduction multiplies part row
+# (j, s) by expert e's scales of group j over H, so this layout reads them contiguously. The
+# stored [E, H, N / 128] has a stride of N / 128 values there: on an H200 that fusion took 6.6
+# us at mixtral one token against 2.5 for parts already scaled. Made only by
+# prepare_for_kernels (per call it would transpose every expert's scales).
+W2_SCALE_T = Operand("decode_wq.w2_scale_t",
+                     lambda w: jnp.swapaxes(w.scale, 1, 2).astype(jnp.float32))
+
+
+def reduction_scales(w2) -> bool:
+  """Whether the reduction after the kernel applies w2's scales per group (groups of 128
+  along N: one item's columns; smaller groups are the kernel's, per-channel ones one row)."""
+  q = w2.scheme
+  return q.weight_scale == "group" and q.group_size >= BN
+
+
 def _w2_scaled(part, asum, ids, w2, plan: _Plan, e: int) -> jax.Array:
   """part [NB, m, H] (unscaled w2 codes' dot products) -> scaled by w2's scales (and its zero
-  points' term), read for each slot's expert in their stored [E, H, N / 128] layout."""
+  points' term), read for each slot's expert: from the prepared [E, N / 128, H] copy
+  (`W2_SCALE_T`) where w2 carries it, else in their stored [E, H, N / 128] layout."""
   safe = jnp.where((ids >= 0) & (ids < e), ids, 0)
-  s2 = jnp.moveaxis(w2.scale[safe].astype(jnp.float32), 2, 0)  # [G2, m, H]
+  if plan.grouped and W2_SCALE_T.key in (w2.prepared or {}):
+    s2 = jnp.moveaxis(operand(w2, W2_SCALE_T)[safe], 1, 0)  # [G2, m, H]
+  else:
+    s2 = jnp.moveaxis(w2.scale[safe].astype(jnp.float32), 2, 0)  # [G2, m, H]
   if not plan.grouped:
     return part * s2  # [1, m, H] broadcast over the blocks
   if plan.zero2:

@@ -120,7 +120,8 @@ def test_bench_quant_shows_speed_and_accuracy(tmp_path, capsys):
   assert "'fp7' is not a quantization scheme" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # (two bench runs: ~30 s)
+@pytest.mark.slow  # (two bench runs: ~30 s; a benchmark option, asked-for-only)
+@pytest.mark.exhaustive
 def test_bench_weights_llm_changes_the_accuracy_not_the_scale(tmp_path):
   """--weights llm: heavy-tailed weights with columns of different size, the same std as the
   Gaussian ones; the block runs and the 4-bit scheme's error differs from the Gaussian run's."""

@@ -89,7 +89,8 @@ def _run(x, q13, q2, tw, ids, **kw):
     pytest.param("w4a16", 1024, True, "silu", marks=pytest.mark.slow),
     pytest.param("w8a16", 1024, False, "swigluoai", marks=pytest.mark.slow),
     pytest.param("w4a16-zp", 2048, True, "silu", marks=pytest.mark.slow),
-    pytest.param("w8a16-g128-zp", 2048, True, "silu", marks=pytest.mark.slow),
+    pytest.param("w8a16-g128-zp", 2048, True, "silu",  # (w4a16-zp: zero points at 2048)
+                 marks=(pytest.mark.slow, pytest.mark.exhaustive)),
     pytest.param("mxfp4", 512, True, "swigluoai", marks=pytest.mark.slow),
     pytest.param("nvfp4", 256, False, "silu",  # e4m3 scale bytes as stored (N / 16 = 16 a row)
                  marks=pytest.mark.slow),
@@ -110,8 +111,8 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
 
 
 @pytest.mark.parametrize("sid,sync,wide,ctas,n,t", [
-    # wide slots: two steps each (H a multiple of 512; lean through the API below)
-    pytest.param("w4a16", True, True, 1, 384, 2, marks=pytest.mark.slow),
+    # wide slots: two steps each (H a multiple of 512; through the API below, lean)
+    pytest.param("w4a16", True, True, 1, 384, 2, marks=EXHAUSTIVE),
     pytest.param("w4a16", True, False, 1, 384, 3, marks=EXHAUSTIVE),  # a slot a step
     pytest.param("w4a16", False, False, 1, 384, 1, marks=EXHAUSTIVE),  # wgmma
     # e2m1 codes, e4m3 scales per 16 (a window a step: windows split the wide slots) and a
@@ -237,8 +238,8 @@ def test_fp8_token_schemes_through_the_api(sid, t, rng, monkeypatch):
   onp.assert_rel_close(out, want, TOL, f"{sid} T={t}: pallas vs the oracle of its scheme")
 
 
-@pytest.mark.parametrize("t,want", [(1, "decode"), pytest.param(6, "prefill",
-                                                                 marks=pytest.mark.slow)])
+@pytest.mark.parametrize("t,want", [(1, "decode"), pytest.param(  # (prefill: the GEMM's own
+    6, "prefill", marks=(pytest.mark.slow, pytest.mark.exhaustive))])  # mxfp8 cases)
 def test_mxfp8_through_the_api(t, want, rng, monkeypatch):
   """mxfp8 with runner_backend='pallas_mosaic': prepare's e4m3 tokens (e8m0 scales per 32)
   enter the weight-only kernels as bf16 -- exactly -- and the e4m3 codes convert to bf16 in
@@ -312,7 +313,7 @@ def test_decode_wq_fp8_tokens_say_what_they_need(rng):
     ("w4a16", 1, 1024, 128, "decode"),
     pytest.param("w4a16", 6, 1024, 128, "prefill_ws",  # slots sharing experts: the
                  marks=pytest.mark.slow),  # warp-specialized GEMMs (the shared kernel: below)
-    pytest.param("w4a16", 5, 256, 128, "prefill_ws", marks=pytest.mark.slow),
+    pytest.param("w4a16", 5, 256, 128, "prefill_ws", marks=EXHAUSTIVE),  # (6 slots: the same)
     pytest.param("mxfp4", 1, 512, 256, "decode", marks=pytest.mark.slow)])
 def test_weight_only_pallas_experts_match_xla(sid, t, h, n, want, rng, monkeypatch):
   """The public API with runner_backend='pallas_mosaic': one token (the decode kernel), six

@@ -240,9 +240,11 @@ def test_grouped_gemm_edge_cases(rng, case):
 
 
 @pytest.mark.parametrize("cfg", [pytest.param(CFG_XI, marks=pytest.mark.slow),
-                                 pytest.param(CFG_XI_2CTA, marks=pytest.mark.slow),
+                                 pytest.param(CFG_XI_2CTA, marks=(pytest.mark.slow,
+                                                                  pytest.mark.exhaustive)),
                                  pytest.param(CFG_XI_WS, marks=pytest.mark.slow),
-                                 pytest.param(CFG_XI_WS_M, marks=pytest.mark.slow)],
+                                 pytest.param(CFG_XI_WS_M, marks=(pytest.mark.slow,
+                                                                  pytest.mark.exhaustive))],
                          ids=["one_cta", "two_ctas", "warp_specialized", "ws_split_m_bands"])
 def test_grouped_gemm_cross_item_pipeline(rng, cfg):
   # several items per CTA through one pipeline: zero-row experts, a tile straddling groups,

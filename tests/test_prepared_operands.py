@@ -138,10 +138,12 @@ def _poisoned(w):
 
 @needs_interpreter
 @pytest.mark.parametrize("sid,h,layout", [
-    pytest.param("mxfp4", 256, "prefill_ws", marks=pytest.mark.slow),
+    pytest.param("mxfp4", 256, "prefill_ws", marks=(pytest.mark.slow,  # (192 below: the
+                                                    pytest.mark.exhaustive)),  # same, lean)
     ("mxfp4", 192, "auto"),  # 128 does not divide H = N = 192 (prefill or prefill_ws)
     pytest.param("mxfp8", 256, "prefill", marks=pytest.mark.slow),  # grouped_gemm_wq
-    pytest.param("nvfp4", 256, "prefill_ws", marks=pytest.mark.slow),
+    pytest.param("nvfp4", 256, "prefill_ws", marks=(pytest.mark.slow,  # (w4a16-zp: the
+                                                    pytest.mark.exhaustive)),  # same copies)
     pytest.param("w4a16-zp", 256, "prefill_ws", marks=pytest.mark.slow),
     pytest.param("mxfp4_fp8", 256, "prefill_fp8", marks=pytest.mark.slow)])
 def test_prefill_reads_the_prepared_operands(sid, h, layout, rng):
@@ -255,3 +257,25 @@ def test_decode_reads_prepared_byte_scales(h, n, bias, rng):
   assert np.isfinite(out).all()
   want = _oracle(jnp.asarray(x, jnp.float32), q13, q2, tw, ids, b13, b2, "swigluoai")
   onp.assert_rel_close(out, want, TOL, f"mxfp4 decode on prepared byte scales (H={h})")
+
+
+@pytest.mark.parametrize("sid,h", [("w4a16", 1024), ("w4a16-zp", 2048)])  # (zero points:
+def test_decode_reduction_reads_prepared_w2_scales(sid, h, rng):  # decode_wq takes H / 128 of 16)
+  """decode_wq leaves w2's scales per 128 to the reduction after the kernel; prepared, it
+  reads them as [E, N / 128, H] (`decode_wq.W2_SCALE_T`, float32: the same products as the
+  stored layout's). The reduction (zero points' term included) on parts of random slots, an
+  empty one too, with the stored scales poisoned equals the one on the stored scales, bit
+  for bit."""
+  from jmoe.kernels import decode_wq
+  x, q13, q2, tw, ids, _, _ = _problem(rng, sid, 3, h, 256, 8, 2)
+  p13, p2 = prepare_for_kernels(q13, q2)
+  assert p2.prepared[decode_wq.W2_SCALE_T.key].shape == (8, 2, h)
+  assert decode_wq.W2_SCALE_T.key not in (p13.prepared or {})  # (GEMM1's are the kernel's)
+  ids = jnp.asarray(ids).reshape(-1).at[1].set(-1)
+  plan = decode_wq._plan(q13, q2, False)
+  part = jnp.asarray(rng.standard_normal((2, ids.shape[0], h)), jnp.float32)
+  asum = jnp.asarray(rng.standard_normal((2, ids.shape[0], 8)), jnp.float32)
+  want = decode_wq._w2_scaled(part, asum, ids, q2, plan, 8)
+  poisoned = dataclasses.replace(p2, scale=jnp.full_like(p2.scale, jnp.nan))
+  got = decode_wq._w2_scaled(part, asum, ids, poisoned, plan, 8)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -431,15 +431,16 @@ def test_prepared_operands_are_made_once_and_again_when_a_buffer_changes():
 
 @pytest.mark.slow
 def test_decode_kernel_reads_the_bridge_prepared_operands(monkeypatch):
-  """Pallas (interpret) decode block through the bridge: the same output with and without
-  prepared operands, and a different one when the kept w2 byte scales are poisoned."""
+  """Pallas (interpret) decode block through the bridge on its prepared operands: the XLA
+  block's output (the kernels' own rounding apart), and a different one when the kept w2 byte
+  scales are poisoned. (Prepared and per-call operands agree exactly: test_prepared_operands.)"""
   monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
   ours, _, _ = _mxfp4_block(True, "pallas_mosaic")
-  plain, _, _ = _mxfp4_block(False, "pallas_mosaic")
+  plain, _, _ = _mxfp4_block(False, "xla")
   x = torch.randn(2, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
   with torch.no_grad():
     y = ours(x)
-    torch.testing.assert_close(y, plain(x), rtol=0, atol=0)
+    assert _rel(y.float(), plain(x).float()) < 2e-2
     i = len(ours._attrs) + ours._spec.fn.prepared.index(("w2", "decode_wq.w2_scale_bytes"))
     arrays = ours._weights._arrays
     arrays[i] = arrays[i] * 0  # (e8m0 byte 0: 2^-127, every w2 column scaled to ~0)

@@ -37,6 +37,7 @@ from jmoe.kernels.decode_wq import (BH, BK, BN, GROUP, ROWS_A, DecodeWQConfig, _
                                     finish, geometry, smem_budget, step_fetcher,
                                     store_b_tile, sync_eligible, unsupported_codes)
 from jmoe.kernels.grouped_gemm import kernel_activation
+from jmoe.kernels.prepared import Operand, operand
 
 _N = 8  # tokens per group = wgmma's N
 _MAX_STAGES = 8
@@ -307,6 +308,15 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
                 name="jmoe_moe_decode_wq_shared")
 
 
+# w13's scales and zero points per 128 transposed, [E, H / 128, 2N] (a step's row contiguous):
+# every expert's, so per call they cost a pass over all of them (deepseek-v3 w4a16 with zero
+# points, whose H / 128 = 56 sends one token here: 235 MB of float32 scales and 59 MB of zero
+# points read and written each call); prepare_for_kernels makes them once.
+W13_SCALE_T = Operand("decode_wq_shared.w13_scale_t",
+                      lambda w: jnp.swapaxes(w.scale.astype(jnp.float32), 1, 2))
+W13_ZERO_T = Operand("decode_wq_shared.w13_zero_t", lambda w: jnp.swapaxes(w.zero, 1, 2))
+
+
 def slot_groups(ids: jax.Array, e: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """ids [m] (outside [0, E): empty) -> (group_expert [m] (-1: no group), group_slots [m, 8]
   (-1: none), slot_group [m, 2] (group, position; m for an empty slot)): each expert's slots,
@@ -363,11 +373,11 @@ def fused_experts_decode_wq_shared(x: jax.Array, w13, w2, topk_weights: jax.Arra
     args = [group_expert, group_slots.reshape(m * _N), xg, _codes(w13, plan.code),
             _codes(w2, plan.code)]
   if plan.grouped:
-    args.append(jnp.swapaxes(w13.scale.astype(jnp.float32), 1, 2))  # [E, H / 128, 2N]
+    args.append(operand(w13, W13_SCALE_T))  # [E, H / 128, 2N]
   else:
     args.append(w13.scale[:, :, 0].astype(jnp.float32))
   if plan.zero13:
-    args.append(jnp.swapaxes(w13.zero, 1, 2))
+    args.append(operand(w13, W13_ZERO_T))
   if plan.zero13 and plan.sync:  # each group's token sums per step [groups, H / 128, 8]
     sums = xg.astype(jnp.float32).reshape(m, _N, h // GROUP, GROUP).sum(-1)
     args.append(jnp.swapaxes(sums, 1, 2))

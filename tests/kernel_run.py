@@ -1,11 +1,16 @@
 """Running a Pallas kernel in Mosaic GPU interpret mode for a test: race detection on, the
 interpreter reset when the kernel raises (its state would poison the next test), a race a
-failure."""
+failure; the marks of a case past .ci/run's slow tier."""
 from __future__ import annotations
 
 import jax
+import pytest
 
 from jmoe.kernels import _compat
+
+# a kernel case only `pytest -m slow` runs (A/B forms, asked-for-only paths, duplicates of
+# another tier's coverage): pyproject's `exhaustive` marker
+EXHAUSTIVE = (pytest.mark.slow, pytest.mark.exhaustive)
 
 
 def run_interpreted(fn, *args, **kw):

@@ -80,7 +80,8 @@ def test_bare_command_lists_the_commands(capsys):
     assert re.search(rf"^\s+{cmd}\s+{what}", out, re.M), cmd
 
 
-@pytest.mark.slow  # (README's main command runs the bench in every fresh-clone check)
+@pytest.mark.slow  # (README's main command runs the bench in every fresh-clone check; the
+@pytest.mark.exhaustive  # bench's path is lean in test_bench_reports_a_failing_backend_...)
 def test_bench_writes_json_and_plot(tmp_path, capsys):
   js, png = tmp_path / "b.json", tmp_path / "b.png"
   rc = cli.main(["bench", "--preset", "qwen3-30b-a3b", "--tokens", "1,8", "--backends",

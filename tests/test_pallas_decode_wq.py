@@ -3,6 +3,7 @@ registers, bf16 tokens) in Mosaic GPU interpret mode with race detection, agains
 oracle on the NumPy unpacking of the stored bytes; the weight-only path of the Pallas experts
 (the kernel, and the dequantized fallback) through the public API; its GPU lowering at
 qwen3-30b-a3b's full size."""
+import dataclasses
 import re
 import types
 
@@ -19,16 +20,15 @@ from jmoe.kernels import _compat
 from jmoe.kernels import decode_wq, decode_wq_shared
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
-from jmoe.quant import QuantizedWeights, quantize_activations, quantize_weights
-from kernel_run import run_interpreted
+from jmoe.quant import (QuantizedWeights, prepare_for_kernels, quantize_activations,
+                        quantize_weights)
+from kernel_run import EXHAUSTIVE, run_interpreted
 from test_quant_formats import np_dequant
 
 pytestmark = pytest.mark.skipif(
     not _compat.interpret_available(),
     reason="Mosaic GPU interpret mode (private jax API) unavailable in this jax version")
 
-# the slow tier's A/B and asked-for-only forms, past .ci/run's budget (`pytest -m slow` runs them)
-EXHAUSTIVE = (pytest.mark.slow, pytest.mark.exhaustive)
 TOL = 2e-2
 S = jax.ShapeDtypeStruct
 # id -> QuantConfig fields
@@ -89,8 +89,7 @@ def _run(x, q13, q2, tw, ids, **kw):
     pytest.param("w4a16", 1024, True, "silu", marks=pytest.mark.slow),
     pytest.param("w8a16", 1024, False, "swigluoai", marks=pytest.mark.slow),
     pytest.param("w4a16-zp", 2048, True, "silu", marks=pytest.mark.slow),
-    pytest.param("w8a16-g128-zp", 2048, True, "silu",  # (w4a16-zp: zero points at 2048)
-                 marks=(pytest.mark.slow, pytest.mark.exhaustive)),
+    pytest.param("w8a16-g128-zp", 2048, True, "silu", marks=EXHAUSTIVE),  # (as w4a16-zp)
     pytest.param("mxfp4", 512, True, "swigluoai", marks=pytest.mark.slow),
     pytest.param("nvfp4", 256, False, "silu",  # e4m3 scale bytes as stored (N / 16 = 16 a row)
                  marks=pytest.mark.slow),
@@ -120,7 +119,9 @@ def test_decode_wq_matches_oracle(sid, h, bias, activation, rng):
     # bytes, every expert's; mxfp4: the stored rows); then two CTAs sharing the items (no
     # two wide slots fit: a slot a step), with a per-call padded copy of each slot's rows
     pytest.param("nvfp4", True, True, 1, 384, 2, marks=pytest.mark.slow),
-    ("mxfp4", True, True, 1, 512, 2),
+    # (mxfp4 on wide slots with byte scales: lean in test_prepared_operands' 320 case, and
+    # at 512 through the API below)
+    pytest.param("mxfp4", True, True, 1, 512, 2, marks=EXHAUSTIVE),
     pytest.param("nvfp4", True, False, 2, 384, 2, marks=EXHAUSTIVE),  # (two CTAs: tried, lost)
 ])
 def test_decode_wq_4bit_forms_match_oracle(sid, sync, wide, ctas, n, t, rng, monkeypatch):
@@ -238,8 +239,8 @@ def test_fp8_token_schemes_through_the_api(sid, t, rng, monkeypatch):
   onp.assert_rel_close(out, want, TOL, f"{sid} T={t}: pallas vs the oracle of its scheme")
 
 
-@pytest.mark.parametrize("t,want", [(1, "decode"), pytest.param(  # (prefill: the GEMM's own
-    6, "prefill", marks=(pytest.mark.slow, pytest.mark.exhaustive))])  # mxfp8 cases)
+# (prefill: the GEMM's own mxfp8 cases in test_pallas_prefill_wq)
+@pytest.mark.parametrize("t,want", [(1, "decode"), pytest.param(6, "prefill", marks=EXHAUSTIVE)])
 def test_mxfp8_through_the_api(t, want, rng, monkeypatch):
   """mxfp8 with runner_backend='pallas_mosaic': prepare's e4m3 tokens (e8m0 scales per 32)
   enter the weight-only kernels as bf16 -- exactly -- and the e4m3 codes convert to bf16 in
@@ -518,22 +519,32 @@ def test_slot_groups_cut_each_experts_run_into_eights():
       assert gs[g, p] == slot
 
 
-@pytest.mark.parametrize("sid,bias,sync", [
-    pytest.param("w4a16", True, True, marks=pytest.mark.slow),  # (zero points stay lean)
-    ("w4a16-zp", False, True),  # int4 on mma.sync: scales (and zeros) on each step's sums
-    pytest.param("w4a16-zp", True, False, marks=pytest.mark.slow),  # the wgmma form
-    pytest.param("w8a16", False, False, marks=pytest.mark.slow),
-    pytest.param("w8a16-g128-zp", True, False, marks=pytest.mark.slow),
+@pytest.mark.parametrize("sid,bias,sync,prepared", [
+    pytest.param("w4a16", True, True, False, marks=pytest.mark.slow),  # (zero points: lean)
+    ("w4a16-zp", False, True, True),  # int4 on mma.sync: scales (and zeros) on each step's sums
+    pytest.param("w4a16-zp", True, False, False, marks=pytest.mark.slow),  # the wgmma form
+    pytest.param("w8a16", False, False, False, marks=pytest.mark.slow),
+    pytest.param("w8a16-g128-zp", True, False, False, marks=pytest.mark.slow),
 ])
-def test_decode_wq_shared_matches_oracle(sid, bias, sync, rng, monkeypatch):
+def test_decode_wq_shared_matches_oracle(sid, bias, sync, prepared, rng, monkeypatch):
   """T = 7, k = 2 on 2 experts of 3 (one with more than 8 slots: two groups), an empty slot;
   int4 codes on mma.sync (the default) and on the wgmma form with the scales in the A tile
-  (SYNC_SHARED off; read when tracing: the two w4a16-zp cases differ in their biases)."""
+  (SYNC_SHARED off; read when tracing: the two w4a16-zp cases differ in their biases).
+  prepared: on `prepare_for_kernels`' operands (w13's transposed scales and zero points, w2's
+  reduction scales) with the stored scales poisoned (NaN) and w13's zero points wrong."""
   monkeypatch.setattr(decode_wq_shared, "SYNC_SHARED", sync)
   x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 7, 1024, 256, 3, 2, bias=bias)
   ids[:, :] = np.where(ids == 2, 0, ids)
   ids[2, 1] = -1
-  out = np.asarray(run_interpreted(decode_wq_shared.fused_experts_decode_wq_shared, x, q13, q2,
+  w13, w2 = q13, q2
+  if prepared:
+    w13, w2 = prepare_for_kernels(q13, q2)
+    assert {decode_wq_shared.W13_SCALE_T.key, decode_wq_shared.W13_ZERO_T.key} <= set(
+        w13.prepared) and decode_wq.W2_SCALE_T.key in w2.prepared
+    w13 = dataclasses.replace(w13, scale=jnp.full_like(w13.scale, jnp.nan),
+                              zero=(w13.zero + 3) % 16)
+    w2 = dataclasses.replace(w2, scale=jnp.full_like(w2.scale, jnp.nan))
+  out = np.asarray(run_interpreted(decode_wq_shared.fused_experts_decode_wq_shared, x, w13, w2,
                                    jnp.asarray(tw), jnp.asarray(ids), w13_bias=b13,
                                    w2_bias=b2, out_dtype=jnp.float32))
   assert out.shape == (7, 1024) and np.isfinite(out).all()

@@ -25,7 +25,7 @@ from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels import permute as perm
 from jmoe.kernels.activations import ACTIVATIONS, Activation
-from kernel_run import run_interpreted
+from kernel_run import EXHAUSTIVE, run_interpreted
 
 pytestmark = pytest.mark.skipif(
     not _compat.interpret_available(),
@@ -239,12 +239,12 @@ def test_grouped_gemm_edge_cases(rng, case):
   assert _rel(out[:tot], ref[:tot]) < TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("cfg", [pytest.param(CFG_XI, marks=pytest.mark.slow),
-                                 pytest.param(CFG_XI_2CTA, marks=(pytest.mark.slow,
-                                                                  pytest.mark.exhaustive)),
+# the warp-specialized form in the slow tier; the others, the same cross-item pipeline on
+# other schedules, only when asked for
+@pytest.mark.parametrize("cfg", [pytest.param(CFG_XI, marks=EXHAUSTIVE),
+                                 pytest.param(CFG_XI_2CTA, marks=EXHAUSTIVE),
                                  pytest.param(CFG_XI_WS, marks=pytest.mark.slow),
-                                 pytest.param(CFG_XI_WS_M, marks=(pytest.mark.slow,
-                                                                  pytest.mark.exhaustive))],
+                                 pytest.param(CFG_XI_WS_M, marks=EXHAUSTIVE)],
                          ids=["one_cta", "two_ctas", "warp_specialized", "ws_split_m_bands"])
 def test_grouped_gemm_cross_item_pipeline(rng, cfg):
   # several items per CTA through one pipeline: zero-row experts, a tile straddling groups,
@@ -858,7 +858,7 @@ def _tgmm_cases():
       lean = name in TGMM_FULL or cfg in TGMM_ALL_SIZES
       # slow: one_wg's sizes; exhaustive (past .ci/run's budget): the rest of the product
       marks = (() if lean else (pytest.mark.slow,) if cfg == "one_wg"
-               else (pytest.mark.slow, pytest.mark.exhaustive))
+               else EXHAUSTIVE)
       yield pytest.param(sizes, cfg, id=f"{name}-{cfg}", marks=marks)
 
 

@@ -18,7 +18,7 @@ from jmoe.kernels import grouped_gemm_wq_ws as wqws
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
 from jmoe.quant import quantize_weights
-from kernel_run import run_interpreted
+from kernel_run import EXHAUSTIVE, run_interpreted
 from test_pallas_decode_wq import _oracle, _problem
 
 pytestmark = pytest.mark.skipif(
@@ -40,7 +40,6 @@ def _prefill(x, q13, q2, tw, ids, b13=None, b2=None, activation="silu"):
 # the slow tier's asked-for-only forms: since grouped_gemm_wq_ws takes sizes 64 divides
 # (TAILS), auto runs these GEMMs for e4m3 codes (mxfp8) only; 4-bit / int8 codes reach them
 # with layout="prefill"
-EXHAUSTIVE = (pytest.mark.slow, pytest.mark.exhaustive)
 
 
 @pytest.mark.parametrize("sid,bias,activation", [

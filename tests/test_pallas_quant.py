@@ -24,7 +24,7 @@ from jmoe.kernels import grouped_gemm as gg
 from jmoe.kernels import grouped_gemm_q8 as q8
 from jmoe.kernels.activations import as_activation
 from jmoe.quant import quantize_activations, quantize_weights
-from kernel_run import run_interpreted
+from kernel_run import EXHAUSTIVE, run_interpreted
 
 pytestmark = pytest.mark.skipif(
     not _compat.interpret_available(),
@@ -283,7 +283,7 @@ def test_pallas_batched_experts_match_oracle(scheme, rng):
 
 @pytest.mark.parametrize("scheme,size", (
     ("w4a16", 128),  # (mxfp4 at 128: the 320 case's code path, its tails aside)
-    pytest.param("mxfp4", 128, marks=(pytest.mark.slow, pytest.mark.exhaustive)),
+    pytest.param("mxfp4", 128, marks=EXHAUSTIVE),
     pytest.param("w8a16", 128, marks=pytest.mark.slow),
     pytest.param("mxfp4_fp8", 128, marks=pytest.mark.slow),
     pytest.param("mxfp4", 320, marks=pytest.mark.slow)))  # 128 divides neither (TAILS)

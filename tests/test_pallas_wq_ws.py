@@ -18,7 +18,7 @@ from jmoe.kernels import grouped_gemm_wq_ws as wqws
 from jmoe.kernels import moe as pmoe
 from jmoe.kernels.activations import as_activation
 from jmoe.quant import quantize_weights
-from kernel_run import run_interpreted
+from kernel_run import EXHAUSTIVE, run_interpreted
 from test_pallas_decode_wq import _problem
 from test_quant_formats import np_dequant
 
@@ -99,7 +99,7 @@ def test_wq_ws_gemm_matches_oracle(scheme, gated, config, sizes, rng):
     pytest.param("mxfp4", 320, marks=pytest.mark.slow),
     pytest.param("w8a16", 320, marks=pytest.mark.slow),  # int8 code tiles: 64-byte swizzle
     # (w4a16: the GEMM's lean cases and the PallasExperts-vs-XLA prefill_ws case cover it)
-    pytest.param("w4a16", 256, marks=(pytest.mark.slow, pytest.mark.exhaustive))])
+    pytest.param("w4a16", 256, marks=EXHAUSTIVE)])
 def test_prefill_ws_block_matches_oracle(fmt, size, rng, monkeypatch):
   """fused_experts_weight_only's prefill_ws layout (both GEMMs on the sorted rows, the
   intermediate bf16): 40 tokens, k = 2 on 4 experts (expert 3 empty), an empty slot,
@@ -216,8 +216,8 @@ def test_picked_group_scales_lower_for_the_gpu(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt,preset", [
     ("mxfp4", "mixtral"), ("w8a16", "mixtral"),
     pytest.param("mxfp4", "gpt-oss", marks=pytest.mark.slow),  # (TAILS)
-    pytest.param("w4a16", "mixtral", marks=(pytest.mark.slow, pytest.mark.exhaustive)),
-    pytest.param("nvfp4", "mixtral", marks=(pytest.mark.slow, pytest.mark.exhaustive)),
+    pytest.param("w4a16", "mixtral", marks=EXHAUSTIVE),
+    pytest.param("nvfp4", "mixtral", marks=EXHAUSTIVE),
     pytest.param("nvfp4", "gpt-oss", marks=pytest.mark.slow)])
 def test_prefill_ws_lowers_for_the_gpu(fmt, preset, monkeypatch):
   """The block at 4096 tokens on the prefill_ws layout lowers for the GPU: mixtral-8x7b's

@@ -19,7 +19,7 @@ from jmoe.kernels import prepared
 from jmoe.layers import MoE
 from jmoe.quant import prepare_for_kernels, quantize_activations, quantize_weights
 from jmoe.quant.activations import dequantize_activations
-from kernel_run import run_interpreted
+from kernel_run import EXHAUSTIVE, run_interpreted
 from test_pallas_decode_wq import _oracle, _problem
 from test_pallas_w4a8 import _fp8_per_row
 from test_quant_formats import np_dequant
@@ -138,12 +138,10 @@ def _poisoned(w):
 
 @needs_interpreter
 @pytest.mark.parametrize("sid,h,layout", [
-    pytest.param("mxfp4", 256, "prefill_ws", marks=(pytest.mark.slow,  # (192 below: the
-                                                    pytest.mark.exhaustive)),  # same, lean)
+    pytest.param("mxfp4", 256, "prefill_ws", marks=EXHAUSTIVE),  # (lean: at 192, below)
     ("mxfp4", 192, "auto"),  # 128 does not divide H = N = 192 (prefill or prefill_ws)
     pytest.param("mxfp8", 256, "prefill", marks=pytest.mark.slow),  # grouped_gemm_wq
-    pytest.param("nvfp4", 256, "prefill_ws", marks=(pytest.mark.slow,  # (w4a16-zp: the
-                                                    pytest.mark.exhaustive)),  # same copies)
+    pytest.param("nvfp4", 256, "prefill_ws", marks=EXHAUSTIVE),  # (bf16 copies: as w4a16-zp)
     pytest.param("w4a16-zp", 256, "prefill_ws", marks=pytest.mark.slow),
     pytest.param("mxfp4_fp8", 256, "prefill_fp8", marks=pytest.mark.slow)])
 def test_prefill_reads_the_prepared_operands(sid, h, layout, rng):

@@ -12,7 +12,9 @@ The 8 columns of wgmma's B operand are the group's 8 tokens (zero rows for a sho
 decode_wq's trick of one masked token copy per B column (the group scales applied after the
 MMA) is not available: here the group scales (and zero points) multiply the register A tile
 before the MMA, one scale row per 128-deep step (the step is one group). The scale and zero
-blocks come transposed, [E, H / 128, 2N], so a step's row is contiguous in SMEM. GEMM2's
+blocks come transposed, [E, H / 128, 2N], so a step's row is contiguous in SMEM (prepared
+once by `prepare_for_kernels`; made per call, only the groups' experts' where there are
+fewer groups than experts). GEMM2's
 scales are applied by the final reduction as in decode_wq (per output row and item).
 
 Launches: the grouping and token-tile gather (XLA), this kernel, the reduction.
@@ -82,7 +84,9 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
 
 
 def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int, num_sms,
-           interpret):
+           interpret, rows_by_group: bool = False):
+  """rows_by_group: w13's transposed scale (and zero) blocks come one per group ([groups,
+  H / 128, 2N], the group's expert's), not one per expert ([E, ...])."""
   nb, k1, k2, spi, g1, tf_w, tf_x = geometry(h, n, plan, stages)
   _cast = _compat.layout_cast(interpret)
   emulate = interpret is not None  # the interpreter's wgmma takes refs only, not transposed
@@ -144,10 +148,11 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
       """The item's transposed scale (and zero) blocks [H / 128, 128] for gate and up (on
       mma.sync with zero points also the group's token sums per step [H / 128, 8])."""
       grp, ex, jb, _ = info
+      at = grp if rows_by_group else ex
       for c, cl in enumerate((jb * BN, n + jb * BN)):
-        plgpu.copy_gmem_to_smem(s13_ref.at[ex, :, pl.ds(cl, BN)], sblk.at[c], sbar.at[0])
+        plgpu.copy_gmem_to_smem(s13_ref.at[at, :, pl.ds(cl, BN)], sblk.at[c], sbar.at[0])
         if plan.zero13:
-          plgpu.copy_gmem_to_smem(z13_ref.at[ex, :, pl.ds(cl, BN)], zblk.at[c], sbar.at[0])
+          plgpu.copy_gmem_to_smem(z13_ref.at[at, :, pl.ds(cl, BN)], zblk.at[c], sbar.at[0])
       if xsblk is not None:
         plgpu.copy_gmem_to_smem(xs_ref.at[grp], xsblk, sbar.at[0])
 
@@ -312,8 +317,12 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
 # every expert's, so per call they cost a pass over all of them (deepseek-v3 w4a16 with zero
 # points, whose H / 128 = 56 sends one token here: 235 MB of float32 scales and 59 MB of zero
 # points read and written each call); prepare_for_kernels makes them once.
-W13_SCALE_T = Operand("decode_wq_shared.w13_scale_t",
-                      lambda w: jnp.swapaxes(w.scale.astype(jnp.float32), 1, 2))
+def _scale_t(scale: jax.Array) -> jax.Array:
+  """[X, 2N, H / 128] scales -> [X, H / 128, 2N] float32."""
+  return jnp.swapaxes(scale.astype(jnp.float32), 1, 2)
+
+
+W13_SCALE_T = Operand("decode_wq_shared.w13_scale_t", lambda w: _scale_t(w.scale))
 W13_ZERO_T = Operand("decode_wq_shared.w13_zero_t", lambda w: jnp.swapaxes(w.zero, 1, 2))
 
 
@@ -364,20 +373,30 @@ def fused_experts_decode_wq_shared(x: jax.Array, w13, w2, topk_weights: jax.Arra
   tok = jnp.maximum(group_slots, 0) // k
   xg = jnp.where((group_slots >= 0)[:, :, None], x[tok], 0).reshape(m * _N, h)
   interp, nsm = _compat.launch_params(interpret)
+  # w13's transposed blocks: prepared (every expert's), else made per call -- each group's
+  # expert's where there are fewer groups than experts (deepseek-v3 at one token: 8 of 256),
+  # else every expert's
+  prepared = W13_SCALE_T.key in (w13.prepared or {})
+  by_group = plan.grouped and not prepared and m < e
   kern = _build(h=h, n=n, m=m, groups=m, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
-                num_sms=nsm * ctas, interpret=interp)
+                num_sms=nsm * ctas, interpret=interp, rows_by_group=by_group)
   if plan.sync:  # fragment-ordered token tiles, the codes as int32 words
     args = [group_expert, group_slots.reshape(m * _N), int4_mma.fragment_tiles(xg),
             int4_mma.code_words(w13.values), int4_mma.code_words(w2.values)]
   else:
     args = [group_expert, group_slots.reshape(m * _N), xg, _codes(w13, plan.code),
             _codes(w2, plan.code)]
-  if plan.grouped:
-    args.append(operand(w13, W13_SCALE_T))  # [E, H / 128, 2N]
+  if by_group:  # [m, H / 128, 2N] (-1, a group that is no item: expert 0's)
+    rows = jnp.clip(group_expert, 0, e - 1)
+    args.append(_scale_t(w13.scale[rows]))
+    if plan.zero13:
+      args.append(jnp.swapaxes(w13.zero[rows], 1, 2))
+  elif plan.grouped:  # [E, H / 128, 2N]
+    args.append(operand(w13, W13_SCALE_T))
+    if plan.zero13:
+      args.append(operand(w13, W13_ZERO_T))
   else:
     args.append(w13.scale[:, :, 0].astype(jnp.float32))
-  if plan.zero13:
-    args.append(operand(w13, W13_ZERO_T))
   if plan.zero13 and plan.sync:  # each group's token sums per step [groups, H / 128, 8]
     sums = xg.astype(jnp.float32).reshape(m, _N, h // GROUP, GROUP).sum(-1)
     args.append(jnp.swapaxes(sums, 1, 2))

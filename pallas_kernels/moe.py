@@ -959,8 +959,8 @@ def prepare_weight_only(w13, w2, *, activation: Activation | str = "silu",
   w13 and w2, w13's also to the padded windows of `decode_wq.padded_sizes`), and w2's scales
   per 128 in the layout of the decode kernels' reduction (`decode_wq.W2_SCALE_T`) and
   decode_shared's transposed w13 scales and zero points (`decode_wq_shared.W13_SCALE_T`,
-  `W13_ZERO_T`); the decode kernels otherwise read the stored scales. Made once, after loading; the stored
-  arrays are unchanged."""
+  `W13_ZERO_T`); the decode kernels otherwise read the stored scales. Made once, after
+  loading; the stored arrays are unchanged."""
   from jmoe.kernels.prepared import with_prepared  # noqa: PLC0415
   act = as_activation(activation)
   e, h, n = w13.shape[0], w2.shape[2], w2.shape[1]

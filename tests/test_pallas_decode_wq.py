@@ -519,22 +519,24 @@ def test_slot_groups_cut_each_experts_run_into_eights():
       assert gs[g, p] == slot
 
 
-@pytest.mark.parametrize("sid,bias,sync,prepared", [
-    pytest.param("w4a16", True, True, False, marks=pytest.mark.slow),  # (zero points: lean)
-    ("w4a16-zp", False, True, True),  # int4 on mma.sync: scales (and zeros) on each step's sums
-    pytest.param("w4a16-zp", True, False, False, marks=pytest.mark.slow),  # the wgmma form
-    pytest.param("w8a16", False, False, False, marks=pytest.mark.slow),
-    pytest.param("w8a16-g128-zp", True, False, False, marks=pytest.mark.slow),
+@pytest.mark.parametrize("sid,bias,sync,prepared,e", [
+    pytest.param("w4a16", True, True, False, 16, marks=pytest.mark.slow),  # (zero points: lean)
+    ("w4a16-zp", False, True, True, 3),  # int4 on mma.sync: scales (and zeros) on each step's sums
+    pytest.param("w4a16-zp", True, False, False, 16, marks=pytest.mark.slow),  # the wgmma form
+    pytest.param("w8a16", False, False, False, 3, marks=pytest.mark.slow),
+    pytest.param("w8a16-g128-zp", True, False, False, 3, marks=pytest.mark.slow),
 ])
-def test_decode_wq_shared_matches_oracle(sid, bias, sync, prepared, rng, monkeypatch):
-  """T = 7, k = 2 on 2 experts of 3 (one with more than 8 slots: two groups), an empty slot;
+def test_decode_wq_shared_matches_oracle(sid, bias, sync, prepared, e, rng, monkeypatch):
+  """T = 7, k = 2 on 2 experts of e (one with more than 8 slots: two groups), an empty slot;
   int4 codes on mma.sync (the default) and on the wgmma form with the scales in the A tile
-  (SYNC_SHARED off; read when tracing: the two w4a16-zp cases differ in their biases).
-  prepared: on `prepare_for_kernels`' operands (w13's transposed scales and zero points, w2's
-  reduction scales) with the stored scales poisoned (NaN) and w13's zero points wrong."""
+  (SYNC_SHARED off; read when tracing: the two w4a16-zp cases differ in their biases). e = 16:
+  more experts than the 14 slots, so w13's scale (and zero) blocks are made per call for the
+  groups' experts only. prepared: on `prepare_for_kernels`' operands (w13's transposed scales
+  and zero points, w2's reduction scales), the stored scales poisoned (NaN) and w13's zero
+  points wrong."""
   monkeypatch.setattr(decode_wq_shared, "SYNC_SHARED", sync)
-  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 7, 1024, 256, 3, 2, bias=bias)
-  ids[:, :] = np.where(ids == 2, 0, ids)
+  x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 7, 1024, 256, e, 2, bias=bias)
+  ids[:, :] = np.where(ids < e // 2, 0, e - 1)  # experts 0 and e - 1 (a token may meet one twice)
   ids[2, 1] = -1
   w13, w2 = q13, q2
   if prepared:

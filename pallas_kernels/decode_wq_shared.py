@@ -12,9 +12,8 @@ The 8 columns of wgmma's B operand are the group's 8 tokens (zero rows for a sho
 decode_wq's trick of one masked token copy per B column (the group scales applied after the
 MMA) is not available: here the group scales (and zero points) multiply the register A tile
 before the MMA, one scale row per 128-deep step (the step is one group). The scale and zero
-blocks come transposed, [E, H / 128, 2N], so a step's row is contiguous in SMEM (prepared
-once by `prepare_for_kernels`; made per call, only the groups' experts' where there are
-fewer groups than experts). GEMM2's
+blocks come transposed, [E, H / 128, 2N], so a step's row is contiguous in SMEM (made per
+call: only the groups' experts' where there are fewer groups than experts). GEMM2's
 scales are applied by the final reduction as in decode_wq (per output row and item).
 
 Launches: the grouping and token-tile gather (XLA), this kernel, the reduction.
@@ -314,9 +313,10 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
 
 
 # w13's scales and zero points per 128 transposed, [E, H / 128, 2N] (a step's row contiguous):
-# every expert's, so per call they cost a pass over all of them (deepseek-v3 w4a16 with zero
-# points, whose H / 128 = 56 sends one token here: 235 MB of float32 scales and 59 MB of zero
-# points read and written each call); prepare_for_kernels makes them once.
+# every expert's where the groups are at least the experts, kept on the weights if they carry
+# them (`jmoe.kernels.prepared`; prepare_for_kernels does not: they double w13's scale bytes),
+# else only the groups' experts' per call (deepseek-v3 w4a16 with zero points, H / 128 = 56,
+# decodes one token here: 8 experts' 9 MB instead of all 256 experts' 294 MB)
 def _scale_t(scale: jax.Array) -> jax.Array:
   """[X, 2N, H / 128] scales -> [X, H / 128, 2N] float32."""
   return jnp.swapaxes(scale.astype(jnp.float32), 1, 2)

@@ -957,10 +957,9 @@ def prepare_weight_only(w13, w2, *, activation: Activation | str = "silu",
   fp8-token schemes meet bf16), prefill's float32 ones, prefill_fp8's exponent shifts, and
   decode's byte scales padded to 16-byte rows where they are not (qwen3 mxfp4's w2; gpt-oss'
   w13 and w2, w13's also to the padded windows of `decode_wq.padded_sizes`), and w2's scales
-  per 128 in the layout of the decode kernels' reduction (`decode_wq.W2_SCALE_T`) and
-  decode_shared's transposed w13 scales and zero points (`decode_wq_shared.W13_SCALE_T`,
-  `W13_ZERO_T`); the decode kernels otherwise read the stored scales. Made once, after
-  loading; the stored arrays are unchanged."""
+  per 128 in the layout of the decode kernels' reduction (`decode_wq.W2_SCALE_T`); the
+  decode kernels otherwise read the stored scales. Made once, after loading; the stored
+  arrays are unchanged."""
   from jmoe.kernels.prepared import with_prepared  # noqa: PLC0415
   act = as_activation(activation)
   e, h, n = w13.shape[0], w2.shape[2], w2.shape[1]
@@ -985,10 +984,8 @@ def prepare_weight_only(w13, w2, *, activation: Activation | str = "silu",
       ops13.append(_decode_wq.W13_SCALE_BYTES)  # (and to the padded windows: gpt-oss)
     if plan.scale_bytes and v2.scale.shape[-1] % 16:
       ops2.append(_decode_wq.W2_SCALE_BYTES)
-  if "decode_shared" in layouts and v13.scheme.weight_scale == "group":  # its steps' rows
-    ops13.append(_decode_wq_shared.W13_SCALE_T)
-    if v13.zero is not None:
-      ops13.append(_decode_wq_shared.W13_ZERO_T)
+  # (decode_shared's transposed w13 scales are made per call for the groups' experts: kept,
+  # they would double w13's scale bytes, 294 MB a layer at deepseek-v3 w4a16 with zero points)
   if layouts & {"decode", "decode_shared"} and _decode_wq.reduction_scales(v2):  # the
     ops2.append(_decode_wq.W2_SCALE_T)  # reduction's w2 scales
   return with_prepared(w13, ops13), with_prepared(w2, ops2)

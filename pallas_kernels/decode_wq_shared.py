@@ -38,7 +38,6 @@ from jmoe.kernels.decode_wq import (BH, BK, BN, GROUP, ROWS_A, DecodeWQConfig, _
                                     finish, geometry, smem_budget, step_fetcher,
                                     store_b_tile, sync_eligible, unsupported_codes)
 from jmoe.kernels.grouped_gemm import kernel_activation
-from jmoe.kernels.prepared import Operand, operand
 
 _N = 8  # tokens per group = wgmma's N
 _MAX_STAGES = 8
@@ -312,18 +311,12 @@ def _build(*, h, n, m, groups, e, xdt, act: Activation, plan: _Plan, stages: int
                 name="jmoe_moe_decode_wq_shared")
 
 
-# w13's scales and zero points per 128 transposed, [E, H / 128, 2N] (a step's row contiguous):
-# every expert's where the groups are at least the experts, kept on the weights if they carry
-# them (`jmoe.kernels.prepared`; prepare_for_kernels does not: they double w13's scale bytes),
-# else only the groups' experts' per call (deepseek-v3 w4a16 with zero points, H / 128 = 56,
-# decodes one token here: 8 experts' 9 MB instead of all 256 experts' 294 MB)
-def _scale_t(scale: jax.Array) -> jax.Array:
-  """[X, 2N, H / 128] scales -> [X, H / 128, 2N] float32."""
-  return jnp.swapaxes(scale.astype(jnp.float32), 1, 2)
-
-
-W13_SCALE_T = Operand("decode_wq_shared.w13_scale_t", lambda w: _scale_t(w.scale))
-W13_ZERO_T = Operand("decode_wq_shared.w13_zero_t", lambda w: jnp.swapaxes(w.zero, 1, 2))
+def _transposed(a: jax.Array) -> jax.Array:
+  """w13's scales or zero points per 128 [X, 2N, H / 128] -> [X, H / 128, 2N] (a step's row
+  contiguous; scales as float32)."""
+  if jnp.issubdtype(a.dtype, jnp.floating):
+    a = a.astype(jnp.float32)
+  return jnp.swapaxes(a, 1, 2)
 
 
 def slot_groups(ids: jax.Array, e: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -373,11 +366,10 @@ def fused_experts_decode_wq_shared(x: jax.Array, w13, w2, topk_weights: jax.Arra
   tok = jnp.maximum(group_slots, 0) // k
   xg = jnp.where((group_slots >= 0)[:, :, None], x[tok], 0).reshape(m * _N, h)
   interp, nsm = _compat.launch_params(interpret)
-  # w13's transposed blocks: prepared (every expert's), else made per call -- each group's
-  # expert's where there are fewer groups than experts (deepseek-v3 at one token: 8 of 256),
-  # else every expert's
-  prepared = W13_SCALE_T.key in (w13.prepared or {})
-  by_group = plan.grouped and not prepared and m < e
+  # w13's transposed blocks, made per call: each group's expert's where there are fewer
+  # groups than experts (deepseek-v3 w4a16 with zero points at one token: 8 experts' ~9 MB
+  # instead of all 256 experts' 294 MB), else every expert's
+  by_group = plan.grouped and m < e
   kern = _build(h=h, n=n, m=m, groups=m, e=e, xdt=x.dtype, act=act, plan=plan, stages=stages,
                 num_sms=nsm * ctas, interpret=interp, rows_by_group=by_group)
   if plan.sync:  # fragment-ordered token tiles, the codes as int32 words
@@ -386,15 +378,11 @@ def fused_experts_decode_wq_shared(x: jax.Array, w13, w2, topk_weights: jax.Arra
   else:
     args = [group_expert, group_slots.reshape(m * _N), xg, _codes(w13, plan.code),
             _codes(w2, plan.code)]
-  if by_group:  # [m, H / 128, 2N] (-1, a group that is no item: expert 0's)
-    rows = jnp.clip(group_expert, 0, e - 1)
-    args.append(_scale_t(w13.scale[rows]))
+  if plan.grouped:  # [m or E, H / 128, 2N] (-1, a group that is no item: expert 0's)
+    rows = jnp.clip(group_expert, 0, e - 1) if by_group else slice(None)
+    args.append(_transposed(w13.scale[rows]))
     if plan.zero13:
-      args.append(jnp.swapaxes(w13.zero[rows], 1, 2))
-  elif plan.grouped:  # [E, H / 128, 2N]
-    args.append(operand(w13, W13_SCALE_T))
-    if plan.zero13:
-      args.append(operand(w13, W13_ZERO_T))
+      args.append(_transposed(w13.zero[rows]))
   else:
     args.append(w13.scale[:, :, 0].astype(jnp.float32))
   if plan.zero13 and plan.sync:  # each group's token sums per step [groups, H / 128, 8]

@@ -172,8 +172,9 @@ def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool
   width = max(g, SUB)  # a sub-step's K: one group, or SUB // g of them
   tiles = [a] if width == BK else [a[:, j * width:(j + 1) * width] for j in range(BK // width)]
   per = width // g
+  pick = per > 1 and PICK_GROUPS and not interpret  # (else selects by column, below)
   col = None
-  if per > 1:  # which group a column of a sub-step belongs to
+  if per > 1 and not pick:  # which group a column of a sub-step belongs to
     col = cast(lax.broadcasted_iota(jnp.int32, (rows, width), 1), plgpu.Layout.WGMMA)
   out = []
   for j, t in enumerate(tiles):
@@ -183,8 +184,8 @@ def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool
         v = scale_values(v, scale8)
       return lax.broadcast_in_dim(v.astype(xdt), t.shape, [0])
 
-    if per > 1 and PICK_GROUPS and not interpret:  # (the products no register takes are
-      t = _column_groups([t * srow(u) for u in range(per)], g)  # dead code, removed)
+    if pick:  # (the products no register takes are dead code, removed)
+      t = _column_groups([t * srow(u) for u in range(per)], g)
     else:
       sc = srow(0)
       for u in range(1, per):

@@ -527,9 +527,10 @@ def test_slot_groups_cut_each_experts_run_into_eights():
     pytest.param("w8a16-g128-zp", True, False, False, 3, marks=pytest.mark.slow),
 ])
 def test_decode_wq_shared_matches_oracle(sid, bias, sync, prepared, e, rng, monkeypatch):
-  """T = 7, k = 2 on 2 experts of e (one with more than 8 slots: two groups), an empty slot;
-  int4 codes on mma.sync (the default) and on the wgmma form with the scales in the A tile
-  (SYNC_SHARED off; read when tracing: the two w4a16-zp cases differ in their biases). e = 16:
+  """T = 7, k = 2 on 2 experts of e (14 slots: an expert with more than 8 takes two groups),
+  an empty slot; int4 codes on mma.sync (the default) and on the wgmma form with the scales in
+  the A tile (SYNC_SHARED off; read when tracing: the two w4a16-zp cases differ in their
+  biases). e = 16:
   more experts than the 14 slots, so w13's scale (and zero) blocks are made per call for the
   groups' experts only. prepared: on `prepare_for_kernels`' operands (w2's scales in the
   reduction's layout), w2's stored scales poisoned (NaN)."""

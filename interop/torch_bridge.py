@@ -460,8 +460,10 @@ def run(key: str, tensors: Sequence[torch.Tensor],
   in-place change of it before backward raises (torch's version check) instead of corrupting
   what the VJP residuals might share with it.
   """
-  if torch.compiler.is_compiling():
-    return torch.ops.jmoe.fused_moe(list(tensors), key)
+  if torch.compiler.is_compiling():  # (traced: grad mode and requires_grad are guarded on)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+      return torch.ops.jmoe.fused_moe(list(tensors), key)
+    return torch.ops.jmoe.fused_moe_forward(list(tensors), key)
   spec, jitted = _resolve(key)
   if torch.is_grad_enabled() and _needs_grad(spec, tensors):
     return _BridgeFunction.apply(key, spec, weights, *tensors)
@@ -523,6 +525,10 @@ class _BridgeFunction(torch.autograd.Function):
 # and under torch.compile every call pays them.
 _LIB = torch.library.Library("jmoe", "DEF")  # noqa: TOR901 (kept for the process' life)
 _LIB.define("fused_moe(Tensor[] tensors, str spec) -> Tensor")
+# The same forward without an autograd formula, for graphs that need no gradient: a call of
+# fused_moe goes through its registered autograd's Python layer even then (~40 us a call on a
+# 2-core CPU against the C++ fallback's few).
+_LIB.define("fused_moe_forward(Tensor[] tensors, str spec) -> Tensor")
 _LIB.define("fused_moe_backward(Tensor[] tensors, Tensor g, str spec) -> Tensor[]")
 
 
@@ -547,12 +553,16 @@ def _fused_moe_backward_op(tensors: list[torch.Tensor], g: torch.Tensor,
 
 
 _LIB.impl("fused_moe", _fused_moe_op, "CompositeExplicitAutograd")
+_LIB.impl("fused_moe_forward", _fused_moe_op, "CompositeExplicitAutograd")
 _LIB.impl("fused_moe_backward", _fused_moe_backward_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("jmoe::fused_moe", lib=_LIB)
 def _fused_moe_fake(tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
   return torch.empty_like(tensors[0])
+
+
+torch.library.register_fake("jmoe::fused_moe_forward", _fused_moe_fake, lib=_LIB)
 
 
 @torch.library.register_fake("jmoe::fused_moe_backward", lib=_LIB)

@@ -344,6 +344,27 @@ def test_custom_op_registration_passes_opcheck():
   torch.library.opcheck(torch.ops.jmoe.fused_moe.default, (tensors, ours._op_key),
                         test_utils=("test_schema", "test_faketensor",
                                     "test_autograd_registration"))
+  with torch.no_grad():  # the forward-only op: no autograd formula, inputs needing none
+    frozen = [t.detach() for t in tensors]
+    torch.library.opcheck(torch.ops.jmoe.fused_moe_forward.default, (frozen, ours._op_key),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_compiled_graph_takes_the_forward_only_op_where_no_gradient_flows(grad):
+  """Under no_grad the graph calls jmoe::fused_moe_forward (no Python autograd layer per call);
+  where a gradient flows, jmoe::fused_moe; each gives the eager block's output."""
+  hf_config, block, x = build("qwen3_moe")
+  ours = JmoeMoE.from_hf(block, hf_config, runner_backend="xla")
+  rec = _Recorder()
+  compiled = torch.compile(ours, fullgraph=True, backend=rec)
+  with torch.set_grad_enabled(grad):
+    y, want = compiled(x), ours(x)
+  calls = lambda op: sum(o in (op, op.default) for o in rec.ops())  # noqa: E731
+  assert calls(torch.ops.jmoe.fused_moe_forward) == (0 if grad else 1)
+  assert calls(torch.ops.jmoe.fused_moe) == (1 if grad else 0)
+  assert y.requires_grad == grad
+  assert _rel(y, want) < 1e-6
 
 
 # --------------------------------------------------------------------------------------------

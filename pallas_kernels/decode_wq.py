@@ -173,7 +173,8 @@ def _fixed_bytes(plan: _Plan, h: int) -> int:
   elif plan.grouped:
     fixed += 2 * BN * g1 * 4
     if plan.zero13:  # (two warpgroups: a copy of the token sums each)
-      fixed += 2 * BN * g1 + g1 * 4 * (2 if two_warpgroups(plan) else 1)
+      fixed += 2 * BN * g1 * (2 if wide_zeros(h) else 1) \
+          + g1 * 4 * (2 if two_warpgroups(plan) else 1)
   return fixed
 
 
@@ -573,14 +574,21 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
     def zero_terms():
       """gvec -= sum over groups g of (zero - 8) * scale * sum(x over g), per row: the zero
       points' part of every group at once (whole [128, H / 128] blocks: a window's 8 bytes a
-      row have no conflict-free SMEM load)."""
-      xsum = lax.broadcast_in_dim(_cast(xs_block()[...], plgpu.Layout.WGMMA.reduce(0)),
-                                  (BN, g1), [1])
+      row have no conflict-free SMEM load) -- or, with bf16 zero rows (`wide_zeros`), a
+      window's 8 groups (16 bytes a row) at a time, as window_partials reads the scales."""
+      spans = [(j * _N, _N) for j in range(g1 // _N)] if wide_zeros(h) else [(0, g1)]
       for c in ops:
-        z = zblk.at[c][...].astype(jnp.float32)
-        if plan.int4:
-          z = z - 8.0  # the codes are u - 8: so is the zero
-        gvec.at[c][...] = gvec.at[c][...] - jnp.sum(z * sblk.at[c][...] * xsum, axis=1)
+        total = None
+        for start, size in spans:
+          cols = pl.ds(start, size)
+          xsum = lax.broadcast_in_dim(
+              _cast(xs_block().at[cols][...], plgpu.Layout.WGMMA.reduce(0)), (BN, size), [1])
+          z = zblk.at[c, :, cols][...].astype(jnp.float32)
+          if plan.int4:
+            z = z - 8.0  # the codes are u - 8: so is the zero
+          part = jnp.sum(z * sblk.at[c, :, cols][...] * xsum, axis=1)
+          total = part if total is None else total + part
+        gvec.at[c][...] = gvec.at[c][...] - total
       plgpu.commit_smem()
 
     def one_item(i, cur):
@@ -793,7 +801,8 @@ def _build(*, h, n, m, k, e, xdt, act: Activation, plan: _Plan, stages: int, num
   elif plan.grouped:
     scratch.append(plgpu.SMEM((2, BN, g1), jnp.float32))
   if plan.zero13:
-    scratch += [plgpu.SMEM((2, BN, g1), jnp.dtype(jnp.uint8) if plan.int4 else plan.code),
+    zdt = jnp.bfloat16 if wide_zeros(h) else jnp.uint8 if plan.int4 else plan.code
+    scratch += [plgpu.SMEM((2, BN, g1), zdt),
                 plgpu.SMEM((2, g1) if two else (g1,), jnp.float32)]
   if plan.small_groups:  # GEMM2 steps' scale tiles [(step,) half, 128 rows, 8 groups]
     scratch.append(plgpu.SMEM((stages, 4 if plan.wide else 2, BH // 2, s2_width(plan)),
@@ -867,8 +876,9 @@ def unsupported(t: int, k: int, h: int, n: int, act: Activation | str, w13, w2) 
   why = unsupported_codes(t, k, h, n, act, w13, w2, tails=True, act8=True)
   if why is not None:
     return why
-  if w13.scheme.zero_point and (h // GROUP) % 16:
-    return f"zero points need H / 128 = {h // GROUP} a multiple of 16 (their TMA rows)"
+  if w13.scheme.zero_point and wide_zeros(h) and not zeros_16bit_ready(w13):
+    return (f"zero points at H / 128 = {h // GROUP} (not a multiple of 16: their byte rows "
+            "are no TMA box) need their bf16 copy prepared (jmoe.quant.prepare_for_kernels)")
   if max_stages(_plan(w13, w2, False), h) < 2:
     return f"H={h}: the item's scale rows leave shared memory no 2-slot ring"
   return None
@@ -1121,6 +1131,23 @@ W13_SCALE_BYTES = _byte_scale_operand(
     lambda w: padded_byte_columns(padded_h(w.shape[1]) // w.scheme.group_size))
 
 
+def wide_zeros(h: int) -> bool:
+  """w13's zero points cross as bf16 (`W13_ZERO_16`): their H / 128 bytes a row are not a
+  multiple of TMA's 16 (deepseek-v3: 56); as bf16 they are (H is a multiple of 1024)."""
+  return (h // GROUP) % 16 != 0
+
+
+# w13's zero points as bf16 [E, 2N, H / 128] (the integers exactly): where `wide_zeros`
+W13_ZERO_16 = Operand("decode_wq.w13_zero_bf16", lambda w: w.zero.astype(jnp.bfloat16))
+
+
+def zeros_16bit_ready(w13) -> bool:
+  """decode_wq may take these zero points as bf16 rows: prepared, or small enough to convert
+  every expert's per call (deepseek-v3's 59 MB are not: 176 MB moved a call)."""
+  return (W13_ZERO_16.key in (w13.prepared or {})
+          or w13.zero is not None and 2 * w13.zero.size <= PAD_ALL_BYTES)
+
+
 def _padded_last(a: jax.Array, size: int) -> jax.Array:
   """a with its last axis zero-padded to size."""
   return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, size - a.shape[-1])])
@@ -1294,7 +1321,7 @@ def fused_experts_decode_wq(x: jax.Array, w13, w2, topk_weights: jax.Array,
     args.append(w13.scale[:, :, 0].astype(jnp.float32))
   if plan.zero13:
     xg = x.astype(jnp.float32).reshape(t, h // GROUP, GROUP).sum(-1)  # [T, H / 128]
-    args += [w13.zero, xg]
+    args += [operand(w13, W13_ZERO_16) if wide_zeros(h) else w13.zero, xg]
   if plan.has_bias:
     args.append(w13_bias.astype(jnp.float32))
   if plan.small_groups:

@@ -957,8 +957,9 @@ def prepare_weight_only(w13, w2, *, activation: Activation | str = "silu",
   fp8-token schemes meet bf16), prefill's float32 ones, prefill_fp8's exponent shifts, and
   decode's byte scales padded to 16-byte rows where they are not (qwen3 mxfp4's w2; gpt-oss'
   w13 and w2, w13's also to the padded windows of `decode_wq.padded_sizes`), and w2's scales
-  per 128 in the layout of the decode kernels' reduction (`decode_wq.W2_SCALE_T`); the
-  decode kernels otherwise read the stored scales. Made once, after loading; the stored
+  per 128 in the layout of the decode kernels' reduction (`decode_wq.W2_SCALE_T`), and w13's
+  zero points as bf16 where H / 128 bytes are no TMA row (`decode_wq.W13_ZERO_16`: without
+  it decode_wq refuses them there); the decode kernels otherwise read the stored scales. Made once, after loading; the stored
   arrays are unchanged."""
   from jmoe.kernels.prepared import with_prepared  # noqa: PLC0415
   act = as_activation(activation)
@@ -988,4 +989,7 @@ def prepare_weight_only(w13, w2, *, activation: Activation | str = "silu",
   # they would double w13's scale bytes, 294 MB a layer at deepseek-v3 w4a16 with zero points)
   if layouts & {"decode", "decode_shared"} and _decode_wq.reduction_scales(v2):  # the
     ops2.append(_decode_wq.W2_SCALE_T)  # reduction's w2 scales
+  if (layouts & {"decode", "decode_shared"} and v13.zero is not None
+      and _decode_wq.wide_zeros(h)):  # zero rows no TMA box holds as bytes (deepseek-v3):
+    ops13.append(_decode_wq.W13_ZERO_16)  # as bf16, which lets decode take them
   return with_prepared(w13, ops13), with_prepared(w2, ops2)

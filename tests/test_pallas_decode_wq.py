@@ -388,18 +388,27 @@ def test_decode_wq_says_what_it_does_not_take(rng):
   assert pmoe.weight_only_layout(4, 2, 1024, 256, silu, f8, f8) == "prefill"
   assert "groups of 16, 32, 128" in decode_wq.unsupported(
       1, 2, 1024, 128, silu, *(2 * [w("w4a16", 2, 1024, 256, group_size=64)]))
+  # zero points at H / 128 = 8 (no 16-byte rows): small, so converted to bf16 per call
   zp13, zp2 = w("w4a16", 2, 1024, 256, zero_point=True), w("w4a16", 2, 128, 1024,
                                                            zero_point=True)
-  assert "multiple of 16" in decode_wq.unsupported(1, 2, 1024, 128, silu, zp13, zp2)
-  with pytest.raises(ValueError, match="multiple of 16"):
-    decode_wq.fused_experts_decode_wq(jnp.ones((1, 1024), jnp.bfloat16), zp13, zp2,
-                                      jnp.ones((1, 2)), jnp.zeros((1, 2), jnp.int32))
+  assert decode_wq.unsupported(1, 2, 1024, 128, silu, zp13, zp2) is None
+  assert pmoe.weight_only_layout(1, 2, 1024, 128, silu, zp13, zp2) == "decode"
+  # deepseek-v3's (59 MB of zero bytes): only prepared
+  big13, big2 = _zp_shapes(256, 7168, 2048, prepared=False)
+  assert "need their bf16 copy prepared" in decode_wq.unsupported(1, 8, 7168, 2048, silu,
+                                                                  big13, big2)
+  with pytest.raises(ValueError, match="need their bf16 copy prepared"):
+    jax.eval_shape(lambda: decode_wq.fused_experts_decode_wq(
+        jnp.ones((1, 7168), jnp.bfloat16), big13, big2, jnp.ones((1, 8)),
+        jnp.zeros((1, 8), jnp.int32)))
+  # the shared kernel's transposed zero blocks need neither
+  assert decode_wq_shared.unsupported(1, 8, 7168, 2048, silu, big13, big2) is None
+  assert pmoe.weight_only_layout(1, 8, 7168, 2048, silu, big13, big2) == "decode_shared"
+  assert decode_wq.unsupported(1, 8, 7168, 2048, silu,
+                               *_zp_shapes(256, 7168, 2048, prepared=True)) is None
   for name in ("decode", "decode_shared"):
     with pytest.raises(ValueError, match=f"layout='{name}'"):
       pmoe.weight_only_layout(1, 2, 1024, 128, silu, g32, g32, layout=name)
-  # the shared kernel's transposed zero blocks need no H / 128 multiple of 16
-  assert decode_wq_shared.unsupported(1, 2, 1024, 128, silu, zp13, zp2) is None
-  assert pmoe.weight_only_layout(1, 2, 1024, 128, silu, zp13, zp2) == "decode_shared"
   with pytest.raises(ValueError, match="stages=1"):
     decode_wq.DecodeWQConfig(stages=1)
   with pytest.raises(ValueError, match="ctas_per_sm=5"):
@@ -431,6 +440,53 @@ def test_mxfp8_lowers_for_gpu(t, layout, kernels, monkeypatch):
           S((t, k), jnp.float32), S((t, k), jnp.int32)).lower(
               lowering_platforms=("cuda",)).as_text()
   assert kernels <= set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text))
+
+
+def _zp_shapes(e: int, h: int, n: int, prepared: bool):
+  """w4a16-with-zero-points weights' shapes (w13 [E, 2N, H], w2 [E, H, N] stored), w13 with
+  its bf16 zero rows (`decode_wq.W13_ZERO_16`) prepared or not."""
+  quant = jmoe.QuantConfig("w4a16", zero_point=True)
+
+  def qw(rows, kk, prep):
+    z = S((e, rows, kk // 128), jnp.uint8)
+    kept = {decode_wq.W13_ZERO_16.key: S(z.shape, jnp.bfloat16)} if prep else None
+    return QuantizedWeights(values=S((e, rows, kk // 2), jnp.uint8),
+                            scale=S(z.shape, jnp.float32), zero=z, scheme=quant, prepared=kept)
+
+  return qw(2 * n, h, prepared), qw(h, n, False)
+
+
+@pytest.mark.parametrize("prepared", [
+    pytest.param(False, marks=pytest.mark.slow),  # (small zeros: converted per call)
+    True])
+def test_decode_wq_zero_points_as_bf16_rows(prepared, rng):
+  """H / 128 = 24, no multiple of 16 (deepseek-v3's 56 likewise): w13's zero points reach the
+  kernel as bf16 rows and their terms are summed a window of 8 groups at a time (three).
+  prepared: `prepare_for_kernels` keeps the bf16 copy and the stored zeros are poisoned."""
+  x, q13, q2, tw, ids, _, _ = _problem(rng, "w4a16-zp", 2, 3072, 128, 4, 2)
+  ids[1, 0] = -1
+  w13, w2 = q13, q2
+  if prepared:
+    w13, w2 = prepare_for_kernels(q13, q2)
+    assert decode_wq.W13_ZERO_16.key in w13.prepared
+    w13 = dataclasses.replace(w13, zero=jnp.full_like(w13.zero, 3))
+  assert pmoe.weight_only_layout(2, 2, 3072, 128, as_activation("silu"), w13, w2) == "decode"
+  out = _run(x, w13, w2, tw, ids)
+  assert out.shape == (2, 3072) and np.isfinite(out).all()
+  onp.assert_rel_close(out, _oracle(x, q13, q2, tw, ids), TOL, "zero points as bf16 rows")
+
+
+def test_decode_wq_zero_points_as_bf16_rows_lower_for_gpu(monkeypatch):
+  """deepseek-v3's block at 1 token, w4a16 with zero points prepared (H / 128 = 56): auto
+  takes decode_wq (the shared kernel without the bf16 rows), which lowers."""
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
+  e, k, h, n, t = 256, 8, 7168, 2048, 1
+  w13, w2 = _zp_shapes(e, h, n, prepared=True)
+  text = jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
+      x, w13, w2, tw, ti)).trace(
+          S((t, h), jnp.bfloat16), w13, w2, S((t, k), jnp.float32),
+          S((t, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"jmoe_[a-z0-9_]+?(?=_mosaic_gpu|\")", text)) == {"jmoe_moe_decode_wq"}
 
 
 def test_decode_wq_lowers_for_gpu(monkeypatch):

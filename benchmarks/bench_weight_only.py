@@ -487,21 +487,18 @@ def run_scheme(args, p, t, sets, case, label, quant, q, d, bias, out_ref, fn):
 
 
 # the kernels' form switches: jmoe.kernels.decode_wq's, decode_wq_shared's SYNC_SHARED,
-# grouped_gemm_wq_ws' TAILS (as WS_TAILS), grouped_gemm_wq's PICK_GROUPS (the prefill GEMMs'
-# small-group scales); and the numeric CHAINS (int4_mma.CHAINS: 2, 4, 8)
+# grouped_gemm_wq_ws' TAILS (as WS_TAILS); and the numeric CHAINS (int4_mma.CHAINS: 2, 4, 8)
 DECODE_WQ_FLAGS = ("SYNC_4BIT", "WIDE_ROWS", "SCALE_BYTES", "PAD_TAILS", "TWO_WG", "SYNC_SHARED",
-                   "WS_TAILS", "PICK_GROUPS")
+                   "WS_TAILS")
 NUMERIC_SWITCHES = {"CHAINS": ("2", "4", "8")}
 
 
 def switch_target(flag: str) -> tuple:
   """(module, attribute) that switch `flag` of DECODE_WQ_FLAGS / NUMERIC_SWITCHES sets."""
-  from jmoe.kernels import (decode_wq, decode_wq_shared, grouped_gemm_wq,  # noqa: PLC0415
+  from jmoe.kernels import (decode_wq, decode_wq_shared,  # noqa: PLC0415
                             grouped_gemm_wq_ws, int4_mma)
   if flag == "WS_TAILS":
     return grouped_gemm_wq_ws, "TAILS"
-  if flag == "PICK_GROUPS":
-    return grouped_gemm_wq, flag
   if flag == "CHAINS":
     return int4_mma, "CHAINS"
   return (decode_wq_shared if flag == "SYNC_SHARED" else decode_wq), flag
@@ -543,8 +540,7 @@ def parse_args(argv=None):
                        "JMOE_WEIGHT_ONLY_LAYOUT)")
   ap.add_argument("--decode-wq", default="",
                   help="the kernels' form switches for an A/B, FLAG=0|1 comma-separated: "
-                       f"{', '.join(DECODE_WQ_FLAGS)} (default: all on but PICK_GROUPS, "
-                       "grouped_gemm_wq.PICK_GROUPS; WS_TAILS is "
+                       f"{', '.join(DECODE_WQ_FLAGS)} (default: all on; WS_TAILS is "
                        "grouped_gemm_wq_ws.TAILS), and CHAINS=2|4|8 (int4_mma.CHAINS, "
                        "default 2); run one process per "
                        "setting: a traced kernel keeps the form it was traced with)")

@@ -37,7 +37,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -58,13 +57,6 @@ BH = 128  # GEMM2: rows of H per item (one [128, 128] A tile)
 GROUP = 128
 GROUPS = (16, 32, 64, 128)  # scale groups along K
 SUB = 64  # the narrowest wgmma K Mosaic takes: groups below it share a sub-step (selects)
-# Groups below SUB on the GPU: each register of the WGMMA-layout A tile holds columns of one
-# group, so its scale can be picked when the kernel is traced (`_column_groups`) instead of
-# selected per element at run time (mxfp4: one select a register pair, nvfp4: three, beside
-# the one multiply). Built 2026-12-07 without a GPU: lowered in the tests, never run; on for
-# an A/B with `bench_weight_only.py --decode-wq PICK_GROUPS=1`, then made the default if its
-# errors hold and it is faster. Interpret mode always selects (its arrays have no registers).
-PICK_GROUPS = False
 BAND = 16  # tasks per band: a band's tasks sweep the weight blocks together (L2 reuse)
 _SMEM_BYTES = 232448 - 8 * 1024  # sm_90 max dynamic SMEM, less each buffer's 1 KiB alignment
 _MAX_STAGES = 6
@@ -172,9 +164,8 @@ def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool
   width = max(g, SUB)  # a sub-step's K: one group, or SUB // g of them
   tiles = [a] if width == BK else [a[:, j * width:(j + 1) * width] for j in range(BK // width)]
   per = width // g
-  pick = per > 1 and PICK_GROUPS and not interpret  # (else selects by column, below)
   col = None
-  if per > 1 and not pick:  # which group a column of a sub-step belongs to
+  if per > 1:  # which group a column of a sub-step belongs to
     col = cast(lax.broadcasted_iota(jnp.int32, (rows, width), 1), plgpu.Layout.WGMMA)
   out = []
   for j, t in enumerate(tiles):
@@ -184,13 +175,10 @@ def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool
         v = scale_values(v, scale8)
       return lax.broadcast_in_dim(v.astype(xdt), t.shape, [0])
 
-    if pick:  # (the products no register takes are dead code, removed)
-      t = _column_groups([t * srow(u) for u in range(per)], g)
-    else:
-      sc = srow(0)
-      for u in range(1, per):
-        sc = jnp.where(col >= u * g, srow(u), sc)
-      t = t * sc
+    sc = srow(0)
+    for u in range(1, per):
+      sc = jnp.where(col >= u * g, srow(u), sc)
+    t = t * sc
     if zero:  # (zero points: groups of 128 only, one sub-step)
       sv = cast(s.at[0][...], row)
       zv = cast(z[...], row).astype(jnp.float32)
@@ -199,50 +187,6 @@ def _a_tiles(codes, s, z, *, plan: _Plan, zero: bool, xdt, cast, interpret: bool
       t = t - lax.broadcast_in_dim((zv * sv).astype(xdt), t.shape, [0])
     out.append(t)
   return out
-
-
-def register_groups(shape: tuple[int, int], group: int) -> np.ndarray:
-  """Which group of `group` columns each register of a [rows, width] WGMMA-layout register
-  array holds (an int array of the registers' shape). A register holds 2 adjacent columns
-  and its warp's lanes 8: its first element's offset fixes which 8 (the warp's and lane's
-  parts, added at run time, stay inside them), so for groups of a multiple of 8 every element
-  of a register lies in that register's group."""
-  from jax.experimental.mosaic.gpu import fragmented_array as fa, utils  # noqa: PLC0415
-  if group % 8:
-    raise ValueError(f"register_groups: group={group} must be a multiple of 8")
-  layout = fa.WGMMA_LAYOUT
-  strides = layout.tiling.tile_strides(tuple(utils.get_contiguous_strides(shape)))
-  regs = layout.registers_shape(shape)
-  out = np.empty(regs, np.int32)
-  for idx in np.ndindex(regs):
-    out[idx] = sum(i * st for i, st in zip(idx, strides)) % shape[1] // group
-  return out
-
-
-def _column_groups(tiles: list, group: int) -> jax.Array:
-  """tiles: [rows, width] register arrays (WGMMA layout, the same shape and dtype), tile u
-  holding the right values for the columns of group u (columns [u * group, (u + 1) * group))
-  -> one array with each register taken from its group's tile (`register_groups`): a choice
-  made when the kernel is traced, not per element at run time. GPU only (Mosaic GPU's
-  registers; interpret mode has none)."""
-  layout = plgpu.Layout.WGMMA
-  shape = tuple(tiles[0].shape)
-  if shape[1] != group * len(tiles):
-    raise ValueError(f"_column_groups: {len(tiles)} tiles of shape {shape}, groups of {group}")
-  which = register_groups(shape, group)
-
-  @plgpu.inline_mgpu(arg_types=(layout,) * len(tiles),
-                     return_type=plgpu.ShapeDtypeStruct(shape, tiles[0].dtype, layout=layout))
-  def pick(_ctx, *arrs):
-    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
-    regs = np.empty_like(arrs[0].registers)
-    if regs.shape != which.shape:
-      raise ValueError(f"_column_groups: registers {regs.shape}, expected {which.shape}")
-    for idx in np.ndindex(regs.shape):
-      regs[idx] = arrs[which[idx]].registers[idx]
-    return mgpu.FragmentedArray(_registers=regs, _layout=arrs[0].layout, _is_signed=None)
-
-  return pick(*tiles)
 
 
 def _kernel(num_sms: int, interpret, name: str, body, out_type, scratch):

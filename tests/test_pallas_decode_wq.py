@@ -532,7 +532,7 @@ def test_ring_union_members_alias():
     pytest.param("nvfp4", 8, 2, 4096, 14336, 2, marks=pytest.mark.exhaustive),  # mixtral
     pytest.param("mxfp4", 256, 8, 7168, 2048, 2, marks=pytest.mark.exhaustive),  # deepseek-v3
     ("mxfp4", 128, 4, 2880, 2880, 2),  # gpt-oss-120b
-    ("mxfp4", 128, 4, 2880, 2880, 8),  # int4_mma.CHAINS, the MMA chains' A/B switch
+    pytest.param("mxfp4", 128, 4, 2880, 2880, 8, marks=pytest.mark.exhaustive),  # CHAINS (A/B: 2 won)
     pytest.param("mxfp4", 128, 4, 2880, 2880, 4, marks=pytest.mark.exhaustive)])
 def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, chains, monkeypatch):
   """The e2m1 / small-group kernel at full sizes (a window's scales at a time in SMEM: rings

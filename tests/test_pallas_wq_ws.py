@@ -167,52 +167,6 @@ def test_prefill_ws_layout_rule_and_refusals():
         S((8, 1024), jnp.float32))
 
 
-@pytest.mark.parametrize("shape,group", [((64, 64), 16), ((64, 64), 32), ((128, 64), 32),
-                                         ((64, 128), 64)])
-def test_register_groups_hold_whole_groups(shape, group):
-  """`grouped_gemm_wq.register_groups` (PICK_GROUPS' trace-time choice of a register's scale):
-  every element of a WGMMA-layout register array -- each register index with every warp,
-  lane and vector position -- lies in the group its register is given, and the elements
-  cover the array once."""
-  from jax.experimental.mosaic.gpu import fragmented_array as fa, utils
-  from jmoe.kernels import grouped_gemm_wq as gwq
-  layout = fa.WGMMA_LAYOUT
-  which = gwq.register_groups(shape, group)
-  tiled = layout.tiling.tile_shape(shape)
-  strides = layout.tiling.tile_strides(tuple(utils.get_contiguous_strides(shape)))
-  per_thread = [d % len(tiled) for d in (*layout.warp_dims, *layout.lane_dims,
-                                         layout.vector_dim)]
-  seen = np.zeros(shape, np.int32)
-  for full in np.ndindex(tiled):
-    row, col = divmod(sum(i * st for i, st in zip(full, strides)), shape[1])
-    seen[row, col] += 1
-    reg = tuple(0 if d in per_thread else i for d, i in enumerate(full))
-    assert col // group == which[reg], (full, col)
-  assert (seen == 1).all()
-  assert sorted(set(which.ravel())) == list(range(shape[1] // group))
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
-def test_picked_group_scales_lower_for_the_gpu(fmt, monkeypatch):
-  """grouped_gemm_wq.PICK_GROUPS (groups below 64: each register's scale picked at trace
-  time) on the prefill_ws GEMMs at qwen3-30b-a3b's sizes lowers for the GPU (nvfp4: 4 groups
-  a 64-deep sub-step, mxfp4: 2). Not run here: its numbers need a GPU (the interpreter has no
-  registers and always selects)."""
-  from jmoe.kernels import grouped_gemm_wq as gwq
-  monkeypatch.delenv("JMOE_PALLAS_INTERPRET", raising=False)
-  monkeypatch.setattr(gwq, "PICK_GROUPS", True)
-  calls = []
-  monkeypatch.setattr(gwq, "_column_groups", lambda tiles, g, f=gwq._column_groups: (
-      calls.append(g), f(tiles, g))[1])
-  e, k, h, n, t = 128, 8, 2048, 768, 512
-  w13, w2 = _weights(fmt, e, h, n)
-  jax.jit(lambda x, w13, w2, tw, ti: pmoe.fused_experts_weight_only(
-      x, w13, w2, tw, ti, layout="prefill_ws")).trace(
-          S((t, h), jnp.bfloat16), w13, w2, S((t, k), jnp.float32), S((t, k), jnp.int32)).lower(
-              lowering_platforms=("cuda",))
-  assert set(calls) == {{"nvfp4": 16, "mxfp4": 32}[fmt]}
-
-
 @pytest.mark.parametrize("fmt,preset", [
     ("mxfp4", "mixtral"), ("w8a16", "mixtral"),
     pytest.param("mxfp4", "gpt-oss", marks=pytest.mark.slow),  # (TAILS)

@@ -751,7 +751,10 @@ def main(argv=None) -> int:
         log(f"budget reached: skipping {pname} {label}")
         continue
       q = (quantize_chunked(w13, quant), quantize_chunked(w2, quant))
-      d = (dequantize_chunked(q[0], jnp.bfloat16), dequantize_chunked(q[1], jnp.bfloat16))
+      # every expert's dequantized copy only for the bf16 block on them (the reference
+      # dequantizes the slots' experts itself): deepseek-v3's 22.5 GB did not fit an H100
+      d = (None, None) if args.no_bf16 else (dequantize_chunked(q[0], jnp.bfloat16),
+                                             dequantize_chunked(q[1], jnp.bfloat16))
       jax.block_until_ready((q, d))
       variants = {"no": q} if args.prepared == "no" else {}
       if args.prepared in ("yes", "both"):  # the kernels' derived operands made once

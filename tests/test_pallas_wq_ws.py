@@ -94,7 +94,9 @@ def test_wq_ws_gemm_matches_oracle(scheme, gated, config, sizes, rng):
 
 @needs_interpreter
 @pytest.mark.parametrize("fmt,size", [
-    ("mxfp4", 256),
+    # (lean: the prepared-operand test's mxfp4 case at 192, the same block with TAILS, an
+    # empty expert and an empty slot)
+    pytest.param("mxfp4", 256, marks=pytest.mark.slow),
     # TAILS: gpt-oss-like, 2.5 K steps, the last column tile half past N
     pytest.param("mxfp4", 320, marks=pytest.mark.slow),
     pytest.param("w8a16", 320, marks=pytest.mark.slow),  # int8 code tiles: 64-byte swizzle

@@ -146,9 +146,11 @@ def _poisoned(w):
     pytest.param("mxfp4_fp8", 256, "prefill_fp8", marks=pytest.mark.slow)])
 def test_prefill_reads_the_prepared_operands(sid, h, layout, rng):
   """The prefill layouts on prepared weights whose stored scales are poisoned: 40 tokens,
-  k = 2 over 4 experts, swigluoai with biases; the output is the float64 oracle's on the
-  unpoisoned weights (the stored scales were not read)."""
+  k = 2 over 4 experts (expert 3 empty), an empty slot, swigluoai with biases; the output is
+  the float64 oracle's on the unpoisoned weights (the stored scales were not read)."""
   x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 40, h, h, 4, 2, bias=True)
+  ids[3, 1] = -1
+  ids[:, :] = np.where(ids == 3, 2, ids)
   p13, p2 = prepare_for_kernels(q13, q2, activation="swigluoai")
   kw = dict(w13_bias=b13, w2_bias=b2, activation="swigluoai", out_dtype=jnp.float32,
             layout=layout)

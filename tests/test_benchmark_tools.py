@@ -94,6 +94,7 @@ def test_probe_tma_store_fill_tiles_the_output():
     probe_write_bw.tma_store_fill(tile, 100, 512)
 
 
+@pytest.mark.slow  # (a benchmark helper's layout: CI time)
 def test_check_tgmm_problem_layout():
   import numpy as np
   import pytest

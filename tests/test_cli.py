@@ -299,6 +299,7 @@ def test_tune_cli_tables_option(tmp_path, capsys):
               "gemm2", "--out", str(tmp_path)])
 
 
+@pytest.mark.slow  # (CI time: the lean tier keeps test_tune_tables_filter_and_report)
 def test_tune_saves_each_winner_before_a_later_problem_fails(tmp_path, monkeypatch):
   from jmoe import tune
   calls = []

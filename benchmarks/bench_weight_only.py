@@ -495,8 +495,8 @@ NUMERIC_SWITCHES = {"CHAINS": ("2", "4", "8")}
 
 def switch_target(flag: str) -> tuple:
   """(module, attribute) that switch `flag` of DECODE_WQ_FLAGS / NUMERIC_SWITCHES sets."""
-  from jmoe.kernels import (decode_wq, decode_wq_shared,  # noqa: PLC0415
-                            grouped_gemm_wq_ws, int4_mma)
+  from jmoe.kernels import (decode_wq, decode_wq_shared, grouped_gemm_wq_ws,  # noqa: PLC0415
+                            int4_mma)
   if flag == "WS_TAILS":
     return grouped_gemm_wq_ws, "TAILS"
   if flag == "CHAINS":

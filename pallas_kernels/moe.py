@@ -956,11 +956,11 @@ def prepare_weight_only(w13, w2, *, activation: Activation | str = "silu",
   prefill_ws's group-major scales (in token_dtype, the dtype of the tokens they will meet;
   fp8-token schemes meet bf16), prefill's float32 ones, prefill_fp8's exponent shifts, and
   decode's byte scales padded to 16-byte rows where they are not (qwen3 mxfp4's w2; gpt-oss'
-  w13 and w2, w13's also to the padded windows of `decode_wq.padded_sizes`), and w2's scales
-  per 128 in the layout of the decode kernels' reduction (`decode_wq.W2_SCALE_T`), and w13's
-  zero points as bf16 where H / 128 bytes are no TMA row (`decode_wq.W13_ZERO_16`: without
-  it decode_wq refuses them there); the decode kernels otherwise read the stored scales. Made once, after loading; the stored
-  arrays are unchanged."""
+  w13 and w2, w13's also to the padded windows of `decode_wq.padded_sizes`), w2's scales per
+  128 in the layout of the decode kernels' reduction (`decode_wq.W2_SCALE_T`), and w13's zero
+  points as bf16 where H / 128 bytes are no TMA row (`decode_wq.W13_ZERO_16`: without it
+  decode_wq refuses them there); the decode kernels otherwise read the stored scales. Made
+  once, after loading; the stored arrays are unchanged."""
   from jmoe.kernels.prepared import with_prepared  # noqa: PLC0415
   act = as_activation(activation)
   e, h, n = w13.shape[0], w2.shape[2], w2.shape[1]

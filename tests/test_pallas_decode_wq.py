@@ -532,7 +532,8 @@ def test_ring_union_members_alias():
     pytest.param("nvfp4", 8, 2, 4096, 14336, 2, marks=pytest.mark.exhaustive),  # mixtral
     pytest.param("mxfp4", 256, 8, 7168, 2048, 2, marks=pytest.mark.exhaustive),  # deepseek-v3
     ("mxfp4", 128, 4, 2880, 2880, 2),  # gpt-oss-120b
-    pytest.param("mxfp4", 128, 4, 2880, 2880, 8, marks=pytest.mark.exhaustive),  # CHAINS (A/B: 2 won)
+    # int4_mma.CHAINS (timed on an H100: 2 won)
+    pytest.param("mxfp4", 128, 4, 2880, 2880, 8, marks=pytest.mark.exhaustive),
     pytest.param("mxfp4", 128, 4, 2880, 2880, 4, marks=pytest.mark.exhaustive)])
 def test_decode_wq_small_groups_lower_for_gpu(fmt, e, k, h, n, chains, monkeypatch):
   """The e2m1 / small-group kernel at full sizes (a window's scales at a time in SMEM: rings
@@ -586,9 +587,8 @@ def test_decode_wq_shared_matches_oracle(sid, bias, sync, prepared, e, rng, monk
   """T = 7, k = 2 on 2 experts of e (14 slots: an expert with more than 8 takes two groups),
   an empty slot; int4 codes on mma.sync (the default) and on the wgmma form with the scales in
   the A tile (SYNC_SHARED off; read when tracing: the two w4a16-zp cases differ in their
-  biases). e = 16:
-  more experts than the 14 slots, so w13's scale (and zero) blocks are made per call for the
-  groups' experts only. prepared: on `prepare_for_kernels`' operands (w2's scales in the
+  biases). e = 16: more experts than the 14 slots, so w13's scale (and zero) blocks are made
+  per call for the groups' experts only. prepared: on `prepare_for_kernels`' operands (w2's scales in the
   reduction's layout), w2's stored scales poisoned (NaN)."""
   monkeypatch.setattr(decode_wq_shared, "SYNC_SHARED", sync)
   x, q13, q2, tw, ids, b13, b2 = _problem(rng, sid, 7, 1024, 256, e, 2, bias=bias)

@@ -37,11 +37,8 @@ def _prefill(x, q13, q2, tw, ids, b13=None, b2=None, activation="silu"):
       x, q13, q2, jnp.asarray(tw), jnp.asarray(ids)))
 
 
-# the slow tier's asked-for-only forms: since grouped_gemm_wq_ws takes sizes 64 divides
-# (TAILS), auto runs these GEMMs for e4m3 codes (mxfp8) only; 4-bit / int8 codes reach them
-# with layout="prefill"
-
-
+# (EXHAUSTIVE: since grouped_gemm_wq_ws takes sizes 64 divides (TAILS), auto runs these
+# GEMMs for e4m3 codes (mxfp8) only; 4-bit / int8 codes reach them with layout="prefill")
 @pytest.mark.parametrize("sid,bias,activation", [
     ("mxfp8-codes", True, "swigluoai"),  # e4m3, e8m0 / 32: what auto runs here
     pytest.param("w4a16", True, "silu", marks=pytest.mark.slow),

@@ -259,8 +259,8 @@ def test_decode_reads_prepared_byte_scales(h, n, bias, rng):
   onp.assert_rel_close(out, want, TOL, f"mxfp4 decode on prepared byte scales (H={h})")
 
 
-@pytest.mark.parametrize("sid,h", [("w4a16", 1024), ("w4a16-zp", 2048)])  # (zero points:
-def test_decode_reduction_reads_prepared_w2_scales(sid, h, rng):  # decode_wq takes H / 128 of 16)
+@pytest.mark.parametrize("sid,h", [("w4a16", 1024), ("w4a16-zp", 2048)])
+def test_decode_reduction_reads_prepared_w2_scales(sid, h, rng):
   """decode_wq leaves w2's scales per 128 to the reduction after the kernel; prepared, it
   reads them as [E, N / 128, H] (`decode_wq.W2_SCALE_T`, float32: the same products as the
   stored layout's). The reduction (zero points' term included) on parts of random slots, an

@@ -22,6 +22,7 @@ from jmoe.kernels import grouped_gemm_w4a8 as _w4a8
 from jmoe.kernels import grouped_gemm_wq_ws as _wq_ws
 from jmoe.kernels import grouped_gemm_wq as _gg_wq
 from jmoe.kernels import permute as _perm
+from jmoe.kernels import quant_rows as _quant_rows
 from jmoe.kernels import route as _route
 from jmoe.kernels.activations import Activation, as_activation
 from jmoe.kernels import grouped_gemm as gg
@@ -352,13 +353,17 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
 # ============================================================================ quantized (W8A8)
 
 
-def _gather_act_scale(a_scale: jax.Array, tok: jax.Array, t: int) -> jax.Array:
-  """The token rows' activation scales in sorted order: per-token [T, 1] / per-group [T, G]
-  rows follow their rows; a per-tensor [1, 1] scale is broadcast. -> [len(tok), G] f32."""
+def _sorted_act_scale(a_scale: jax.Array, inv: jax.Array, m_alloc: int) -> jax.Array:
+  """The token rows' activation scales in sorted-slot order: per-token [T, 1] / per-group
+  [T, G] rows scattered to their slots' rows (inv [T, k], -1 = empty slot); a per-tensor
+  [1, 1] scale broadcast. -> [m_alloc, G] f32 (rows no slot lands on: 0, never read)."""
+  t, k = inv.shape
   s = a_scale.astype(jnp.float32)
   if s.shape[0] == 1 and t != 1:
-    return jnp.broadcast_to(s, (tok.shape[0], s.shape[1]))
-  return jnp.take(s, tok, axis=0)
+    return jnp.broadcast_to(s, (m_alloc, s.shape[1]))
+  dst = jnp.where(inv >= 0, inv, m_alloc).reshape(t * k)   # empty slots: out of bounds, dropped
+  src = jnp.broadcast_to(s[:, None, :], (t, k, s.shape[1])).reshape(t * k, s.shape[1])
+  return jnp.zeros((m_alloc, s.shape[1]), jnp.float32).at[dst].set(src, mode="drop")
 
 
 def _as_words(a_q: jax.Array) -> jax.Array:
@@ -371,45 +376,35 @@ def _from_words(words: jax.Array, dtype) -> jax.Array:
   return lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
 
 
-def _sorted_rows_8bit(a_q, tok, inv, num_rows, m_alloc, interpret):
-  """The 8-bit token rows in sorted-slot order [m_alloc, H], moved as 4-byte words: by the
-  Pallas TMA row scatter (permute.scatter_rows, token order, each row loaded once) where it
-  pays for bf16 rows of the same bytes, else an XLA gather (of 1-byte elements it moved
-  qwen3's 32768 x 2048 fp8 rows at 1.6 TB/s on an H200; rows past num_rows repeat token 0)."""
-  h = a_q.shape[1]
-  if h % 4:
-    return jnp.take(a_q, tok, axis=0)
-  words = _as_words(a_q)
-  min_slots = _PALLAS_GATHER_MIN_SLOTS if Q8_SCATTER_MIN_SLOTS is None else Q8_SCATTER_MIN_SLOTS
-  if inv.size >= min_slots and _perm.gather_rows_supports(h // 4):
-    rows = _perm.scatter_rows(words, inv, m_alloc, num_rows, interpret=interpret)
+def _sorted_8bit_rows(a_q, a_scale, topk_ids, e: int, m_alloc: int, block_ms, interpret):
+  """The 8-bit GEMMs' operands in sorted-slot order, routed as the bf16 rows are
+  (_sorted_rows: jmoe.kernels.route's kernels up to 8192 slots, above them its slot positions
+  and the Pallas row scatter; the jnp path where those do not run), the rows moved as 4-byte
+  words (one uint32 per 4 bytes: the copies' kernels take 32-bit rows; H % 4 != 0 falls back
+  to XLA's gather of the bytes) and their scales scattered by the slots' positions.
+  Returns (rows [m_alloc, H], scales [m_alloc, G] f32, group_sizes [E], inv [T, k],
+  [(meta, num_tasks) per block_m])."""
+  if a_q.shape[1] % 4:
+    xs, inv, group_sizes, metas = route_xla(a_q, topk_ids, e, m_alloc, block_ms,
+                                            permute_impl="xla", interpret=interpret)
   else:
-    rows = jnp.take(words, tok, axis=0)
-  return _from_words(rows, a_q.dtype)
+    words, inv, group_sizes, metas = _sorted_rows(_as_words(a_q), topk_ids, e, m_alloc,
+                                                  block_ms, "auto", "auto", interpret)
+    xs = _from_words(words, a_q.dtype)
+  return xs, _sorted_act_scale(a_scale, inv, m_alloc), group_sizes, inv, metas
 
 
-# slots from which the 8-bit rows move by the Pallas scatter (None: the bf16 rows' threshold;
-# tests lower it to run that path on small problems)
-Q8_SCATTER_MIN_SLOTS = None
-
-
-def _sorted_8bit_rows(a_q, a_scale, topk_ids, e: int, m_alloc: int, interpret):
-  """The 8-bit GEMMs' operands in sorted-slot order: (rows [m_alloc, H], their activation
-  scales [m_alloc, G] f32, group_sizes [E], inv [T, k] from moe_align)."""
-  t, k = topk_ids.shape
-  sort_order, group_sizes, inv = _perm.moe_align(topk_ids, e)
-  m = t * k
-  order = jnp.pad(sort_order, (0, m_alloc - m)) if m_alloc != m else sort_order
-  tok = order // k
-  xs = _sorted_rows_8bit(a_q, tok, inv, jnp.sum(group_sizes), m_alloc, interpret)
-  return xs, _gather_act_scale(a_scale, tok, t), group_sizes, inv
-
-
-def _requant_rows(h: jax.Array, live: jax.Array, quant):
+def _requant_rows(h: jax.Array, live: jax.Array, quant, interpret):
   """GEMM1's bf16 output quantized per the scheme's (per-token / per-tensor) activation
-  format, in XLA: a row's scale spans all N column tiles, which no one epilogue tile sees.
-  Rows past sum(group_sizes) (unwritten) are zeroed first so a per-tensor amax ignores them."""
+  format: a row's scale spans all N column tiles, which no one epilogue tile sees. Per token,
+  by jmoe.kernels.quant_rows (one pass over the rows; every row, the unwritten ones past
+  sum(group_sizes) too, which no task of GEMM2 reads) where its Triton lowering runs; else in
+  XLA, the dead rows zeroed first so that a per-tensor amax ignores them."""
   from jmoe.quant.activations import quantize_activations  # noqa: PLC0415
+  if (quant.act_scale == "dynamic_token" and quant.scale_dtype != "float8_e8m0fnu"
+      and _quant_rows.supports(*h.shape, quant.act_dtype)
+      and _route_kernels_run(h, live, interpret)):
+    return _quant_rows.quantize_rows(h, quant.act_dtype, interpret=interpret)
   h = jnp.where(live[:, None], h.astype(jnp.float32), 0.0)
   return quantize_activations(h, quant)
 
@@ -476,9 +471,9 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
     cfg2 = config2 or q8.q8_config(m, hdim, n, e, gated=False, dtype=dt)
   bms = sorted({cfg1.block_m, cfg2.block_m})
   m_alloc = gg.row_alloc(m, *bms)
-  xs, xs_scale, group_sizes, inv = _sorted_8bit_rows(a_q, a_scale, topk_ids, e, m_alloc,
-                                                     interpret)
-  metas = {bm: gg.tile_metadata(group_sizes, m_alloc, bm) for bm in bms}
+  xs, xs_scale, group_sizes, inv, meta_list = _sorted_8bit_rows(a_q, a_scale, topk_ids, e,
+                                                                m_alloc, bms, interpret)
+  metas = dict(zip(bms, meta_list))
   if block:
     y = _fp8_block_mlp(xs, xs_scale, w13, w2, metas[cfg1.block_m], act=act, w13_bias=w13_bias,
                        w2_bias=w2_bias, out_dtype=out_dtype, config1=cfg1, config2=cfg2,
@@ -517,7 +512,7 @@ def _factored_q8_mlp(xs, xs_scale, w13, w2, group_sizes, meta1, meta2, live, *, 
     h = q8.q8_run(xs, w13.values, group_sizes, xs_scale, w13_cols, act=act,
                   gated=act.is_gated, bias=w13_bias, out_dtype=jnp.bfloat16, config=config1,
                   interpret=interpret, meta=meta1, keep_rows=True)[:r]
-    hq, hs = _requant_rows(h, live, quant)
+    hq, hs = _requant_rows(h, live, quant, interpret)
   return q8.q8_run(hq, w2.values, group_sizes, q8.row_scale_vector(hs, r),
                    q8.column_scale_matrix(w2.scale, e, hdim, argname="w2.scale"), act=None,
                    gated=False, bias=w2_bias, out_dtype=out_dtype, config=config2,
@@ -853,15 +848,14 @@ def _w4a8_prefill(x_q, x_scale, w13, w2, topk_weights, topk_ids, act, w13_bias, 
   cfg1 = _w4a8.default_config(n, True, t * k / e)
   cfg2 = _w4a8.default_config(h_dim, False, t * k / e)
   m_alloc = gg.row_alloc(t * k, cfg1.block_m, cfg2.block_m)
-  xs, xs_scale, group_sizes, inv = _sorted_8bit_rows(x_q, x_scale, topk_ids, e, m_alloc,
-                                                     interpret)
+  bms = (cfg1.block_m,) if cfg2.block_m == cfg1.block_m else (cfg1.block_m, cfg2.block_m)
+  xs, xs_scale, group_sizes, inv, metas = _sorted_8bit_rows(x_q, x_scale, topk_ids, e, m_alloc,
+                                                            bms, interpret)
   num_rows = jnp.sum(group_sizes)
-  meta1 = gg.tile_metadata(group_sizes, m_alloc, cfg1.block_m)
-  meta2 = meta1 if cfg2.block_m == cfg1.block_m else gg.tile_metadata(
-      group_sizes, m_alloc, cfg2.block_m)
+  meta1, meta2 = metas[0], metas[-1]
   h = _w4a8.w4a8_run(xs, w13, xs_scale[:, 0], meta=meta1, act=act, gated=True, bias=w13_bias,
                      out_dtype=jnp.bfloat16, config=cfg1, interpret=interpret)
-  hq, hs = _requant_rows(h, jnp.arange(m_alloc) < num_rows, w13.scheme)
+  hq, hs = _requant_rows(h, jnp.arange(m_alloc) < num_rows, w13.scheme, interpret)
   y = _w4a8.w4a8_run(hq, w2, row_scale_vector(hs, m_alloc), meta=meta2, act=None, gated=False,
                      bias=w2_bias, out_dtype=out_dtype, config=cfg2, interpret=interpret)
   return _perm.gather_sum(y, inv, topk_weights, out_dtype=out_dtype)

@@ -1,0 +1,125 @@
+"""Dynamic activation quantization of rows, in one kernel: per row (``dynamic_token``) or per
+group of g columns (``dynamic_group``), into fp8 e4m3 or int8 with f32 scales -- what
+jmoe.quant.activations.quantize_activations computes for those formats, the same values.
+
+XLA runs that function as a reduction and a separate convert, which reads the rows twice from
+HBM: the requantization of qwen3-30b-a3b's intermediate between the 8-bit GEMMs at 4096 tokens
+(32768 rows x 768, bf16) took 19.5 + 33.3 µs on an H100 (2026-12-07). Here a program takes
+ROWS rows: per row, a first loop over column chunks takes max |x|, a second reads the chunks
+again (from L2: a program's rows are a few tens of KB) and writes the codes; per group, one
+loop, each chunk a group.
+
+Pallas on the Triton lowering, as jmoe.kernels.route (``available()`` says whether it imports:
+it is deprecated from jax 0.11); ``supports()`` says which shapes it takes, the callers keep
+the XLA form for the rest.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jmoe.kernels import _compat
+from jmoe.kernels.route import available  # noqa: F401  (the same lowering)
+
+ROWS = 16        # rows per program
+MAX_CHUNK = 512  # columns per load of the per-row form: a [16, 512] step (32 KB of bf16)
+QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
+
+
+def _round_half_even(v: jax.Array) -> jax.Array:
+  """jnp.round's rounding (half to even) from floor, which the Triton lowering has (it has no
+  rounding op; the add-and-subtract-2^23 trick is folded away by XLA's simplifier in interpret
+  mode). For |v| <= 2^22: r - v is exact, so a tie is seen exactly."""
+  r = jnp.floor(v + 0.5)
+  odd = r - 2.0 * jnp.floor(r * 0.5) != 0.0
+  return jnp.where((r - v == 0.5) & odd, r - 1.0, r)
+
+
+def _chunk(width: int) -> int:
+  """The per-row form's columns per load: the largest power of two dividing width, <= 512."""
+  return min(width & -width, MAX_CHUNK)
+
+
+def supports(rows: int, width: int, qdtype, group: int | None = None) -> bool:
+  """Whether quantize_rows takes [rows, width] into qdtype (per row, or per `group` columns):
+  e4m3 or int8 codes, a chunk of at least 16 columns (per row) or a power-of-two group of 16 to
+  512 dividing width."""
+  if jnp.dtype(qdtype).name not in QMAX or rows < 1:
+    return False
+  if group is None:
+    return _chunk(width) >= 16
+  return 16 <= group <= MAX_CHUNK and group & (group - 1) == 0 and width % group == 0
+
+
+def quantize_rows(x: jax.Array, qdtype, *, group: int | None = None, interpret: Any = False
+                  ) -> tuple[jax.Array, jax.Array]:
+  """x [R, W] (bf16 / f16 / f32) -> (q [R, W] qdtype, scale [R, 1] f32 per row, or [R, W / group]
+  per group of `group` columns), scale = max |x| / qmax (1 where that is 0), q = clip(x / scale,
+  +-qmax) (int8: rounded half to even): quantize_activations' dynamic_token / dynamic_group.
+  """
+  r, w = x.shape
+  qname = jnp.dtype(qdtype).name
+  if not supports(r, w, qdtype, group):
+    raise ValueError(f"quantize_rows: x {x.shape} into {qname} per "
+                     f"{'row' if group is None else f'{group} columns'} is not supported "
+                     "(quant_rows.supports)")
+  qmax = QMAX[qname]
+  is_int = qname == "int8"
+  rows = min(ROWS, r & -r)  # a power of two dividing R: no partial row block
+  c = _chunk(w) if group is None else group
+  nc = w // c
+  f32 = jnp.float32
+
+  def codes(v, scale):
+    v = v / scale[:, None]
+    if is_int:
+      v = _round_half_even(v)
+    return jnp.clip(v, -qmax, qmax).astype(qdtype)
+
+  def scale_of(amax):
+    return jnp.where(amax > 0.0, amax / qmax, 1.0)
+
+  def cols(i):
+    return pl.ds(pl.multiple_of(i * c, c), c)
+
+  def body(x_ref, q_ref, s_ref):
+    if group is None:
+      def amax_step(i, m):
+        return jnp.maximum(m, jnp.max(jnp.abs(x_ref[:, cols(i)].astype(f32)), axis=1))
+
+      scale = scale_of(lax.fori_loop(0, nc, amax_step, jnp.zeros((rows,), f32)))
+
+      def code_step(i, carry):
+        q_ref[:, cols(i)] = codes(x_ref[:, cols(i)].astype(f32), scale)
+        return carry
+
+      lax.fori_loop(0, nc, code_step, 0)
+      s_ref[...] = scale[:, None]
+    else:
+      def group_step(i, carry):
+        v = x_ref[:, cols(i)].astype(f32)
+        scale = scale_of(jnp.max(jnp.abs(v), axis=1))
+        q_ref[:, cols(i)] = codes(v, scale)
+        s_ref[:, pl.ds(i, 1)] = scale[:, None]
+        return carry
+
+      lax.fori_loop(0, nc, group_step, 0)
+
+  ns = 1 if group is None else nc
+  from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
+  call = pl.pallas_call(
+      body,
+      out_shape=(_compat.out_struct((r, w), qdtype, x), _compat.out_struct((r, ns), f32, x)),
+      grid=(r // rows,),
+      in_specs=[pl.BlockSpec((rows, w), lambda b: (b, 0))],
+      out_specs=(pl.BlockSpec((rows, w), lambda b: (b, 0)),
+                 pl.BlockSpec((rows, ns), lambda b: (b, 0))),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      interpret=bool(interpret),
+      name="jmoe_quant_rows" if group is None else "jmoe_quant_groups",
+  )
+  return call(x)

@@ -391,6 +391,9 @@ def parse_args(argv=None):
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--no-bf16", action="store_true", help="skip timing the bf16 block")
   ap.add_argument("--interpret", action="store_true", help="CPU interpreter, tiny preset")
+  ap.add_argument("--requant", choices=("kernel", "xla"), default="kernel",
+                  help="the per-token schemes' intermediate requantization: one kernel "
+                       "(jmoe.kernels.quant_rows, the default) or XLA's reduce + convert")
   args = ap.parse_args(argv)
   for s in args.schemes.split(","):
     if s not in SCHEMES:
@@ -411,6 +414,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  from jmoe.kernels import moe as pmoe  # noqa: PLC0415
+  pmoe.REQUANT_KERNEL = args.requant == "kernel"  # before anything is traced
   os.makedirs(args.out, exist_ok=True)
   t_start = time.time()
   torch_ok = False

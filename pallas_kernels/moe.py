@@ -353,17 +353,23 @@ def fused_experts_train(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weight
 # ============================================================================ quantized (W8A8)
 
 
-def _sorted_act_scale(a_scale: jax.Array, inv: jax.Array, m_alloc: int) -> jax.Array:
+def _sorted_act_scale(a_scale: jax.Array, inv: jax.Array, m_alloc: int, *,
+                      transposed: bool = False) -> jax.Array:
   """The token rows' activation scales in sorted-slot order: per-token [T, 1] / per-group
   [T, G] rows scattered to their slots' rows (inv [T, k], -1 = empty slot); a per-tensor
-  [1, 1] scale broadcast. -> [m_alloc, G] f32 (rows no slot lands on: 0, never read)."""
+  [1, 1] scale broadcast. -> [m_alloc, G] f32 (rows no slot lands on: 0, never read), or
+  [G, m_alloc] with transposed (the fp8_block kernel's layout, scattered there directly)."""
   t, k = inv.shape
   s = a_scale.astype(jnp.float32)
+  g = s.shape[1]
   if s.shape[0] == 1 and t != 1:
-    return jnp.broadcast_to(s, (m_alloc, s.shape[1]))
+    return jnp.broadcast_to(s.reshape(g, 1) if transposed else s,
+                            (g, m_alloc) if transposed else (m_alloc, g))
   dst = jnp.where(inv >= 0, inv, m_alloc).reshape(t * k)   # empty slots: out of bounds, dropped
-  src = jnp.broadcast_to(s[:, None, :], (t, k, s.shape[1])).reshape(t * k, s.shape[1])
-  return jnp.zeros((m_alloc, s.shape[1]), jnp.float32).at[dst].set(src, mode="drop")
+  src = jnp.broadcast_to(s[:, None, :], (t, k, g)).reshape(t * k, g)
+  if transposed:
+    return jnp.zeros((g, m_alloc), jnp.float32).at[:, dst].set(src.T, mode="drop")
+  return jnp.zeros((m_alloc, g), jnp.float32).at[dst].set(src, mode="drop")
 
 
 def _as_words(a_q: jax.Array) -> jax.Array:
@@ -376,14 +382,15 @@ def _from_words(words: jax.Array, dtype) -> jax.Array:
   return lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
 
 
-def _sorted_8bit_rows(a_q, a_scale, topk_ids, e: int, m_alloc: int, block_ms, interpret):
+def _sorted_8bit_rows(a_q, a_scale, topk_ids, e: int, m_alloc: int, block_ms, interpret, *,
+                      transposed_scales: bool = False):
   """The 8-bit GEMMs' operands in sorted-slot order, routed as the bf16 rows are
   (_sorted_rows: jmoe.kernels.route's kernels up to 8192 slots, above them its slot positions
   and the Pallas row scatter; the jnp path where those do not run), the rows moved as 4-byte
   words (one uint32 per 4 bytes: the copies' kernels take 32-bit rows; H % 4 != 0 falls back
   to XLA's gather of the bytes) and their scales scattered by the slots' positions.
-  Returns (rows [m_alloc, H], scales [m_alloc, G] f32, group_sizes [E], inv [T, k],
-  [(meta, num_tasks) per block_m])."""
+  Returns (rows [m_alloc, H], scales [m_alloc, G] f32 ([G, m_alloc] with transposed_scales),
+  group_sizes [E], inv [T, k], [(meta, num_tasks) per block_m])."""
   if a_q.shape[1] % 4:
     xs, inv, group_sizes, metas = route_xla(a_q, topk_ids, e, m_alloc, block_ms,
                                             permute_impl="xla", interpret=interpret)
@@ -391,7 +398,13 @@ def _sorted_8bit_rows(a_q, a_scale, topk_ids, e: int, m_alloc: int, block_ms, in
     words, inv, group_sizes, metas = _sorted_rows(_as_words(a_q), topk_ids, e, m_alloc,
                                                   block_ms, "auto", "auto", interpret)
     xs = _from_words(words, a_q.dtype)
-  return xs, _sorted_act_scale(a_scale, inv, m_alloc), group_sizes, inv, metas
+  scales = _sorted_act_scale(a_scale, inv, m_alloc, transposed=transposed_scales)
+  return xs, scales, group_sizes, inv, metas
+
+
+# _requant_rows' per-token form on jmoe.kernels.quant_rows (False: XLA's reduce + convert;
+# benchmarks/bench_quant.py --requant xla)
+REQUANT_KERNEL = True
 
 
 def _requant_rows(h: jax.Array, live: jax.Array, quant, interpret):
@@ -401,7 +414,8 @@ def _requant_rows(h: jax.Array, live: jax.Array, quant, interpret):
   sum(group_sizes) too, which no task of GEMM2 reads) where its Triton lowering runs; else in
   XLA, the dead rows zeroed first so that a per-tensor amax ignores them."""
   from jmoe.quant.activations import quantize_activations  # noqa: PLC0415
-  if (quant.act_scale == "dynamic_token" and quant.scale_dtype != "float8_e8m0fnu"
+  if (REQUANT_KERNEL and quant.act_scale == "dynamic_token"
+      and quant.scale_dtype != "float8_e8m0fnu"
       and _quant_rows.supports(*h.shape, quant.act_dtype)
       and _route_kernels_run(h, live, interpret)):
     return _quant_rows.quantize_rows(h, quant.act_dtype, interpret=interpret)
@@ -471,8 +485,9 @@ def fused_experts_quantized(a_q: jax.Array, a_scale: jax.Array, w13, w2,
     cfg2 = config2 or q8.q8_config(m, hdim, n, e, gated=False, dtype=dt)
   bms = sorted({cfg1.block_m, cfg2.block_m})
   m_alloc = gg.row_alloc(m, *bms)
-  xs, xs_scale, group_sizes, inv, meta_list = _sorted_8bit_rows(a_q, a_scale, topk_ids, e,
-                                                                m_alloc, bms, interpret)
+  # (fp8_block's scales [H / 128, m_alloc], the block kernel's layout; else [m_alloc, 1])
+  xs, xs_scale, group_sizes, inv, meta_list = _sorted_8bit_rows(
+      a_q, a_scale, topk_ids, e, m_alloc, bms, interpret, transposed_scales=block)
   metas = dict(zip(bms, meta_list))
   if block:
     y = _fp8_block_mlp(xs, xs_scale, w13, w2, metas[cfg1.block_m], act=act, w13_bias=w13_bias,
@@ -592,13 +607,13 @@ def _fp8_block_configs(m: int, n: int, hdim: int, e: int, act: Activation, confi
   return cfg1, q8.fit_block_stages(dataclasses.replace(cfg2, block_m=cfg1.block_m), 1, n)
 
 
-def _fp8_block_mlp(xs, xs_scale, w13, w2, meta, *, act, w13_bias, w2_bias, out_dtype, config1,
-                   config2, interpret):
+def _fp8_block_mlp(xs, xs_scale_t, w13, w2, meta, *, act, w13_bias, w2_bias, out_dtype,
+                   config1, config2, interpret):
   """fp8_block's GEMM1 (its epilogue writing GEMM2's fp8 rows and per-task scales) and GEMM2
-  on kernel rows xs [m_pad, H] (scales [m_pad, H / 128]) over the task list meta. -> [m_pad, H]
-  (rows no task covers unwritten)."""
+  on kernel rows xs [m_pad, H] (their scales transposed, [H / 128, m_pad]) over the task list
+  meta. -> [m_pad, H] (rows no task covers unwritten)."""
   from jmoe.kernels import grouped_gemm_q8 as q8  # noqa: PLC0415
-  hq, h_tiles = q8.block_run(xs, w13.values, w13.scale, xs_scale.T, a_layout="rows", meta=meta,
+  hq, h_tiles = q8.block_run(xs, w13.values, w13.scale, xs_scale_t, a_layout="rows", meta=meta,
                              act=act, gated=act.is_gated, bias=w13_bias, quantize_output=True,
                              config=config1, interpret=interpret)
   return q8.block_run(hq, w2.values, w2.scale, h_tiles, a_layout="tasks", meta=meta, act=None,
@@ -622,7 +637,7 @@ def _batched_fp8_block(xs, xs_scale, w13, w2, starts, counts, cap: int, *, act, 
     xs = jnp.pad(xs, ((0, m_pad - m), (0, 0)))
     xs_scale = jnp.pad(xs_scale, ((0, m_pad - m), (0, 0)), constant_values=1.0)
   meta = gg.tile_metadata_from_bounds(starts, starts + counts, bm, e * -(-cap // bm))
-  return _fp8_block_mlp(xs, xs_scale, w13, w2, meta, act=act, w13_bias=w13_bias,
+  return _fp8_block_mlp(xs, xs_scale.T, w13, w2, meta, act=act, w13_bias=w13_bias,
                         w2_bias=w2_bias, out_dtype=out_dtype, config1=cfg1, config2=cfg2,
                         interpret=interpret)[:m]
 

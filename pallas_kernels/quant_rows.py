@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 
 from jmoe.kernels import _compat
 from jmoe.kernels.route import available  # noqa: F401  (the same lowering)
+from jmoe.quant.weights import e8m0_scale
 
 ROWS = 16        # rows per program
 MAX_CHUNK = 512  # columns per load of the per-row form: a [16, 512] step (32 KB of bf16)
@@ -55,11 +56,12 @@ def supports(rows: int, width: int, qdtype, group: int | None = None) -> bool:
   return 16 <= group <= MAX_CHUNK and group & (group - 1) == 0 and width % group == 0
 
 
-def quantize_rows(x: jax.Array, qdtype, *, group: int | None = None, interpret: Any = False
-                  ) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, qdtype, *, group: int | None = None, pow2: bool = False,
+                  interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """x [R, W] (bf16 / f16 / f32) -> (q [R, W] qdtype, scale [R, 1] f32 per row, or [R, W / group]
-  per group of `group` columns), scale = max |x| / qmax (1 where that is 0), q = clip(x / scale,
-  +-qmax) (int8: rounded half to even): quantize_activations' dynamic_token / dynamic_group.
+  per group of `group` columns), scale = max |x| / qmax (1 where that is 0; pow2: the power of
+  two OCP MX takes, jmoe.quant.weights.e8m0_scale), q = clip(x / scale, +-qmax) (int8: rounded
+  half to even): quantize_activations' dynamic_token / dynamic_group.
   """
   r, w = x.shape
   qname = jnp.dtype(qdtype).name
@@ -81,7 +83,7 @@ def quantize_rows(x: jax.Array, qdtype, *, group: int | None = None, interpret: 
     return jnp.clip(v, -qmax, qmax).astype(qdtype)
 
   def scale_of(amax):
-    return jnp.where(amax > 0.0, amax / qmax, 1.0)
+    return e8m0_scale(amax, qmax) if pow2 else jnp.where(amax > 0.0, amax / qmax, 1.0)
 
   def cols(i):
     return pl.ds(pl.multiple_of(i * c, c), c)

@@ -137,6 +137,27 @@ def test_quantize_activations_matches_numpy(scheme, rng):
   assert np.all(got[3] == 0.0) and np.all(np.asarray(scale)[3] == 1.0)
 
 
+def test_e8m0_scale_is_exact_at_powers_of_two(rng):
+  """The MX scale is the smallest power of two with amax / scale <= qmax: exact where amax /
+  qmax is itself a power of two (log(x) / log(2) rounds most of those up a step) and equal to
+  float64 NumPy's 2^ceil(log2) elsewhere in f32's normal range; 2^-127 / 2^127 at the clips,
+  1 for amax 0."""
+  from jmoe.quant.weights import e8m0_scale
+  ks = np.arange(-126, 125)  # (6 * 2^125 is past f32's largest)
+  amax = (np.float32(6.0) * np.exp2(ks.astype(np.float64))).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(e8m0_scale(jnp.asarray(amax), 6.0)),
+                                np.exp2(ks).astype(np.float32))
+  a = (np.abs(rng.standard_normal(4096)) * np.exp2(rng.integers(-100, 100, 4096))).astype(
+      np.float32)
+  want = np.exp2(np.ceil(np.log2((a / np.float32(448.0)).astype(np.float64))))
+  np.testing.assert_array_equal(np.asarray(e8m0_scale(jnp.asarray(a), 448.0)),
+                                want.astype(np.float32))
+  edge = jnp.asarray([0.0, 2.0 ** -126, 1.5 * 2.0 ** 127], jnp.float32)  # (normal inputs:
+  # XLA on the CPU flushes subnormal ones to 0)
+  np.testing.assert_array_equal(np.asarray(e8m0_scale(edge, jnp.float32([1.0, 16.0, 1.0]))),
+                                np.float32([1.0, 2.0 ** -127, 2.0 ** 127]))
+
+
 @pytest.mark.parametrize("act_dtype", ("float8_e4m3fn", "int8"))
 def test_static_scale_saturates_never_nan(act_dtype):
   """A calibrated scale too small for the data clamps to the type's range (e4m3: 448)."""

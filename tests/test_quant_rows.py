@@ -22,8 +22,10 @@ import oracle_np as onp
 pytestmark = pytest.mark.skipif(not qr.available(),
                                 reason="the Pallas Triton lowering does not import")
 
-# (scheme, group): per row into e4m3 and int8, per 128 columns into e4m3 (fp8_block's tokens)
-FORMATS = [("fp8_channel", None), ("int8", None), ("fp8_block", 128)]
+# (scheme, group): per row into e4m3 and int8, per 128 columns into e4m3 (fp8_block's tokens);
+# mxfp4_fp8's rows take power-of-two scales (its intermediate), mxfp8's groups of 32 too
+FORMATS = [("fp8_channel", None), ("int8", None), ("fp8_block", 128), ("mxfp4_fp8", None),
+           ("mxfp8", 32)]
 
 
 @pytest.mark.parametrize("scheme,group", FORMATS)
@@ -38,7 +40,8 @@ def test_codes_and_scales_equal_the_reference(scheme, group, rows, width, rng):
   x[2] = 1e-3 * x[2]
   x[2, 5] = -4e4
   x = jnp.asarray(x, jnp.bfloat16)
-  q, scale = qr.quantize_rows(x, quant.act_dtype, group=group, interpret=True)
+  pow2 = quant.scale_dtype == "float8_e8m0fnu"
+  q, scale = qr.quantize_rows(x, quant.act_dtype, group=group, pow2=pow2, interpret=True)
   q_ref, scale_ref = quantize_activations(x, quant)
   assert q.dtype == q_ref.dtype and scale.shape == scale_ref.shape
   np.testing.assert_array_equal(np.asarray(scale), np.asarray(scale_ref))
@@ -47,7 +50,8 @@ def test_codes_and_scales_equal_the_reference(scheme, group, rows, width, rng):
   assert np.isfinite(deq).all()
   # the reference's x / scale on XLA (as a product with the reciprocal) and NumPy's quotient
   # may round a value at a code boundary apart: a code in a thousand one step off
-  onp.assert_rel_close(deq, onp.quantize_rows(x, quant.act_dtype, group), 1e-2, scheme)
+  onp.assert_rel_close(deq, onp.quantize_rows(x, quant.act_dtype, group, e8m0=pow2), 1e-2,
+                       scheme)
 
 
 def test_int8_rounds_half_to_even():
@@ -70,12 +74,14 @@ def test_unsupported_shapes_name_the_reason():
     qr.quantize_rows(jnp.zeros((4, 24), jnp.bfloat16), jnp.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("width,group", [(768, None), (2048, 128), (7168, 128)])
-def test_lowers_for_gpu(width, group):
-  """The Triton lowering takes the per-row form at qwen3's intermediate width and the group
-  form at qwen3's / deepseek-v3's token widths (e4m3 casts need compute capability 8.9+)."""
+@pytest.mark.parametrize("width,group,pow2", [(768, None, False), (2048, 128, False),
+                                              (7168, 128, False), (14336, None, True)])
+def test_lowers_for_gpu(width, group, pow2):
+  """The Triton lowering takes the per-row form at qwen3's intermediate width (and at
+  mixtral's with mxfp4_fp8's power-of-two scales: their bit operations) and the group form at
+  qwen3's / deepseek-v3's token widths (e4m3 casts need compute capability 8.9+)."""
   x = jax.ShapeDtypeStruct((4096, width), jnp.bfloat16)
-  text = jax.jit(lambda a: qr.quantize_rows(a, jnp.float8_e4m3fn, group=group)).trace(
-      x).lower(lowering_platforms=("cuda",)).as_text()
+  text = jax.jit(lambda a: qr.quantize_rows(a, jnp.float8_e4m3fn, group=group, pow2=pow2)
+                 ).trace(x).lower(lowering_platforms=("cuda",)).as_text()
   name = "jmoe_quant_rows" if group is None else "jmoe_quant_groups"
   assert re.search(name, text), name

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.config import QuantConfig
-from jmoe.quant.weights import QMAX
+from jmoe.quant.weights import QMAX, e8m0_scale
 
 # dynamic scales constant along K (one per row, or one per call): a GEMM applies them once,
 # after its contraction -- what the Pallas 8-bit decode kernels take
@@ -71,8 +71,7 @@ def quantize_activations(a: jax.Array, quant: Optional[QuantConfig], *,
     else:  # dynamic_tensor
       amax = jnp.max(jnp.abs(x)).reshape((1,) * a.ndim)
     if quant.scale_dtype == "float8_e8m0fnu":  # MX: power-of-two scales, as the weights'
-      scale = jnp.exp2(jnp.clip(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax / qmax, 1.0))),
-                                -127, 127))
+      scale = e8m0_scale(amax, qmax)
     else:
       scale = jnp.where(amax > 0, amax / qmax, 1.0)
   q = x / broadcast_act_scale(scale, h)

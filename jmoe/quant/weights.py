@@ -44,6 +44,7 @@ from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jmoe.config import QuantConfig
@@ -241,11 +242,26 @@ def scale_tile(scheme: QuantConfig, k: int, n: int, *, argname: str = "w") -> tu
   return tn, tk
 
 
-def _e8m0_scale(amax: jax.Array, qmax: float) -> jax.Array:
-  """The OCP MX shared scale: a power of two with amax / scale <= qmax (rounded up, so no
-  value saturates; OCP's floor(log2(amax)) - emax may clip the largest by up to 2x)."""
-  exp = jnp.ceil(jnp.log2(jnp.where(amax > 0, amax / qmax, 1.0)))
-  return jnp.exp2(jnp.clip(exp, -127, 127))
+def e8m0_scale(amax: jax.Array, qmax: float) -> jax.Array:
+  """The OCP MX shared scale: the smallest power of two with amax / scale <= qmax (rounded up,
+  so no value saturates; OCP's floor(log2(amax)) - emax may clip the largest by up to 2x),
+  2^-127 to 2^127; 1 where amax is 0. f32 [amax's shape].
+
+  Exact: ceil(log2(amax / qmax)) is read off the quotient's f32 bits (exponent, and whether
+  any mantissa bit is set), as jnp.log2 (log(x) / log(2)) rounds some exact powers of two up
+  a step. Only integer and bit operations, so the Triton-lowered kernels (jmoe.kernels.
+  quant_rows) compute it with this same function."""
+  r = jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+  bits = lax.bitcast_convert_type(r, jnp.int32)
+  field = (bits >> 23) & 0xFF
+  mant = bits & 0x7FFFFF
+  # normal r: 2^(field - 127) times 1.mant; subnormal r (field 0): below 2^-126, so the
+  # clipped result is 2^-126 above 2^-127 (mant > 2^22), else 2^-127
+  exp = jnp.where(field == 0, jnp.where(mant > 0x400000, -126, -127),
+                  field - 127 + (mant != 0).astype(jnp.int32))
+  exp = jnp.clip(exp, -127, 127)
+  out = jnp.where(exp >= -126, (exp + 127) << 23, 0x400000)  # 2^-127 is subnormal
+  return lax.bitcast_convert_type(out.astype(jnp.int32), jnp.float32)
 
 
 def quantize_weights(w: jax.Array, scheme: "QuantConfig | str", *, k_major: bool = True,
@@ -333,7 +349,7 @@ def _quantize(w: jax.Array, scheme: QuantConfig, tn: int, tk: int) -> QuantizedW
   else:
     amax = jnp.max(jnp.abs(tiles), axis=(2, 4))
     if scheme.scale_dtype == "float8_e8m0fnu":
-      scale = _e8m0_scale(amax, qmax)
+      scale = e8m0_scale(amax, qmax)
     elif scheme.scale_dtype == "float8_e4m3fn":  # nvfp4: e4m3 block scales under a global one
       tmax = jnp.max(amax, axis=(1, 2))
       global_scale = jnp.where(tmax > 0, tmax / (qmax * QMAX["float8_e4m3fn"]), 1.0)[:, None]

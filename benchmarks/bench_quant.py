@@ -394,6 +394,9 @@ def parse_args(argv=None):
   ap.add_argument("--requant", choices=("kernel", "xla"), default="kernel",
                   help="the per-token schemes' intermediate requantization: one kernel "
                        "(jmoe.kernels.quant_rows, the default) or XLA's reduce + convert")
+  ap.add_argument("--token-quant", choices=("kernel", "xla"), default="kernel",
+                  help="prepare's per-token / per-group quantization of the tokens: "
+                       "quant_rows (the default on a GPU) or XLA's reduce + convert")
   args = ap.parse_args(argv)
   for s in args.schemes.split(","):
     if s not in SCHEMES:
@@ -415,7 +418,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   from jmoe.kernels import moe as pmoe  # noqa: PLC0415
+  from jmoe.quant import activations  # noqa: PLC0415
   pmoe.REQUANT_KERNEL = args.requant == "kernel"  # before anything is traced
+  activations.ROWS_KERNEL = args.token_quant == "kernel"
   os.makedirs(args.out, exist_ok=True)
   t_start = time.time()
   torch_ok = False

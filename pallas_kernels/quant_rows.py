@@ -1,6 +1,8 @@
 """Dynamic activation quantization of rows, in one kernel: per row (``dynamic_token``) or per
 group of g columns (``dynamic_group``), into fp8 e4m3 or int8 with f32 scales -- what
-jmoe.quant.activations.quantize_activations computes for those formats, the same values.
+jmoe.quant.activations.quantize_activations computes for those formats, the same values (it
+calls this kernel on a GPU for prepare's tokens; jmoe.kernels.moe for the intermediate
+between the 8-bit GEMMs).
 
 XLA runs that function as a reduction and a separate convert, which reads the rows twice from
 HBM: the requantization of qwen3-30b-a3b's intermediate between the 8-bit GEMMs at 4096 tokens

@@ -85,3 +85,31 @@ def test_lowers_for_gpu(width, group, pow2):
                  ).trace(x).lower(lowering_platforms=("cuda",)).as_text()
   name = "jmoe_quant_rows" if group is None else "jmoe_quant_groups"
   assert re.search(name, text), name
+
+
+@pytest.mark.parametrize("scheme", ["fp8_channel", "fp8_block", "mxfp8"])
+def test_quantize_activations_takes_the_kernel(scheme, rng, monkeypatch):
+  """prepare's quantize_activations runs the kernel where the kernels run (the interpreter
+  here; on a GPU the lowering below), batched [E, C, H] rows included, with the jnp form's
+  values; ROWS_KERNEL=False keeps the jnp form."""
+  from jmoe.quant import activations
+  quant = jmoe.QuantConfig(scheme)
+  x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.bfloat16)
+  monkeypatch.setattr(activations, "ROWS_KERNEL", False)
+  want = quantize_activations(x, quant)
+  monkeypatch.setattr(activations, "ROWS_KERNEL", True)
+  monkeypatch.setenv("JMOE_PALLAS_INTERPRET", "1")
+  assert activations._rows_kernel_applies(x, quant)
+  got = quantize_activations(x, quant)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  # on a GPU (the default backend), not interpreted: the kernel is in the lowered program
+  monkeypatch.delenv("JMOE_PALLAS_INTERPRET")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  text = jax.jit(lambda a: quantize_activations(a, quant)).trace(
+      jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert re.search("jmoe_quant_(rows|groups)", text)
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  assert not activations._rows_kernel_applies(x, quant)  # the CPU, not interpreted: jnp

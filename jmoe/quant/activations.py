@@ -12,6 +12,8 @@ two, as OCP MX does (the smallest 2^e with max |a| / 2^e <= the type's max; floa
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Optional
 
 import jax
@@ -55,6 +57,8 @@ def quantize_activations(a: jax.Array, quant: Optional[QuantConfig], *,
     return a, None
   h = a.shape[-1]
   check_act_groups(quant, h, argname="activations")
+  if _rows_kernel_applies(a, quant):
+    return _quantize_by_kernel(a, quant)
   qmax = QMAX[quant.act_dtype]
   x = a.astype(jnp.float32)
   if quant.static_activations:
@@ -79,6 +83,43 @@ def quantize_activations(a: jax.Array, quant: Optional[QuantConfig], *,
     q = jnp.round(q)
   q = jnp.clip(q, -qmax, qmax).astype(jnp.dtype(quant.act_dtype))
   return q, scale
+
+
+# Dynamic per-row / per-group scales on a GPU run as one kernel (jmoe.kernels.quant_rows:
+# XLA reads the rows twice, a reduction then the convert). False: always the jnp form below.
+ROWS_KERNEL = True
+
+
+def _kernel_group(quant: QuantConfig) -> Optional[int]:
+  return quant.act_group_size if quant.act_scale == "dynamic_group" else None
+
+
+def _rows_kernel_applies(a: jax.Array, quant: QuantConfig) -> bool:
+  """Whether quant_rows quantizes a: dynamic per-token or per-group scales, the default
+  backend a GPU (as jmoe.layers decides prepare_for_kernels) or the kernels interpreted
+  (JMOE_PALLAS_INTERPRET=1, CPU tests), its Triton lowering importable and the shape taken."""
+  if not ROWS_KERNEL or quant.act_scale not in ("dynamic_token", "dynamic_group"):
+    return False
+  if jax.default_backend() != "gpu" and not _interpret():
+    return False
+  from jmoe.kernels import quant_rows  # noqa: PLC0415  (kernels import this package)
+  rows = math.prod(a.shape[:-1])
+  return quant_rows.available() and quant_rows.supports(rows, a.shape[-1], quant.act_dtype,
+                                                        _kernel_group(quant))
+
+
+def _interpret() -> bool:
+  return os.environ.get("JMOE_PALLAS_INTERPRET", "0") == "1"
+
+
+def _quantize_by_kernel(a: jax.Array, quant: QuantConfig) -> tuple[jax.Array, jax.Array]:
+  from jmoe.kernels import quant_rows  # noqa: PLC0415
+  lead, h = a.shape[:-1], a.shape[-1]
+  q, scale = quant_rows.quantize_rows(a.reshape(-1, h), quant.act_dtype,
+                                      group=_kernel_group(quant),
+                                      pow2=quant.scale_dtype == "float8_e8m0fnu",
+                                      interpret=_interpret())
+  return q.reshape(*lead, h), scale.reshape(*lead, scale.shape[-1])
 
 
 def broadcast_act_scale(scale: jax.Array, h: int) -> jax.Array:

@@ -150,7 +150,7 @@ def bf16_block_fn(interpret):
 
 # default: the library's choice; 1cta / 2cta: 64-row tiles on one or two CTAs per SM; ws: warp
 # specialized 128-row tiles (GEMM2 256 columns wide where it divides); ws-n128: GEMM2 128 wide
-BLOCK_VARIANTS = ("default", "1cta", "2cta", "ws", "ws-n128")
+BLOCK_VARIANTS = ("default", "1cta", "2cta", "ws", "ws-n128", "ws-pairs")
 
 
 def variants(schemes: dict, block_variants: list[str], layouts=("auto",)):
@@ -174,6 +174,8 @@ def resolve_config(variant, p, t, gated=True):
   if variant.startswith("ws"):
     c1 = q8.BlockQ8Config(block_m=128, block_n=128, num_stages=4, warp_specialized=True)
     c2 = q8.gemm2_block_config(c1, p["H"])
+    if variant == "ws-pairs":  # GEMM2 two K steps a pipeline step (BlockQ8Config.k_pairs)
+      return c1, dataclasses.replace(c2, block_n=128, k_pairs=True)
     return c1, (dataclasses.replace(c2, block_n=128) if variant == "ws-n128" else c2)
   c1 = q8.BlockQ8Config(block_m=64, block_n=128, num_stages=base.num_stages,
                         ctas_per_sm=int(variant[0]))

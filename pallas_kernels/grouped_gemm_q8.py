@@ -200,13 +200,19 @@ class BlockQ8Config:
   K step ends in a wgmma wait: one warpgroup alone leaves the tensor cores idle there).
   warp_specialized: a TMA warpgroup and two compute warpgroups of 64 rows each (block_m=128)
   over the same B tiles: one's promotion overlaps the other's wgmma (DeepGEMM's layout); the
-  default where experts get more than 64 rows (block_config)."""
+  default where experts get more than 64 rows (block_config).
+  k_pairs (ungated GEMMs with an even number of K steps: GEMM2): a pipeline step takes two K
+  steps, both wgmmas issued into two fresh accumulators before the first is promoted, so the
+  first promotion runs under the second wgmma (one more 64 x 128 accumulator live; each stage
+  holds two K steps). Off by default: not yet timed on a GPU (bench_quant.py --block-variants
+  ws-pairs)."""
 
   block_m: int = 64
   block_n: int = 128
   num_stages: int = 4
   ctas_per_sm: int = 1
   warp_specialized: bool = False
+  k_pairs: bool = False
 
   def __post_init__(self):
     if self.block_m not in (64, 128):
@@ -268,8 +274,9 @@ def fit_block_stages(cfg: BlockQ8Config, n_rhs: int, k: int = 0) -> BlockQ8Confi
   quantized (1 byte): the timed configurations were fitted that way (GEMM1 warp specialized
   on deepseek-v3: 3 stages)."""
   limit = gg._SMEM_BYTES if cfg.ctas_per_sm == 1 else gg._SMEM_PER_SM // 2 - 1024
+  per = 2 if cfg.k_pairs else 1  # K steps a stage holds
   while True:
-    stage = cfg.block_m * BLOCK_K + n_rhs * cfg.block_n * BLOCK_K + cfg.block_m * 4
+    stage = per * (cfg.block_m * BLOCK_K + n_rhs * cfg.block_n * BLOCK_K + cfg.block_m * 4)
     nwg = 2 if cfg.warp_specialized else 1
     fixed = (cfg.block_m * cfg.block_n * 2
              + nwg * (4 * 128 * 4 + n_rhs * _padded_k_blocks(k) * 4) + 2048)
@@ -301,9 +308,13 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
   ws_mode = cfg.warp_specialized
   nwg = 2 if ws_mode else 1
   tm = bm // nwg  # rows per compute warpgroup
-  k_iters = k // bk
   n_tiles = n_out // bn
   n_rhs = 2 if gated else 1
+  per = 2 if cfg.k_pairs else 1  # K steps per pipeline step
+  if cfg.k_pairs and (gated or (k // bk) % 2):
+    raise ValueError(f"config.k_pairs=True needs an ungated GEMM with an even number of "
+                     f"128-deep K steps; got {'a gated one' if gated else f'K={k}'}")
+  k_iters = k // bk // per  # pipeline steps
   transforms = _compat.smem_transforms(bk, 1)
   _cast = _compat.layout_cast(interpret)
   ladder = gg.row_ladder(tm, m_pad)
@@ -312,12 +323,20 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
   nbar = 5  # per warpgroup: bias gate / up, row scale, weight-scale rows gate / up
 
   def in_specs():
-    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms),
-             plgpu.BlockSpec((1, bm), lambda kk: (kk, 0))]
+    """lhs, its scales, then each B operand: `per` specs each (K step per * kk + h)."""
+    def kb(h):
+      return lambda kk: per * kk + h
+    halves = range(per)
+    specs = [plgpu.BlockSpec((bm, bk), lambda kk, h=h: (0, kb(h)(kk)), transforms=transforms)
+             for h in halves]
+    specs += [plgpu.BlockSpec((1, bm), lambda kk, h=h: (kb(h)(kk), 0)) for h in halves]
     if interpret:  # the interpreter has no transposed SMEM views: rhs arrives [E, K, N]
-      return specs + [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0),
-                                      transforms=_compat.smem_transforms(bn, 1))] * n_rhs
-    return specs + [plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=transforms)] * n_rhs
+      return specs + [plgpu.BlockSpec((bk, bn), lambda kk, h=h: (kb(h)(kk), 0),
+                                      transforms=_compat.smem_transforms(bn, 1))
+                      for _ in range(n_rhs) for h in halves]
+    return specs + [plgpu.BlockSpec((bn, bk), lambda kk, h=h: (0, kb(h)(kk)),
+                                    transforms=transforms)
+                    for _ in range(n_rhs) for h in halves]
 
   def body(meta_ref, ntask_ref, lhs_ref, rhs_ref, as_ref, ws_ref, *rest):
     rest = list(rest)
@@ -381,15 +400,22 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       for j in range(n_rhs):
         plgpu.barrier_wait(bar(wg, 3 + j))
 
-    def step(idx, a_smem, s_smem, *rest_):
-      """One K step of 128: per B operand a fresh wgmma, promoted into the carried total."""
-      *b_smems, totals = rest_
+    def a_scales(s_smem, wg):
+      return _cast(s_smem.at[0, pl.ds(wg * tm, tm)][...] if ws_mode else s_smem.at[0][...],
+                   plgpu.Layout.WGMMA.reduce(1))
+
+    def step(idx, *refs):
+      """One K step of 128 (k_pairs: two): per B operand a fresh wgmma, promoted into the
+      carried total."""
+      *refs, totals = refs
+      if per == 2:
+        return pair_step(idx, *refs, totals)
+      a_smem, s_smem, *b_smems = refs
       (kk,) = idx
       wg = lax.axis_index("wg") if ws_mode else 0
 
       a = a_smem.at[pl.ds(wg * tm, tm)] if ws_mode else a_smem
-      sa = _cast(s_smem.at[0, pl.ds(wg * tm, tm)][...] if ws_mode else s_smem.at[0][...],
-                 plgpu.Layout.WGMMA.reduce(1))
+      sa = a_scales(s_smem, wg)
       new = []
       for j, (b, tot) in enumerate(zip(b_smems, totals)):
         b_op = b if interpret else plgpu.transpose_ref(b, (1, 0))
@@ -403,6 +429,24 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
         new.append(tot + part * lax.broadcast_in_dim(s_, shape, [0]))
       return tuple(new)
 
+    def pair_step(idx, a0, a1, s0, s1, b0, b1, totals):
+      """K steps 2 kk and 2 kk + 1 (ungated): both wgmmas issued, then the first promoted
+      while the second runs."""
+      (kk,) = idx
+      wg = lax.axis_index("wg") if ws_mode else 0
+      rows = [a.at[pl.ds(wg * tm, tm)] if ws_mode else a for a in (a0, a1)]
+      b_ops = [b if interpret else plgpu.transpose_ref(b, (1, 0)) for b in (b0, b1)]
+      factors = [a_scales(s_, wg) * ws_smem[wg, 0, 2 * kk + h] for h, s_ in enumerate((s0, s1))]
+
+      def mma(acc0, acc1):
+        for acc, a, b in zip((acc0, acc1), rows, b_ops):
+          plgpu.wgmma(acc, a, b)
+        plgpu.wgmma_wait(1)  # the first is done; the second runs under its promotion
+        tot = totals[0] + acc0[...] * lax.broadcast_in_dim(factors[0], shape, [0])
+        plgpu.wgmma_wait(0)
+        return tot + acc1[...] * lax.broadcast_in_dim(factors[1], shape, [0])
+      return (pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32)),)
+
     def zeros():
       return tuple(_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
                    for _ in range(n_rhs))
@@ -415,7 +459,8 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
         b_views = [rhs_ref.at[e, pl.ds(c, bn), :] for c in cols]
       wblk = [c // w_block_n for c in cols]
       a_view = as_ref.at[task] if a_layout == "tasks" else as_ref.at[:, pl.ds(row, bm)]
-      gmem = (lhs_ref.at[pl.ds(row, bm), :], a_view, *b_views)
+      gmem = (*[lhs_ref.at[pl.ds(row, bm), :]] * per, *[a_view] * per,
+              *[b for b in b_views for _ in range(per)])
       if not ws_mode:
         load_weight_scales(0, e, wblk)
         totals = plgpu.emit_pipeline(step, grid=(k_iters,), in_specs=in_specs(),
@@ -449,8 +494,9 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
         compute_context=lambda *_: None)
     rhs_aval = jax.ShapeDtypeStruct((k, bn) if interpret else (bn, k), jnp.float8_e4m3fn)
     scratch.append(pipe.get_allocations(
-        jax.ShapeDtypeStruct((bm, k), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((k // bk, bm), jnp.float32), *([rhs_aval] * n_rhs)))
+        *[jax.ShapeDtypeStruct((bm, k), jnp.float8_e4m3fn)] * per,
+        *[jax.ShapeDtypeStruct((k // bk, bm), jnp.float32)] * per,
+        *([rhs_aval] * (n_rhs * per))))
     extra = dict(num_threads=3, thread_name="wg")
   out_type = jax.ShapeDtypeStruct((m_pad, n_out), epi_dtype)
   if quant_out:
@@ -460,7 +506,8 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       grid_names=("sm",),
       compiler_params=_compat.compiler_params(approx_math=True), interpret=interpret,
       name="jmoe_gg_fp8blk" + ("_gated" if gated else "") + ("_qout" if quant_out else "")
-      + ("_2cta" if cfg.ctas_per_sm == 2 else "") + ("_ws" if ws_mode else ""), **extra)
+      + ("_2cta" if cfg.ctas_per_sm == 2 else "") + ("_ws" if ws_mode else "")
+      + ("_kp" if cfg.k_pairs else ""), **extra)
 
 
 def block_run(lhs, rhs, w_scale, a_scale, *, a_layout, meta, act, gated, bias=None,

@@ -8,6 +8,7 @@ rows past it must still be NaN (the kernels leave them unwritten). Shapes are ti
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -378,7 +379,8 @@ def _kernels(fn, *shapes) -> set:
                                            ("fp8_tensor_static", 4096, None),
                                            ("int8_static", 4096, None),
                                            ("fp8_block", 4096, None), ("fp8_block", 8, None),
-                                           ("fp8_block", 4096, 1), ("fp8_block", 4096, "ws")])
+                                           ("fp8_block", 4096, 1), ("fp8_block", 4096, "ws"),
+                                           ("fp8_block", 4096, "ws-pairs")])
 def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
   """The whole quantized block (qwen3-30b-a3b's shapes) at a prefill and a decode size."""
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET")
@@ -396,15 +398,19 @@ def test_quantized_block_lowers_for_gpu(scheme, m, ctas, monkeypatch):
 
   g = h // 128 if quant.weight_scale == "block" else 1
   rows = 1 if quant.static_activations else m
-  cfg = {None: None, 1: q8.BlockQ8Config(), "ws": q8.BlockQ8Config(
-      block_m=128, warp_specialized=True)}[ctas]  # None: the default (ws prefill, 2 CTAs decode)
+  ws = q8.BlockQ8Config(block_m=128, warp_specialized=True)
+  cfg = {None: None, 1: q8.BlockQ8Config(), "ws": ws, "ws-pairs": ws}[ctas]
+  # (None: the default, ws prefill and 2 CTAs decode; ws-pairs: GEMM2 two K steps a step)
+  cfg2 = dataclasses.replace(ws, k_pairs=True) if ctas == "ws-pairs" else None
   found = _kernels(lambda x, s, w13, w2, tw, ti: pmoe.fused_experts_quantized(
-      x, s, w13, w2, tw, ti, config1=cfg), S((m, h), dt), S((rows, g), jnp.float32),
+      x, s, w13, w2, tw, ti, config1=cfg, config2=cfg2), S((m, h), dt), S((rows, g), jnp.float32),
       qw(2 * n, h), qw(h, n),
       S((m, k), jnp.float32), S((m, k), jnp.int32))
   if quant.weight_scale == "block":
-    tail = {None: "_ws" if m * k > 64 * e else "_2cta", 1: "", "ws": "_ws"}[ctas]
-    gemms = {f"jmoe_gg_fp8blk_gated_qout{tail}", f"jmoe_gg_fp8blk{tail}"}
+    tail = {None: "_ws" if m * k > 64 * e else "_2cta", 1: "", "ws": "_ws",
+            "ws-pairs": "_ws"}[ctas]
+    gemms = {f"jmoe_gg_fp8blk_gated_qout{tail}",
+             f"jmoe_gg_fp8blk{tail}" + ("_kp" if ctas == "ws-pairs" else "")}
   else:
     tag = dt.name.split("_")[0]
     gemms = {f"jmoe_gg_gated_ws_rt_{tag}", f"jmoe_gg_ws_rt_{tag}"}
@@ -514,6 +520,41 @@ def test_fused_block_warp_specialized(rng):
               config1=cfg)
   onp.assert_rel_close(np.asarray(out, np.float32), _block_oracle(x, q13, q2, tw, ids, quant),
                        TOL, "ws block")
+
+
+@pytest.mark.parametrize("cfg", [
+    q8.BlockQ8Config(num_stages=2, k_pairs=True),
+    q8.BlockQ8Config(block_m=128, num_stages=2, warp_specialized=True, k_pairs=True)])
+def test_fp8_block_gemm_k_pairs(cfg, rng):
+  """Two K steps a pipeline step (both wgmmas issued, the first promoted under the second):
+  the same products as one step at a time, on one warpgroup and warp specialized; ragged
+  groups, an empty one, bias and row scale."""
+  m, gs, k, n = 70, (33, 0, 37), 512, 128
+  quant, xq, xs, qw, gs, eor = _problem(rng, "fp8_block", m, k, n, gs)
+  bias = jnp.asarray(0.1 * rng.standard_normal((3, n)), jnp.float32)
+  rs = jnp.asarray(rng.uniform(0.5, 1.0, m), jnp.float32)
+  out = _call(q8.grouped_gemm_fp8_block, xq, qw.values, gs, xs, qw.scale, bias=bias,
+              row_scale=rs, config=cfg)
+  _check_rows(out, _oracle(xq, xs, qw, eor, m, bias=bias, row_scale=rs), m, "k_pairs")
+
+
+def test_fused_block_k_pairs_gemm2(rng):
+  """The block with GEMM2 in pairs of K steps, reading GEMM1's per-task scales (K = N = 256:
+  one pair); a gated GEMM or an odd number of K steps is refused by name."""
+  from jmoe.kernels import moe as pmoe
+  quant = jmoe.QuantConfig("fp8_block")
+  t, h, n, e, k = 24, 128, 256, 2, 2
+  x, q13, q2, tw, ids = _block_problem(rng, quant, t, h, n, e, k)
+  xq, xs = quantize_activations(x, quant)
+  cfg1 = q8.BlockQ8Config(block_m=128, num_stages=2, warp_specialized=True)
+  cfg2 = q8.BlockQ8Config(block_m=128, num_stages=2, warp_specialized=True, k_pairs=True)
+  out = _call(pmoe.fused_experts_quantized, xq, xs, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+              config1=cfg1, config2=cfg2)
+  onp.assert_rel_close(np.asarray(out, np.float32), _block_oracle(x, q13, q2, tw, ids, quant),
+                       TOL, "k_pairs block")
+  with pytest.raises(ValueError, match="k_pairs=True needs an ungated GEMM"):
+    pmoe.fused_experts_quantized(xq, xs, q13, q2, jnp.asarray(tw), jnp.asarray(ids),
+                                 config1=dataclasses.replace(cfg1, k_pairs=True), interpret=True)
 
 
 def test_fp8_block_config_rules():

@@ -104,12 +104,15 @@ def test_quantize_activations_takes_the_kernel(scheme, rng, monkeypatch):
   for g, w in zip(got, want):
     assert g.shape == w.shape and g.dtype == w.dtype
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-  # on a GPU (the default backend), not interpreted: the kernel is in the lowered program
+  # on a Hopper GPU, not interpreted: the kernel is in the lowered program
+  from jmoe import oracle
   monkeypatch.delenv("JMOE_PALLAS_INTERPRET")
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(oracle, "platform_info", lambda: ("gpu", (9, 0), "NVIDIA H100"))
   text = jax.jit(lambda a: quantize_activations(a, quant)).trace(
       jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)).lower(
           lowering_platforms=("cuda",)).as_text()
   assert re.search("jmoe_quant_(rows|groups)", text)
-  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  assert not activations._rows_kernel_applies(x, quant)  # the CPU, not interpreted: jnp
+  # an A100 (no e4m3 casts in Triton) and the CPU, not interpreted: the jnp form
+  for where in (("gpu", (8, 0), "NVIDIA A100"), ("cpu", None, "cpu")):
+    monkeypatch.setattr(oracle, "platform_info", lambda where=where: where)
+    assert not activations._rows_kernel_applies(x, quant)

@@ -96,12 +96,16 @@ def _kernel_group(quant: QuantConfig) -> Optional[int]:
 
 def _rows_kernel_applies(a: jax.Array, quant: QuantConfig) -> bool:
   """Whether quant_rows quantizes a: dynamic per-token or per-group scales, the default
-  backend a GPU (as jmoe.layers decides prepare_for_kernels) or the kernels interpreted
-  (JMOE_PALLAS_INTERPRET=1, CPU tests), its Triton lowering importable and the shape taken."""
+  device an NVIDIA GPU of compute capability 8.9 or more (Triton's e4m3 casts; an A100 keeps
+  the jnp form) or the kernels interpreted (JMOE_PALLAS_INTERPRET=1, CPU tests), its Triton
+  lowering importable and the shape taken."""
   if not ROWS_KERNEL or quant.act_scale not in ("dynamic_token", "dynamic_group"):
     return False
-  if jax.default_backend() != "gpu" and not _interpret():
-    return False
+  if not _interpret():
+    from jmoe.oracle import platform_info  # noqa: PLC0415
+    platform, cc, _ = platform_info()
+    if platform != "gpu" or cc is None or cc < (8, 9):
+      return False
   from jmoe.kernels import quant_rows  # noqa: PLC0415  (kernels import this package)
   rows = math.prod(a.shape[:-1])
   return quant_rows.available() and quant_rows.supports(rows, a.shape[-1], quant.act_dtype,

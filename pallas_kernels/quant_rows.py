@@ -7,9 +7,9 @@ between the 8-bit GEMMs).
 XLA runs that function as a reduction and a separate convert, which reads the rows twice from
 HBM: the requantization of qwen3-30b-a3b's intermediate between the 8-bit GEMMs at 4096 tokens
 (32768 rows x 768, bf16) took 19.5 + 33.3 µs on an H100 (2026-12-07). Here a program takes
-ROWS rows: per row, a first loop over column chunks takes max |x|, a second reads the chunks
-again (from L2: a program's rows are a few tens of KB) and writes the codes; per group, one
-loop, each chunk a group.
+ROWS rows (any R: the last block is shifted back inside the array): per row, a first loop over
+column chunks takes max |x|, a second reads the chunks again (from L2: a program's rows are a
+few tens of KB) and writes the codes; per group, one loop, each chunk a group.
 
 Pallas on the Triton lowering, as jmoe.kernels.route (``available()`` says whether it imports:
 it is deprecated from jax 0.11); ``supports()`` says which shapes it takes, the callers keep
@@ -28,7 +28,7 @@ from jmoe.kernels import _compat
 from jmoe.kernels.route import available  # noqa: F401  (the same lowering)
 from jmoe.quant.weights import e8m0_scale
 
-ROWS = 16        # rows per program
+ROWS = 16        # rows per program (fewer where R is smaller)
 MAX_CHUNK = 512  # columns per load of the per-row form: a [16, 512] step (32 KB of bf16)
 QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
 
@@ -73,7 +73,11 @@ def quantize_rows(x: jax.Array, qdtype, *, group: int | None = None, pow2: bool 
                      "(quant_rows.supports)")
   qmax = QMAX[qname]
   is_int = qname == "int8"
-  rows = min(ROWS, r & -r)  # a power of two dividing R: no partial row block
+  # rows per program: ROWS, or the largest power of two <= R; a last block that would pass R
+  # is shifted back to end at R (its first rows are also the previous block's: both programs
+  # write the same values there), so no load or store leaves the array
+  rows = min(ROWS, 1 << (r.bit_length() - 1))
+  n_blocks = -(-r // rows)
   c = _chunk(w) if group is None else group
   nc = w // c
   f32 = jnp.float32
@@ -91,37 +95,38 @@ def quantize_rows(x: jax.Array, qdtype, *, group: int | None = None, pow2: bool 
     return pl.ds(pl.multiple_of(i * c, c), c)
 
   def body(x_ref, q_ref, s_ref):
+    blk = pl.ds(jnp.minimum(pl.program_id(0) * rows, r - rows), rows)
     if group is None:
       def amax_step(i, m):
-        return jnp.maximum(m, jnp.max(jnp.abs(x_ref[:, cols(i)].astype(f32)), axis=1))
+        return jnp.maximum(m, jnp.max(jnp.abs(x_ref[blk, cols(i)].astype(f32)), axis=1))
 
       scale = scale_of(lax.fori_loop(0, nc, amax_step, jnp.zeros((rows,), f32)))
 
       def code_step(i, carry):
-        q_ref[:, cols(i)] = codes(x_ref[:, cols(i)].astype(f32), scale)
+        q_ref[blk, cols(i)] = codes(x_ref[blk, cols(i)].astype(f32), scale)
         return carry
 
       lax.fori_loop(0, nc, code_step, 0)
-      s_ref[...] = scale[:, None]
+      s_ref[blk, :] = scale[:, None]
     else:
       def group_step(i, carry):
-        v = x_ref[:, cols(i)].astype(f32)
+        v = x_ref[blk, cols(i)].astype(f32)
         scale = scale_of(jnp.max(jnp.abs(v), axis=1))
-        q_ref[:, cols(i)] = codes(v, scale)
-        s_ref[:, pl.ds(i, 1)] = scale[:, None]
+        q_ref[blk, cols(i)] = codes(v, scale)
+        s_ref[blk, pl.ds(i, 1)] = scale[:, None]
         return carry
 
       lax.fori_loop(0, nc, group_step, 0)
 
   ns = 1 if group is None else nc
   from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
   call = pl.pallas_call(
       body,
       out_shape=(_compat.out_struct((r, w), qdtype, x), _compat.out_struct((r, ns), f32, x)),
-      grid=(r // rows,),
-      in_specs=[pl.BlockSpec((rows, w), lambda b: (b, 0))],
-      out_specs=(pl.BlockSpec((rows, w), lambda b: (b, 0)),
-                 pl.BlockSpec((rows, ns), lambda b: (b, 0))),
+      grid=(n_blocks,),
+      in_specs=[any_spec],
+      out_specs=(any_spec, any_spec),
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       interpret=bool(interpret),
       name="jmoe_quant_rows" if group is None else "jmoe_quant_groups",

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jmoe.kernels import _compat
-from jmoe.kernels.route import available  # noqa: F401  (the same lowering)
+from jmoe.kernels import route as _route
 from jmoe.quant.weights import e8m0_scale
 
 ROWS = 16        # rows per program (fewer where R is smaller)
@@ -40,6 +40,11 @@ def _round_half_even(v: jax.Array) -> jax.Array:
   r = jnp.floor(v + 0.5)
   odd = r - 2.0 * jnp.floor(r * 0.5) != 0.0
   return jnp.where((r - v == 0.5) & odd, r - 1.0, r)
+
+
+def available() -> bool:
+  """Whether the Pallas Triton lowering imports (route's kernels use the same)."""
+  return _route.available()
 
 
 def _chunk(width: int) -> int:

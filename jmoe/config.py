@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -18,6 +19,12 @@ from jmoe.kernels.activations import ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIM
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 RUNNER_BACKENDS = ("auto", "reference", "xla", "xla_batched", "pallas_mosaic")
+
+
+def pallas_interpret_from_env() -> bool:
+  """JMOE_PALLAS_INTERPRET=1: the Pallas kernels run in the CPU interpreter (tests, no GPU)."""
+  return os.environ.get("JMOE_PALLAS_INTERPRET", "0") == "1"
+
 A2A_BACKENDS = ("auto", "none", "allgather", "ragged_a2a", "ragged_dedup", "padded_a2a")
 EXPERT_PLACEMENTS = ("linear", "round_robin")
 DISPATCH_DTYPES = (None, "fp8")

@@ -404,6 +404,15 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       return _cast(s_smem.at[0, pl.ds(wg * tm, tm)][...] if ws_mode else s_smem.at[0][...],
                    plgpu.Layout.WGMMA.reduce(1))
 
+    def my_rows(a_smem, wg):  # this warpgroup's rows of the lhs tile
+      return a_smem.at[pl.ds(wg * tm, tm)] if ws_mode else a_smem
+
+    def b_operand(b):
+      return b if interpret else plgpu.transpose_ref(b, (1, 0))
+
+    def promoted(tot, part, factor):  # tot + part * a_scale[r, kb] * w_scale[e, n_blk, kb]
+      return tot + part * lax.broadcast_in_dim(factor, shape, [0])
+
     def step(idx, *refs):
       """One K step of 128 (k_pairs: two): per B operand a fresh wgmma, promoted into the
       carried total."""
@@ -414,19 +423,16 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       (kk,) = idx
       wg = lax.axis_index("wg") if ws_mode else 0
 
-      a = a_smem.at[pl.ds(wg * tm, tm)] if ws_mode else a_smem
+      a = my_rows(a_smem, wg)
       sa = a_scales(s_smem, wg)
       new = []
       for j, (b, tot) in enumerate(zip(b_smems, totals)):
-        b_op = b if interpret else plgpu.transpose_ref(b, (1, 0))
-
-        def mma(acc_ref, b_op=b_op):
+        def mma(acc_ref, b_op=b_operand(b)):
           plgpu.wgmma(acc_ref, a, b_op)
           plgpu.wgmma_wait(0)
           return acc_ref[...]
         part = pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
-        s_ = sa * ws_smem[wg, j, kk]  # promote: a_scale[r, kb] * w_scale[e, n_blk, kb]
-        new.append(tot + part * lax.broadcast_in_dim(s_, shape, [0]))
+        new.append(promoted(tot, part, sa * ws_smem[wg, j, kk]))
       return tuple(new)
 
     def pair_step(idx, a0, a1, s0, s1, b0, b1, totals):
@@ -434,17 +440,15 @@ def _build_block_kernel(*, m_pad, k, n_out, n_total, num_groups, out_dtype, cfg:
       while the second runs."""
       (kk,) = idx
       wg = lax.axis_index("wg") if ws_mode else 0
-      rows = [a.at[pl.ds(wg * tm, tm)] if ws_mode else a for a in (a0, a1)]
-      b_ops = [b if interpret else plgpu.transpose_ref(b, (1, 0)) for b in (b0, b1)]
       factors = [a_scales(s_, wg) * ws_smem[wg, 0, 2 * kk + h] for h, s_ in enumerate((s0, s1))]
 
       def mma(acc0, acc1):
-        for acc, a, b in zip((acc0, acc1), rows, b_ops):
-          plgpu.wgmma(acc, a, b)
+        for acc, a, b in zip((acc0, acc1), (a0, a1), (b0, b1)):
+          plgpu.wgmma(acc, my_rows(a, wg), b_operand(b))
         plgpu.wgmma_wait(1)  # the first is done; the second runs under its promotion
-        tot = totals[0] + acc0[...] * lax.broadcast_in_dim(factors[0], shape, [0])
+        tot = promoted(totals[0], acc0[...], factors[0])
         plgpu.wgmma_wait(0)
-        return tot + acc1[...] * lax.broadcast_in_dim(factors[1], shape, [0])
+        return promoted(tot, acc1[...], factors[1])
       return (pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32)),)
 
     def zeros():

@@ -415,10 +415,9 @@ def _requant_rows(h: jax.Array, live: jax.Array, quant, interpret):
   XLA, the dead rows zeroed first so that a per-tensor amax ignores them."""
   from jmoe.quant.activations import quantize_activations  # noqa: PLC0415
   if (REQUANT_KERNEL and quant.act_scale == "dynamic_token"
-      and _quant_rows.supports(*h.shape, quant.act_dtype)
+      and _quant_rows.scheme_supports(*h.shape, quant)
       and _route_kernels_run(h, live, interpret)):
-    return _quant_rows.quantize_rows(h, quant.act_dtype, interpret=interpret,
-                                     pow2=quant.scale_dtype == "float8_e8m0fnu")
+    return _quant_rows.quantize_scheme(h, quant, interpret=interpret)
   h = jnp.where(live[:, None], h.astype(jnp.float32), 0.0)
   return quantize_activations(h, quant)
 

@@ -26,11 +26,11 @@ from jax.experimental import pallas as pl
 
 from jmoe.kernels import _compat
 from jmoe.kernels import route as _route
-from jmoe.quant.weights import e8m0_scale
+from jmoe.quant.weights import QMAX, e8m0_scale
 
 ROWS = 16        # rows per program (fewer where R is smaller)
 MAX_CHUNK = 512  # columns per load of the per-row form: a [16, 512] step (32 KB of bf16)
-QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
+CODE_TYPES = ("float8_e4m3fn", "int8")
 
 
 def _round_half_even(v: jax.Array) -> jax.Array:
@@ -56,11 +56,34 @@ def supports(rows: int, width: int, qdtype, group: int | None = None) -> bool:
   """Whether quantize_rows takes [rows, width] into qdtype (per row, or per `group` columns):
   e4m3 or int8 codes, a chunk of at least 16 columns (per row) or a power-of-two group of 16 to
   512 dividing width."""
-  if jnp.dtype(qdtype).name not in QMAX or rows < 1:
+  if jnp.dtype(qdtype).name not in CODE_TYPES or rows < 1:
     return False
   if group is None:
     return _chunk(width) >= 16
   return 16 <= group <= MAX_CHUNK and group & (group - 1) == 0 and width % group == 0
+
+
+def scheme_form(quant) -> tuple[str, int | None, bool] | None:
+  """A QuantConfig's activation format as quantize_rows' (qdtype, group, pow2), or None where
+  its scales are not per row / per group (static, per tensor, unquantized)."""
+  if quant is None or quant.act_scale not in ("dynamic_token", "dynamic_group"):
+    return None
+  group = quant.act_group_size if quant.act_scale == "dynamic_group" else None
+  return quant.act_dtype, group, quant.scale_dtype == "float8_e8m0fnu"
+
+
+def scheme_supports(rows: int, width: int, quant) -> bool:
+  """Whether quantize_scheme takes [rows, width] under quant (scheme_form and supports)."""
+  form = scheme_form(quant)
+  return form is not None and supports(rows, width, form[0], form[1])
+
+
+def quantize_scheme(x: jax.Array, quant, *, interpret: Any = False
+                    ) -> tuple[jax.Array, jax.Array]:
+  """quantize_rows in quant's activation format (scheme_form): x [R, W] -> (q, scale) as
+  jmoe.quant.activations.quantize_activations makes them."""
+  qdtype, group, pow2 = scheme_form(quant)
+  return quantize_rows(x, qdtype, group=group, pow2=pow2, interpret=interpret)
 
 
 def quantize_rows(x: jax.Array, qdtype, *, group: int | None = None, pow2: bool = False,

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jmoe.config import QuantConfig
+from jmoe.config import QuantConfig, pallas_interpret_from_env
 from jmoe.quant.activations import K_CONSTANT_SCALES, ROW_SCALES
 from jmoe.quant.weights import is_packed
 from jmoe.experts._common import check_weights_for_activation, narrow_to_touched, weights_quant
@@ -111,10 +111,6 @@ def _weight_only_tokens(inp, weights, activation) -> bool:
   return quantized_tokens
 
 
-def _interpret_from_env() -> bool:
-  return os.environ.get("JMOE_PALLAS_INTERPRET", "0") == "1"
-
-
 BACKWARDS = ("pallas", "xla")
 
 
@@ -162,7 +158,7 @@ class PallasExperts(Experts):
   activation_formats = (ActivationFormat.Standard, ActivationFormat.Standard)
 
   def __init__(self, interpret: Any = None, backward: Optional[str] = None):
-    self.interpret = _interpret_from_env() if interpret is None else interpret
+    self.interpret = pallas_interpret_from_env() if interpret is None else interpret
     self.backward = backward or os.environ.get("JMOE_PALLAS_BACKWARD", "pallas")
     if self.backward not in BACKWARDS:
       raise ValueError(f"backward={self.backward!r} is not known; known: {BACKWARDS}")
@@ -174,7 +170,7 @@ class PallasExperts(Experts):
     platform, cc, kind = platform_info()
     if platform == "gpu" and cc is not None and cc[0] == 9:
       return True, f"sm{cc[0]}{cc[1]} ({kind})"
-    if _interpret_from_env():
+    if pallas_interpret_from_env():
       from jmoe.kernels import _compat  # noqa: PLC0415
       if _compat.interpret_available():
         return True, "GPU interpret mode (JMOE_PALLAS_INTERPRET=1)"

@@ -13,13 +13,12 @@ two, as OCP MX does (the smallest 2^e with max |a| / 2^e <= the type's max; floa
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from jmoe.config import QuantConfig
+from jmoe.config import QuantConfig, pallas_interpret_from_env
 from jmoe.quant.weights import QMAX, e8m0_scale
 
 # dynamic scales constant along K (one per row, or one per call): a GEMM applies them once,
@@ -90,10 +89,6 @@ def quantize_activations(a: jax.Array, quant: Optional[QuantConfig], *,
 ROWS_KERNEL = True
 
 
-def _kernel_group(quant: QuantConfig) -> Optional[int]:
-  return quant.act_group_size if quant.act_scale == "dynamic_group" else None
-
-
 def _rows_kernel_applies(a: jax.Array, quant: QuantConfig) -> bool:
   """Whether quant_rows quantizes a: dynamic per-token or per-group scales, the default
   device an NVIDIA GPU of compute capability 8.9 or more (Triton's e4m3 casts; an A100 keeps
@@ -101,28 +96,21 @@ def _rows_kernel_applies(a: jax.Array, quant: QuantConfig) -> bool:
   lowering importable and the shape taken."""
   if not ROWS_KERNEL or quant.act_scale not in ("dynamic_token", "dynamic_group"):
     return False
-  if not _interpret():
+  if not pallas_interpret_from_env():
     from jmoe.oracle import platform_info  # noqa: PLC0415
     platform, cc, _ = platform_info()
     if platform != "gpu" or cc is None or cc < (8, 9):
       return False
   from jmoe.kernels import quant_rows  # noqa: PLC0415  (kernels import this package)
-  rows = math.prod(a.shape[:-1])
-  return quant_rows.available() and quant_rows.supports(rows, a.shape[-1], quant.act_dtype,
-                                                        _kernel_group(quant))
-
-
-def _interpret() -> bool:
-  return os.environ.get("JMOE_PALLAS_INTERPRET", "0") == "1"
+  return quant_rows.available() and quant_rows.scheme_supports(
+      math.prod(a.shape[:-1]), a.shape[-1], quant)
 
 
 def _quantize_by_kernel(a: jax.Array, quant: QuantConfig) -> tuple[jax.Array, jax.Array]:
   from jmoe.kernels import quant_rows  # noqa: PLC0415
   lead, h = a.shape[:-1], a.shape[-1]
-  q, scale = quant_rows.quantize_rows(a.reshape(-1, h), quant.act_dtype,
-                                      group=_kernel_group(quant),
-                                      pow2=quant.scale_dtype == "float8_e8m0fnu",
-                                      interpret=_interpret())
+  q, scale = quant_rows.quantize_scheme(a.reshape(-1, h), quant,
+                                        interpret=pallas_interpret_from_env())
   return q.reshape(*lead, h), scale.reshape(*lead, scale.shape[-1])
 
 
